@@ -1,0 +1,1 @@
+"""Trainer-side sources of canonical (HF-named) tensors."""

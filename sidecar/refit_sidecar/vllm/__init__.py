@@ -1,0 +1,1 @@
+"""vLLM integration: the worker extension and engine helpers (import vllm lazily)."""

@@ -1,0 +1,66 @@
+"""Session-scoped fixtures that start the real components KubeRefit is tested against.
+
+Every fixture starts its component on free 127.0.0.1 ports, waits a bounded time for it (failing
+with the component's log tail), and stops it by PID at the end of the session. A component that
+is missing fails the test with instructions; nothing is skipped (in CI or elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness.kube import KubeCluster, start_kube
+from tests.harness.s3 import S3Server, start_s3
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def artifacts_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where component logs go: $KUBEREFIT_ARTIFACTS if set, else a pytest temp dir."""
+    root = os.environ.get("KUBEREFIT_ARTIFACTS")
+    path = Path(root) if root else tmp_path_factory.mktemp("artifacts")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def kube(artifacts_dir: Path) -> Iterator[KubeCluster]:
+    """A real kube-apiserver v1.20.2 + etcd; KUBECONFIG points at an admin kubeconfig."""
+    cluster = start_kube(artifacts_dir / "kube")
+    old = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+    try:
+        yield cluster
+    finally:
+        if old is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = old
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def s3(artifacts_dir: Path) -> Iterator[S3Server]:
+    """A real SeaweedFS S3 gateway that checks request signatures."""
+    server = start_s3(artifacts_dir / "s3")
+    try:
+        yield server
+    finally:
+        server.process.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(artifacts_dir: Path) -> dict[str, Path]:
+    """Tiny random Qwen3 and Qwen3-MoE checkpoints (BF16 safetensors), written locally."""
+    from refit_sidecar.tiny_models import write_tiny_model
+
+    root = artifacts_dir / "models"
+    return {
+        family: write_tiny_model(root / family, family, seed=1)  # type: ignore[arg-type]
+        for family in ("qwen3", "qwen3_moe")
+    }
