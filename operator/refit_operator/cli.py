@@ -48,5 +48,10 @@ def demo(steps: int, workdir: Path | None, as_json: bool) -> None:
         sys.exit(1)
 
 
+@main.group()
+def bench() -> None:
+    """Benchmarks that report ratios measured in one run (see docs/performance.md)."""
+
+
 if __name__ == "__main__":
     main()
