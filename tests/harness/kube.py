@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import ssl
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -66,6 +68,16 @@ class KubeCluster:
         cfg.api_key = {"authorization": self.token}
         cfg.api_key_prefix = {"authorization": "Bearer"}
         return client.ApiClient(cfg)
+
+    def get_json(self, path: str, *, accept: str = "application/json") -> Any:
+        """A raw authenticated GET (e.g. the server-side Table that `kubectl get` prints)."""
+        ctx = ssl.create_default_context(cafile=str(self.ca_path))
+        req = urllib.request.Request(
+            self.server + path,
+            headers={"Authorization": f"Bearer {self.token}", "Accept": accept},
+        )
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
+            return json.loads(resp.read())
 
     def stop(self) -> None:
         for proc in reversed(self.processes):
