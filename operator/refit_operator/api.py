@@ -1,0 +1,153 @@
+"""Control-plane messages between the coordinator and the sidecars (JSON over HTTP).
+
+One definition shared by both sides: the coordinator (operator image, no torch) sends these,
+the receiver and producer services validate them with the same models. Payload bytes never
+appear here — only identifiers, counts and digests.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+AttemptMode = Literal["mixed", "overwrite"]
+API_PREFIX = "/v1"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorMetaModel(_Msg):
+    """Canonical tensor identity: HF name, shape, dtype name as in torch (e.g. "bfloat16")."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+# ---------------------------------------------------------------------------- receiver service
+class PrewarmRequest(_Msg):
+    metas: list[TensorMetaModel]
+
+
+class RankPrewarm(_Msg):
+    rank: int
+    skipped: list[str] = Field(default_factory=list)
+    xor_incompatible: dict[str, str] = Field(default_factory=dict)
+    unsupported: dict[str, str] = Field(default_factory=dict)
+    scratch_bytes: int = 0
+
+
+class PrewarmResponse(_Msg):
+    node: str
+    ranks: list[RankPrewarm]
+
+    @property
+    def xor_incompatible(self) -> set[str]:
+        return {n for r in self.ranks for n in r.xor_incompatible}
+
+    @property
+    def unsupported(self) -> dict[str, str]:
+        return {n: e for r in self.ranks for n, e in r.unsupported.items()}
+
+
+class PrepareRequest(_Msg):
+    """Bind a fresh attempt; replaces (obsoletes) any earlier attempt on this receiver."""
+
+    attempt: str
+    from_version: int = Field(ge=0)
+    target_version: int = Field(ge=1)
+    mode: AttemptMode
+    sync: bool = True  # sync RL: apply during delivery after open_apply; async: stage first
+    producers: list[int]
+    coordinator: str = ""
+
+
+class PrepareResponse(_Msg):
+    node: str
+    accepted: bool
+    reason: str = ""
+    held_version: int | None = None  # version whose bits the receiver holds, if clean
+
+
+class AttemptRequest(_Msg):
+    """open-apply, stop, cleanup, status filters: an attempt id only."""
+
+    attempt: str
+
+
+class ManifestEntry(_Msg):
+    """S3: a pointer to one payload object (the body never passes through HTTP)."""
+
+    attempt: str
+    producer: int
+    payload_id: int
+    order: int
+    bucket: str
+    key: str
+    digest: str  # hex BLAKE2b-128 of the compressed body
+    size: int = Field(ge=0)
+
+
+class RelayFlushRequest(_Msg):
+    attempt: str
+    expected: dict[int, int]  # producer -> payloads it reported sent
+
+
+class RelayFlushResponse(_Msg):
+    node: str
+    attempt: str
+    ok: bool
+    staged: int
+    errors: list[str] = Field(default_factory=list)
+
+
+class FlushRequest(_Msg):
+    attempt: str
+    expected: dict[int, int]  # producer -> payload count
+    check_samples: int = 0
+
+
+class FlushResponse(_Msg):
+    """The completion ACK: everything expected arrived, was applied and the device synced."""
+
+    node: str
+    attempt: str
+    ok: bool
+    applied: int
+    staged: int
+    checks: int = 0
+    errors: list[str] = Field(default_factory=list)
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class StopResponse(_Msg):
+    node: str
+    attempt: str
+    drained: bool
+    errors: list[str] = Field(default_factory=list)
+
+
+class GateRequest(_Msg):
+    attempt: str
+    closed: bool  # True: wait for in-flight requests, then hold new ones; False: reopen
+
+
+class CommitNotice(_Msg):
+    """The commit record now names `version` for `attempt`: held bits are that version."""
+
+    attempt: str
+    version: int
+
+
+class ReceiverStatus(_Msg):
+    node: str
+    held_version: int | None
+    attempt: str | None
+    phase: str
+    staged: int = 0
+    applied: int = 0
+    gate_closed: bool = False
+    errors: list[str] = Field(default_factory=list)

@@ -1,0 +1,481 @@
+"""Step 7 — the coordinator: one transition at a time, joint commit, overwrite recovery.
+
+Plain asyncio code following the paper's Algorithm B.2 (with Algorithm B.1 as the schedule of
+one attempt). It orchestrates through ports (`ports.py`) and the `CommitStore`; it never touches
+payload bytes. Outcomes of a transition:
+
+- committed: every required receiver acknowledged completion, the compare-and-set commit
+  published (v+1, g), every producer updated its baseline, the gate reopened;
+- rejected: the first prepare was rejected; version v stays committed, nothing was written;
+- conflict: another coordinator took over or committed first; this one stops without retrying
+  and leaves the gate alone;
+- aborted: retries were exhausted or a failure needs an operator (a receiver that never
+  acknowledges, a producer that lost its state); the gate stays closed until receivers are
+  densely restored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+import structlog
+from pydantic import BaseModel, Field
+
+from refit_operator.api import (
+    FlushRequest,
+    GateRequest,
+    PrepareRequest,
+    RelayFlushRequest,
+)
+from refit_operator.commit_store import (
+    ActiveAttempt,
+    AttemptMode,
+    CommitConflictError,
+    CommitRecord,
+    CommitRefusedError,
+    CommitStore,
+    CommitUnknownError,
+)
+from refit_operator.ports import (
+    AttemptPlan,
+    EndpointError,
+    Membership,
+    ProducerClient,
+    ProgressSink,
+    ReceiverClient,
+    SentReport,
+    TransitionProgress,
+)
+
+log = structlog.get_logger("kuberefit.coordinator")
+T = TypeVar("T")
+Outcome = Literal["committed", "rejected", "conflict", "aborted"]
+
+
+class CoordinatorConfig(BaseModel):
+    """Coordinator settings (defaults are the RefitPolicy CRD's)."""
+
+    sync: bool = Field(True, description="Sync RL: close the gate first, apply during delivery.")
+    relay_tree: bool = Field(True, description="ZeroMQ relay tree: relay-flush before flush.")
+    commit_timeout_s: float = Field(600.0, gt=0, description="Deadline of each attempt's commit.")
+    control_timeout_s: float = Field(60.0, gt=0, description="Timeout of one control call.")
+    flush_timeout_s: float = Field(600.0, gt=0, description="Timeout of a receiver flush.")
+    max_attempts: int = Field(5, ge=1, description="Attempts before the operator must step in.")
+    stop_retries: int = Field(3, ge=1, description="Tries to drain a silent receiver.")
+    check_samples: int = Field(0, description="Post-apply checks per payload (0 off, -1 all).")
+
+
+class RejectedError(Exception):
+    """A receiver rejected prepare (e.g. it does not hold the version the delta starts from)."""
+
+
+class AttemptFailedError(Exception):
+    """Anything else that fails an attempt; after admission it leads to an overwrite retry."""
+
+
+class InterventionRequiredError(Exception):
+    """Automatic recovery cannot repair this; the transition is aborted."""
+
+
+@dataclass
+class TransitionResult:
+    outcome: Outcome
+    version: int  # the committed version when the transition ended
+    attempts: int
+    modes: list[AttemptMode] = field(default_factory=list)
+    retired: list[str] = field(default_factory=list)
+    message: str = ""
+    progress: TransitionProgress | None = None
+    latency_s: float = 0.0  # timed window: first producer start .. last baseline update
+    finalization_s: float = 0.0  # flush acknowledged .. last baseline update
+
+
+class Coordinator:
+    """Drives the transitions of one policy."""
+
+    def __init__(
+        self,
+        policy: str,
+        store: CommitStore,
+        producers: Sequence[ProducerClient],
+        membership: Membership,
+        sink: ProgressSink,
+        config: CoordinatorConfig | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.policy = policy
+        self.store = store
+        self.producers = list(producers)
+        self.membership = membership
+        self.sink = sink
+        self.config = config or CoordinatorConfig()
+        self.name = name or f"coordinator-{uuid.uuid4().hex[:8]}"
+        self.epoch = 0
+        self._gate_closed: set[str] = set()
+
+    async def start(self) -> None:
+        """Become the active coordinator (a takeover if another one held the record)."""
+        self.epoch = await self.store.acquire(self.name)
+        log.info("coordinator.active", policy=self.policy, epoch=self.epoch, name=self.name)
+
+    # ------------------------------------------------------------------------------- transition
+    async def run_transition(
+        self, xor_incompatible: frozenset[str] = frozenset()
+    ) -> TransitionResult:
+        state = await self.store.read()
+        kv = state.record
+        target = kv.version + 1
+        progress = TransitionProgress(self.policy, kv.version, target)
+        result = TransitionResult("aborted", kv.version, 0, progress=progress)
+        mode: AttemptMode = "mixed"
+        admitted = False
+        active = state.active
+        committed_attempt: str | None = None
+        if active is not None and (active.target_version, active.baseline_id) == (
+            kv.version,
+            kv.baseline_id,
+        ):
+            # The last attempt committed; owners update from the record even if its coordinator
+            # died before telling them (idempotent when they already did).
+            committed_attempt = active.attempt
+            await self._each_producer(lambda p: p.update_baseline(active.attempt, kv))
+        receivers = await self._join(kv, committed_attempt)
+        if active is not None and active.target_version == target:
+            # Takeover of an admitted transition (Algorithm B.2 lines 2-12).
+            taken = await self._take_over(active.attempt, kv, receivers, result)
+            if taken is not None:
+                return taken
+            admitted, mode = True, "overwrite"
+        t_first: float | None = None
+        t_flushed = 0.0
+        while True:
+            if result.attempts >= self.config.max_attempts:
+                return await self._abort(result, f"{result.attempts} attempts failed")
+            result.attempts += 1
+            result.modes.append(mode)
+            progress.attempt, progress.mode = result.attempts, mode
+            tau: str | None = None
+            outcome: Literal["success", "failed", "unknown", "conflict"] = "failed"
+            new = CommitRecord(target, "")
+            try:
+                tau = f"{self.policy}-v{target}-a{result.attempts}-{uuid.uuid4().hex[:6]}"
+                new = CommitRecord(target, f"g-{uuid.uuid4().hex[:12]}")
+                await self.store.prepare(
+                    self.epoch,
+                    ActiveAttempt(
+                        tau,
+                        target,
+                        new.baseline_id,
+                        mode,
+                        time.time() + self.config.commit_timeout_s,
+                    ),
+                )
+                plan = AttemptPlan(
+                    tau,
+                    kv.version,
+                    target,
+                    new.baseline_id,
+                    mode,
+                    xor_incompatible,
+                    tuple(r.node for r in receivers),
+                )
+                progress.attempt_id = tau
+                await self._phase(progress, "Preparing")
+                await self._prepare_receivers(plan, receivers)
+                admitted = True
+                t_first = t_first or time.perf_counter()
+                await self._schedule(plan, receivers, progress)
+                await self._phase(progress, "Committing")
+                t_flushed = time.perf_counter()
+                outcome = await self._commit(tau, kv, new)
+            except RejectedError as exc:
+                if not admitted:
+                    await self._clear(tau)
+                    result.outcome, result.message = "rejected", str(exc)
+                    await self._phase(progress, "Failed", str(exc))
+                    return result
+                log.warning("attempt.rejected_after_admission", attempt=tau, error=str(exc))
+            except CommitConflictError as exc:
+                result.outcome, result.message = "conflict", str(exc)
+                await self._phase(progress, "Failed", f"conflict: {exc}")
+                return result
+            except (AttemptFailedError, EndpointError, CommitRefusedError, TimeoutError) as exc:
+                log.warning("attempt.failed", attempt=tau, mode=mode, error=str(exc))
+                progress.message = f"attempt {result.attempts} failed: {exc}"
+            if outcome == "unknown" and tau is not None:
+                outcome = self._resolve(await self.store.read_commit(self.epoch, tau), kv, new)
+            if outcome == "success" and tau is not None:
+                await self._finalize(tau, new, receivers, progress)
+                result.outcome, result.version = "committed", target
+                result.latency_s = time.perf_counter() - (t_first or time.perf_counter())
+                result.finalization_s = time.perf_counter() - t_flushed
+                progress.timings.update(
+                    latency_s=result.latency_s, finalization_s=result.finalization_s
+                )
+                await self._phase(progress, "Committed")
+                return result
+            if tau is not None:
+                try:
+                    await self.store.mark_obsolete(self.epoch, tau)
+                    receivers = await self._stop(tau, receivers, result)
+                    await self._cleanup(tau, receivers)
+                except CommitConflictError as exc:
+                    outcome, result.message = "conflict", str(exc)
+                except InterventionRequiredError as exc:
+                    return await self._abort(result, str(exc))
+                if outcome == "conflict":
+                    result.outcome = "conflict"
+                    await self._phase(progress, "Failed", f"conflict: {result.message}")
+                    return result
+            if admitted:
+                mode = "overwrite"
+            if not receivers:
+                return await self._abort(result, "no receiver left to refit")
+
+    # ------------------------------------------------------------------------------ pieces
+    async def _take_over(
+        self,
+        old: str,
+        kv: CommitRecord,
+        receivers: list[ReceiverClient],
+        result: TransitionResult,
+    ) -> TransitionResult | None:
+        log.info("coordinator.takeover", attempt=old)
+        await self.store.mark_obsolete(self.epoch, old)
+        await self._stop(old, receivers, result)
+        k = await self.store.read_commit(self.epoch, old)
+        if k != kv:
+            # The old coordinator's commit took effect: finish its transition and step back.
+            await self._each_producer(lambda p: p.update_baseline(old, k))
+            await self._cleanup(old, receivers)
+            await self._gates(old, receivers, closed=False)
+            result.outcome, result.version = "conflict", k.version
+            result.message = f"transition already committed as {k} by the previous coordinator"
+            return result
+        await self._cleanup(old, receivers)
+        return None
+
+    async def _join(
+        self, kv: CommitRecord, committed_attempt: str | None = None
+    ) -> list[ReceiverClient]:
+        """Required receivers of this transition; new or restarted ones are restored first."""
+        members: list[ReceiverClient] = []
+        for r in await self.membership.receivers():
+            try:
+                status = await self._call(r.status())
+                if (
+                    committed_attempt is not None
+                    and status.attempt == committed_attempt
+                    and status.phase == "flushed"
+                ):
+                    # It acknowledged the attempt that committed; only the notice was lost.
+                    await self._call(r.commit_notice(committed_attempt, kv.version))
+                    status = await self._call(r.status())
+            except (EndpointError, TimeoutError) as exc:
+                log.warning("receiver.unreachable", node=r.node, error=str(exc))
+                continue
+            if status.held_version != kv.version:
+                log.info("receiver.restore", node=r.node, held=status.held_version, to=kv.version)
+                await self.membership.restore(r, kv)
+            members.append(r)
+        return members
+
+    async def _prepare_receivers(self, plan: AttemptPlan, receivers: list[ReceiverClient]) -> None:
+        req = PrepareRequest(
+            attempt=plan.attempt,
+            from_version=plan.from_version,
+            target_version=plan.target_version,
+            mode=plan.mode,
+            sync=self.config.sync,
+            producers=[p.producer for p in self.producers],
+            coordinator=self.name,
+        )
+        answers = await asyncio.gather(
+            *(self._call(r.prepare(req)) for r in receivers), return_exceptions=True
+        )
+        rejected = [a for a in answers if not isinstance(a, BaseException) and not a.accepted]
+        if rejected:
+            raise RejectedError("; ".join(f"{a.node}: {a.reason}" for a in rejected))
+        errors = [a for a in answers if isinstance(a, BaseException)]
+        if errors:
+            raise AttemptFailedError(f"prepare failed: {errors[0]}")
+
+    async def _schedule(
+        self, plan: AttemptPlan, receivers: list[ReceiverClient], progress: TransitionProgress
+    ) -> list[SentReport]:
+        """Algorithm B.1 from the coordinator's side."""
+        tau = plan.attempt
+        if self.config.sync:
+            await self._gates(tau, receivers, closed=True)
+            await self._all(receivers, lambda r: r.open_apply(tau))
+        await self._phase(progress, "Streaming")
+        await self._each_producer(lambda p: p.start(plan))
+        sent = await asyncio.gather(*(p.wait_sent(tau) for p in self.producers))
+        expected = {s.producer: s.payloads for s in sent}
+        progress.payloads = sum(expected.values())
+        progress.wire_bytes = sum(s.wire_bytes for s in sent)
+        progress.changed_elements = sum(s.changed_elements for s in sent)
+        progress.total_elements = sum(s.total_elements for s in sent)
+        if self.config.relay_tree:
+            flushed = await self._all(
+                receivers,
+                lambda r: r.relay_flush(RelayFlushRequest(attempt=tau, expected=expected)),
+            )
+            bad = [f for f in flushed if not f.ok]
+            if bad:
+                raise AttemptFailedError(f"relay flush: {bad[0].node}: {bad[0].errors}")
+        if not self.config.sync:
+            await self._gates(tau, receivers, closed=True)
+            await self._all(receivers, lambda r: r.open_apply(tau))
+        acks = await self._all(
+            receivers,
+            lambda r: r.flush(
+                FlushRequest(
+                    attempt=tau, expected=expected, check_samples=self.config.check_samples
+                )
+            ),
+            timeout=self.config.flush_timeout_s,
+        )
+        bad_acks = [a for a in acks if not a.ok]
+        if bad_acks:
+            raise AttemptFailedError(f"flush: {bad_acks[0].node}: {bad_acks[0].errors}")
+        return list(sent)
+
+    async def _commit(
+        self, tau: str, kv: CommitRecord, new: CommitRecord
+    ) -> Literal["success", "unknown"]:
+        try:
+            await self.store.commit(self.epoch, tau, kv, new, time.time())
+        except CommitUnknownError as exc:
+            log.warning("commit.unknown", attempt=tau, error=str(exc))
+            return "unknown"
+        return "success"
+
+    @staticmethod
+    def _resolve(
+        k: CommitRecord, kv: CommitRecord, new: CommitRecord
+    ) -> Literal["success", "failed", "conflict"]:
+        if k == new:
+            return "success"
+        return "failed" if k == kv else "conflict"
+
+    async def _finalize(
+        self,
+        tau: str,
+        new: CommitRecord,
+        receivers: list[ReceiverClient],
+        progress: TransitionProgress,
+    ) -> None:
+        await self._phase(progress, "Finalizing")
+        # The transition ends only after every producer updated its baseline.
+        await self._each_producer(lambda p: p.update_baseline(tau, new))
+        await self._all(receivers, lambda r: r.commit_notice(tau, new.version))
+        await self._cleanup(tau, receivers)
+        await self._gates(tau, receivers, closed=False)
+
+    async def _stop(
+        self, tau: str, receivers: list[ReceiverClient], result: TransitionResult
+    ) -> list[ReceiverClient]:
+        """stop_and_wait on every endpoint; retire receivers confirmed dead."""
+        await self._each_producer(lambda p: p.stop_and_wait(tau), tolerate=True)
+        alive: list[ReceiverClient] = []
+        for r in receivers:
+            for _ in range(self.config.stop_retries):
+                try:
+                    await self._call(r.stop(tau))
+                    alive.append(r)
+                    break
+                except (EndpointError, TimeoutError) as exc:
+                    if await self.membership.confirmed_dead(r.node):
+                        log.warning("receiver.retired", node=r.node, attempt=tau)
+                        result.retired.append(r.node)
+                        self._gate_closed.discard(r.node)
+                        break
+                    log.warning("receiver.stop_retry", node=r.node, error=str(exc))
+            else:
+                raise InterventionRequiredError(
+                    f"receiver {r.node} neither acknowledges stop nor is confirmed dead"
+                )
+        return alive
+
+    async def _cleanup(self, tau: str, receivers: list[ReceiverClient]) -> None:
+        await self._each_producer(lambda p: p.cleanup(tau), tolerate=True)
+        for r in receivers:
+            try:
+                await self._call(r.cleanup(tau))
+            except (EndpointError, TimeoutError) as exc:
+                log.warning("receiver.cleanup_failed", node=r.node, error=str(exc))
+
+    async def _gates(self, tau: str, receivers: list[ReceiverClient], *, closed: bool) -> None:
+        todo = [r for r in receivers if (r.node in self._gate_closed) != closed]
+        await self._all(todo, lambda r: r.gate(GateRequest(attempt=tau, closed=closed)))
+        for r in todo:
+            (self._gate_closed.add if closed else self._gate_closed.discard)(r.node)
+
+    async def _clear(self, tau: str | None) -> None:
+        if tau is not None:
+            await self.store.mark_obsolete(self.epoch, tau)
+
+    async def _abort(self, result: TransitionResult, why: str) -> TransitionResult:
+        """Operator intervention needed: stop, keep the gate closed, say why."""
+        await self.store.abort(f"{self.name}: {why}")
+        result.outcome, result.message = "aborted", why
+        assert result.progress is not None
+        await self._phase(
+            result.progress,
+            "Aborted",
+            f"{why}; the request gate stays closed until receivers are densely restored "
+            "and the abort is cleared",
+        )
+        return result
+
+    async def _phase(self, progress: TransitionProgress, phase: str, message: str = "") -> None:
+        progress.phase = phase
+        if message:
+            progress.message = message
+        log.info(
+            "transition.phase",
+            policy=self.policy,
+            to=progress.to_version,
+            phase=phase,
+            attempt=progress.attempt,
+            mode=progress.mode,
+            message=message or None,
+        )
+        await self.sink.update(progress)
+
+    # -- helpers ------------------------------------------------------------------------------
+    async def _call(self, aw: Awaitable[T], timeout: float | None = None) -> T:
+        return await asyncio.wait_for(aw, timeout or self.config.control_timeout_s)
+
+    async def _all(
+        self,
+        receivers: Sequence[ReceiverClient],
+        call: Callable[[ReceiverClient], Awaitable[T]],
+        timeout: float | None = None,
+    ) -> list[T]:
+        answers = await asyncio.gather(
+            *(self._call(call(r), timeout) for r in receivers), return_exceptions=True
+        )
+        for r, a in zip(receivers, answers, strict=True):
+            if isinstance(a, BaseException):
+                raise AttemptFailedError(f"{r.node}: {type(a).__name__}: {a}") from a
+        return [a for a in answers if not isinstance(a, BaseException)]
+
+    async def _each_producer(
+        self, call: Callable[[ProducerClient], Awaitable[object]], tolerate: bool = False
+    ) -> None:
+        answers = await asyncio.gather(
+            *(self._call(call(p)) for p in self.producers), return_exceptions=True
+        )
+        for p, a in zip(self.producers, answers, strict=True):
+            if isinstance(a, BaseException):
+                if tolerate:
+                    log.warning("producer.call_failed", producer=p.producer, error=str(a))
+                else:
+                    raise AttemptFailedError(f"producer {p.producer}: {a}") from a

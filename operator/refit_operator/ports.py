@@ -1,0 +1,133 @@
+"""What the coordinator talks to, as typed ports: producers, receivers, membership, progress.
+
+Real implementations speak HTTP to the sidecars (or call them in-process in local mode); tests
+plug in fault-injecting fakes. No payload bytes cross these ports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from refit_operator.api import (
+    FlushRequest,
+    FlushResponse,
+    GateRequest,
+    PrepareRequest,
+    PrepareResponse,
+    ReceiverStatus,
+    RelayFlushRequest,
+    RelayFlushResponse,
+    StopResponse,
+)
+from refit_operator.commit_store import AttemptMode, CommitRecord
+
+
+class EndpointError(RuntimeError):
+    """A sidecar could not be reached or answered with an error (the attempt fails)."""
+
+
+@dataclass(frozen=True)
+class AttemptPlan:
+    """Everything a producer needs to stream one attempt."""
+
+    attempt: str
+    from_version: int
+    target_version: int
+    baseline_id: str
+    mode: AttemptMode
+    xor_incompatible: frozenset[str]
+    receivers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SentReport:
+    """A producer's totals for one attempt, reported when its stream ended."""
+
+    producer: int
+    payloads: int
+    wire_bytes: int = 0
+    changed_elements: int = 0
+    total_elements: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class ProducerClient(Protocol):
+    producer: int
+
+    async def start(self, plan: AttemptPlan) -> None:
+        """Begin streaming the attempt (compare + encode + send), returns at once."""
+        ...
+
+    async def wait_sent(self, attempt: str) -> SentReport:
+        """Wait until the producer sent its last payload; raises EndpointError on failure."""
+        ...
+
+    async def stop_and_wait(self, attempt: str) -> None: ...
+
+    async def cleanup(self, attempt: str) -> None: ...
+
+    async def update_baseline(self, attempt: str, record: CommitRecord) -> None:
+        """Apply the pending delta to the baseline now that `record` names its version."""
+        ...
+
+
+class ReceiverClient(Protocol):
+    node: str
+
+    async def status(self) -> ReceiverStatus: ...
+
+    async def prepare(self, req: PrepareRequest) -> PrepareResponse: ...
+
+    async def gate(self, req: GateRequest) -> None: ...
+
+    async def open_apply(self, attempt: str) -> None: ...
+
+    async def relay_flush(self, req: RelayFlushRequest) -> RelayFlushResponse: ...
+
+    async def flush(self, req: FlushRequest) -> FlushResponse: ...
+
+    async def stop(self, attempt: str) -> StopResponse:
+        """mark_obsolete + stop_and_wait on this node: drop the attempt, drain its writes."""
+        ...
+
+    async def cleanup(self, attempt: str) -> None: ...
+
+    async def commit_notice(self, attempt: str, version: int) -> None: ...
+
+
+class Membership(Protocol):
+    """Which receivers take part; changes only between attempts."""
+
+    async def receivers(self) -> list[ReceiverClient]: ...
+
+    async def confirmed_dead(self, node: str) -> bool:
+        """True once the node's process and pending writes cannot resume (safe to retire)."""
+        ...
+
+    async def restore(self, receiver: ReceiverClient, record: CommitRecord) -> None:
+        """Dense refit of a new or restarted receiver to the committed version, then prewarm."""
+        ...
+
+
+class ProgressSink(Protocol):
+    async def update(self, progress: TransitionProgress) -> None: ...
+
+
+@dataclass
+class TransitionProgress:
+    """What `kubectl get refittransitions` and the demo's progress line show."""
+
+    policy: str
+    from_version: int
+    to_version: int
+    phase: str = "Pending"
+    attempt: int = 0
+    attempt_id: str = ""
+    mode: AttemptMode = "mixed"
+    payloads: int = 0
+    wire_bytes: int = 0
+    changed_elements: int = 0
+    total_elements: int = 0
+    message: str = ""
+    timings: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,183 @@
+"""Fault-injecting fakes of the coordinator's ports (named as fakes: they only inject faults the
+real sidecars cannot produce on demand). Each fake receiver models its weights as a label:
+the version it holds, "partial" after an interrupted apply, or "CORRUPT" when a mixed (XOR)
+attempt is applied on top of bits other than the attempt's base version."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from refit_operator.api import (
+    FlushRequest,
+    FlushResponse,
+    GateRequest,
+    PrepareRequest,
+    PrepareResponse,
+    ReceiverStatus,
+    RelayFlushRequest,
+    RelayFlushResponse,
+    StopResponse,
+)
+from refit_operator.commit_store import CommitRecord
+from refit_operator.ports import (
+    AttemptPlan,
+    EndpointError,
+    ReceiverClient,
+    SentReport,
+    TransitionProgress,
+)
+
+
+@dataclass
+class FakeReceiver:
+    node: str
+    bits: str = "v0"  # what the weights hold
+    held_version: int | None = 0
+    dead: bool = False
+    reject_prepare: str = ""
+    fail_flush_times: int = 0  # flushes that fail after a partial apply
+    die_on_flush: bool = False
+    gate_closed: bool = False
+    attempt: str | None = None
+    mode: str = ""
+    from_version: int = 0
+    target: int = 0
+    phase: str = "idle"
+    log: list[str] = field(default_factory=list)
+
+    def _alive(self) -> None:
+        if self.dead:
+            raise EndpointError(f"{self.node}: connection refused")
+
+    async def status(self) -> ReceiverStatus:
+        self._alive()
+        return ReceiverStatus(
+            node=self.node,
+            held_version=self.held_version,
+            attempt=self.attempt,
+            phase=self.phase,
+            gate_closed=self.gate_closed,
+        )
+
+    async def prepare(self, req: PrepareRequest) -> PrepareResponse:
+        self._alive()
+        self.log.append(f"prepare:{req.mode}")
+        if self.reject_prepare:
+            return PrepareResponse(node=self.node, accepted=False, reason=self.reject_prepare)
+        if req.mode == "mixed" and self.bits != f"v{req.from_version}":
+            return PrepareResponse(
+                node=self.node, accepted=False, reason=f"holds {self.bits}, not v{req.from_version}"
+            )
+        self.attempt, self.mode, self.phase = req.attempt, req.mode, "prepared"
+        self.from_version, self.target = req.from_version, req.target_version
+        return PrepareResponse(node=self.node, accepted=True, held_version=self.held_version)
+
+    async def gate(self, req: GateRequest) -> None:
+        self._alive()
+        self.gate_closed = req.closed
+        self.log.append("gate:" + ("close" if req.closed else "open"))
+
+    async def open_apply(self, attempt: str) -> None:
+        self._alive()
+
+    async def relay_flush(self, req: RelayFlushRequest) -> RelayFlushResponse:
+        self._alive()
+        return RelayFlushResponse(
+            node=self.node, attempt=req.attempt, ok=True, staged=sum(req.expected.values())
+        )
+
+    async def flush(self, req: FlushRequest) -> FlushResponse:
+        self._alive()
+        assert req.attempt == self.attempt
+        self.held_version = None
+        if self.die_on_flush:
+            self.bits, self.dead = "partial", True
+            raise EndpointError(f"{self.node}: connection reset")
+        if self.fail_flush_times:
+            self.fail_flush_times -= 1
+            self.bits = "partial"
+            return FlushResponse(
+                node=self.node,
+                attempt=req.attempt,
+                ok=False,
+                applied=1,
+                staged=2,
+                errors=["apply failed after a partial write"],
+            )
+        if self.mode == "mixed" and self.bits != f"v{self.from_version}":
+            self.bits = "CORRUPT"
+        else:
+            self.bits = f"v{self.target}"
+        n = sum(req.expected.values())
+        self.phase = "flushed"
+        return FlushResponse(node=self.node, attempt=req.attempt, ok=True, applied=n, staged=n)
+
+    async def stop(self, attempt: str) -> StopResponse:
+        self._alive()
+        return StopResponse(node=self.node, attempt=attempt, drained=True)
+
+    async def cleanup(self, attempt: str) -> None:
+        self._alive()
+
+    async def commit_notice(self, attempt: str, version: int) -> None:
+        self._alive()
+        self.held_version = version
+
+
+@dataclass
+class FakeProducer:
+    producer: int
+    fail_sends: int = 0
+    lost_state: bool = False
+    baseline: CommitRecord = field(default_factory=lambda: CommitRecord(0, "b0"))
+    started: list[AttemptPlan] = field(default_factory=list)
+    updates: list[tuple[str, CommitRecord]] = field(default_factory=list)
+
+    async def start(self, plan: AttemptPlan) -> None:
+        self.started.append(plan)
+
+    async def wait_sent(self, attempt: str) -> SentReport:
+        if self.lost_state:
+            raise EndpointError(f"producer {self.producer} lost its pending delta")
+        if self.fail_sends:
+            self.fail_sends -= 1
+            raise EndpointError(f"producer {self.producer}: send failed")
+        return SentReport(
+            self.producer, payloads=3, wire_bytes=3000, changed_elements=10, total_elements=1000
+        )
+
+    async def stop_and_wait(self, attempt: str) -> None:
+        pass
+
+    async def cleanup(self, attempt: str) -> None:
+        pass
+
+    async def update_baseline(self, attempt: str, record: CommitRecord) -> None:
+        self.updates.append((attempt, record))
+        self.baseline = record
+
+
+@dataclass
+class FakeMembership:
+    members: list[FakeReceiver]
+    confirmed: set[str] = field(default_factory=set)
+    restored: list[str] = field(default_factory=list)
+
+    async def receivers(self) -> list[ReceiverClient]:
+        return list(self.members)
+
+    async def confirmed_dead(self, node: str) -> bool:
+        return node in self.confirmed
+
+    async def restore(self, receiver: ReceiverClient, record: CommitRecord) -> None:
+        assert isinstance(receiver, FakeReceiver)
+        receiver.bits, receiver.held_version = f"v{record.version}", record.version
+        self.restored.append(receiver.node)
+
+
+@dataclass
+class RecordingSink:
+    phases: list[str] = field(default_factory=list)
+
+    async def update(self, progress: TransitionProgress) -> None:
+        self.phases.append(progress.phase)

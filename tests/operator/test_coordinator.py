@@ -1,0 +1,248 @@
+"""Every branch of Algorithm B.2, against a real SQLite commit store and fault-injecting fakes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from refit_operator.commit_store import ActiveAttempt, CommitRecord, CommitUnknownError
+from refit_operator.coordinator import Coordinator, CoordinatorConfig
+from refit_operator.sqlite_store import SqliteCommitStore
+from tests.operator.fakes import FakeMembership, FakeProducer, FakeReceiver, RecordingSink
+
+K0 = CommitRecord(0, "b0")
+
+
+class CommitReplyLostFake(SqliteCommitStore):
+    """A store whose commit reply is lost: the commit is applied (or not), the caller sees
+    CommitUnknownError — a fault the real SQLite file cannot produce on demand."""
+
+    apply_before_losing: bool = True
+    lose_next: int = 1
+
+    async def commit(self, epoch, attempt, expected, new, now):  # type: ignore[no-untyped-def]
+        if self.lose_next:
+            self.lose_next -= 1
+            if self.apply_before_losing:
+                await super().commit(epoch, attempt, expected, new, now)
+            raise CommitUnknownError("reply lost")
+        return await super().commit(epoch, attempt, expected, new, now)
+
+
+def world(tmp_path: Path, n: int = 3, store_cls: type[SqliteCommitStore] = SqliteCommitStore):
+    store = store_cls(tmp_path / "commit.db", "p")
+    receivers = [FakeReceiver(f"r{i}") for i in range(n)]
+    producers = [FakeProducer(0), FakeProducer(1)]
+    membership = FakeMembership(receivers)
+    sink = RecordingSink()
+    return store, receivers, producers, membership, sink
+
+
+async def coordinator(store, producers, membership, sink, **cfg) -> Coordinator:  # type: ignore[no-untyped-def]
+    await store.initialize(K0)
+    c = Coordinator(
+        "p", store, producers, membership, sink, CoordinatorConfig(control_timeout_s=2, **cfg)
+    )
+    await c.start()
+    return c
+
+
+def assert_all_at(receivers: list[FakeReceiver], version: int) -> None:
+    assert [r.bits for r in receivers if not r.dead] == [f"v{version}"] * sum(
+        not r.dead for r in receivers
+    )
+
+
+async def test_happy_path_commits_in_one_mixed_attempt(tmp_path: Path) -> None:
+    store, receivers, producers, membership, sink = world(tmp_path)
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert (result.outcome, result.version, result.attempts, result.modes) == (
+        "committed",
+        1,
+        1,
+        ["mixed"],
+    )
+    state = await store.read()
+    assert state.record.version == 1
+    assert all(p.baseline == state.record for p in producers)
+    assert_all_at(receivers, 1)
+    assert all(r.log == ["prepare:mixed", "gate:close", "gate:open"] for r in receivers)
+    assert all(r.held_version == 1 for r in receivers)
+    assert sink.phases == ["Preparing", "Streaming", "Committing", "Finalizing", "Committed"]
+    again = await c.run_transition()
+    assert (again.outcome, again.version) == ("committed", 2)
+    assert_all_at(receivers, 2)
+
+
+async def test_rejected_first_prepare_ends_transition(tmp_path: Path) -> None:
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[1].reject_prepare = "unsupported loader for model.x"
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert result.outcome == "rejected"
+    assert "unsupported loader" in result.message
+    assert (await store.read()).record == K0
+    assert all(not p.started for p in producers)
+    assert_all_at(receivers, 0)
+
+
+async def test_failure_after_admission_retries_with_overwrite(tmp_path: Path) -> None:
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[0].fail_flush_times = 1  # partial writes, then a failed ACK
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert (result.outcome, result.modes) == ("committed", ["mixed", "overwrite"])
+    assert_all_at(receivers, 1)  # the overwrite retry repaired the partial writes
+    assert [p.mode for p in producers[0].started] == ["mixed", "overwrite"]
+    assert producers[0].updates[-1][1] == (await store.read()).record
+
+
+async def test_receiver_dies_mid_attempt_is_retired(tmp_path: Path) -> None:
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[2].die_on_flush = True
+    membership.confirmed.add("r2")
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert (result.outcome, result.retired, result.modes) == (
+        "committed",
+        ["r2"],
+        ["mixed", "overwrite"],
+    )
+    assert_all_at(receivers[:2], 1)
+    # It restarts: it joins the next transition only after a dense restore.
+    receivers[2].dead, receivers[2].held_version = False, None
+    result2 = await c.run_transition()
+    assert result2.outcome == "committed"
+    assert membership.restored == ["r2"]
+    assert_all_at(receivers, 2)
+
+
+async def test_silent_receiver_needs_an_operator(tmp_path: Path) -> None:
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[1].die_on_flush = True  # gone, but not confirmed dead: it could still write
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert result.outcome == "aborted"
+    assert "neither acknowledges" in result.message
+    state = await store.read()
+    assert state.record == K0
+    assert state.aborted_by
+    assert receivers[0].gate_closed  # the gate stays closed
+    assert sink.phases[-1] == "Aborted"
+
+
+async def test_producer_failure_then_overwrite_retry(tmp_path: Path) -> None:
+    store, receivers, producers, membership, sink = world(tmp_path)
+    producers[1].fail_sends = 1
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert (result.outcome, result.modes) == ("committed", ["mixed", "overwrite"])
+    assert_all_at(receivers, 1)
+
+
+async def test_producer_that_lost_its_state_aborts(tmp_path: Path) -> None:
+    store, _receivers, producers, membership, sink = world(tmp_path)
+    producers[0].lost_state = True
+    c = await coordinator(store, producers, membership, sink, max_attempts=3)
+    result = await c.run_transition()
+    assert (result.outcome, result.attempts) == ("aborted", 3)
+    assert (await store.read()).record == K0
+
+
+@pytest.mark.parametrize(("applied", "modes"), [(True, ["mixed"]), (False, ["mixed", "overwrite"])])
+async def test_unknown_commit_outcome_is_resolved(
+    tmp_path: Path, applied: bool, modes: list[str]
+) -> None:
+    store, _receivers, producers, membership, sink = world(tmp_path, store_cls=CommitReplyLostFake)
+    assert isinstance(store, CommitReplyLostFake)
+    store.apply_before_losing = applied
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert (result.outcome, result.version, result.modes) == ("committed", 1, modes)
+    assert (await store.read()).record.version == 1
+
+
+async def test_unknown_outcome_revealing_a_conflict(tmp_path: Path) -> None:
+    store, _receivers, producers, membership, sink = world(tmp_path, store_cls=CommitReplyLostFake)
+    assert isinstance(store, CommitReplyLostFake)
+    store.apply_before_losing = False
+    c = await coordinator(store, producers, membership, sink)
+    original = store.commit
+
+    async def commit_then_taken_over(*args, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            return await original(*args, **kwargs)
+        finally:
+            # Meanwhile another coordinator took over and committed the transition.
+            other = SqliteCommitStore(tmp_path / "commit.db", "p")
+            epoch = await other.acquire("other")
+            await other.prepare(epoch, ActiveAttempt("x", 1, "gx", "overwrite", time.time() + 60))
+            await other.commit(epoch, "x", K0, CommitRecord(1, "gx"), time.time())
+
+    store.commit = commit_then_taken_over  # type: ignore[method-assign]
+    result = await c.run_transition()
+    assert result.outcome == "conflict"
+    assert not any(p.updates for p in producers)  # the gate and baselines are left alone
+
+
+async def test_takeover_after_coordinator_crash_starts_in_overwrite(tmp_path: Path) -> None:
+    store, receivers, producers, membership, sink = world(tmp_path)
+    await store.initialize(K0)
+    # The old coordinator prepared an attempt and receivers applied part of it, then it died.
+    old_epoch = await store.acquire("old")
+    await store.prepare(old_epoch, ActiveAttempt("old-a1", 1, "g-old", "mixed", time.time() + 60))
+    receivers[0].bits = receivers[1].bits = "partial"
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert (result.outcome, result.modes) == ("committed", ["overwrite"])
+    assert_all_at(receivers, 1)
+
+
+async def test_commit_of_a_dead_coordinator_still_updates_baselines(tmp_path: Path) -> None:
+    store, receivers, producers, membership, sink = world(tmp_path)
+    await store.initialize(K0)
+    old_epoch = await store.acquire("old")
+    await store.prepare(old_epoch, ActiveAttempt("old-a1", 1, "g-old", "mixed", time.time() + 60))
+    for r in receivers[:2]:
+        r.bits, r.attempt, r.phase = "v1", "old-a1", "flushed"  # they acknowledged old-a1
+    receivers[2].held_version = None  # restarted meanwhile: unknown bits
+    # Its commit landed, then it died before any owner updated its baseline.
+    await store.commit(old_epoch, "old-a1", K0, CommitRecord(1, "g-old"), time.time())
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert all(p.updates[0] == ("old-a1", CommitRecord(1, "g-old")) for p in producers)
+    assert (result.outcome, result.version, result.modes) == ("committed", 2, ["mixed"])
+    assert membership.restored == ["r2"]  # only the receiver that cannot vouch for v1
+    assert_all_at(receivers, 2)
+
+
+async def test_commit_conflict_between_two_coordinators(tmp_path: Path) -> None:
+    store, receivers, producers, membership, sink = world(tmp_path)
+    a = await coordinator(store, producers, membership, sink)
+    b_store = SqliteCommitStore(tmp_path / "commit.db", "p")
+    b = Coordinator(
+        "p",
+        b_store,
+        producers,
+        membership,
+        RecordingSink(),
+        CoordinatorConfig(control_timeout_s=2),
+        name="b",
+    )
+    original_flush = receivers[0].flush
+
+    async def flush_then_failover(req):  # type: ignore[no-untyped-def]
+        await b.start()  # b takes over while a's attempt is in flight
+        return await original_flush(req)
+
+    receivers[0].flush = flush_then_failover  # type: ignore[method-assign]
+    result_a = await a.run_transition()
+    assert result_a.outcome == "conflict"
+    receivers[0].flush = original_flush  # type: ignore[method-assign]
+    result_b = await b.run_transition()
+    assert (result_b.outcome, result_b.modes) == ("committed", ["overwrite"])
+    assert (await store.read()).record.version == 1
+    assert_all_at(receivers, 1)
