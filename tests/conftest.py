@@ -45,6 +45,33 @@ def kube(artifacts_dir: Path) -> Iterator[KubeCluster]:
 
 
 @pytest.fixture(scope="session")
+def refit_crds(kube: KubeCluster) -> KubeCluster:
+    """The kube fixture with KubeRefit's CRDs (crds/*.yaml) installed and Established."""
+    import time
+
+    import yaml
+    from kubernetes import client
+
+    ext = client.ApiextensionsV1Api(kube.api_client())
+    names = []
+    for path in sorted((REPO / "crds").glob("*.yaml")):
+        body = yaml.safe_load(path.read_text())
+        names.append(body["metadata"]["name"])
+        ext.create_custom_resource_definition(body)
+    deadline = time.monotonic() + 30
+    pending = set(names)
+    while pending and time.monotonic() < deadline:
+        for name in list(pending):
+            conds = ext.read_custom_resource_definition(name).status.conditions or []
+            if any(c.type == "Established" and c.status == "True" for c in conds):
+                pending.discard(name)
+        time.sleep(0.1)
+    if pending:
+        pytest.fail(f"CRDs not established within 30s: {sorted(pending)}")
+    return kube
+
+
+@pytest.fixture(scope="session")
 def s3(artifacts_dir: Path) -> Iterator[S3Server]:
     """A real SeaweedFS S3 gateway that checks request signatures."""
     server = start_s3(artifacts_dir / "s3")

@@ -3,45 +3,24 @@ on status, and print the columns `kubectl get` shows. The Helm chart carries the
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import helm_python
 import pytest
-import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from tests.harness.kube import KubeCluster
 
 REPO = Path(__file__).resolve().parents[1]
-CRD_FILES = sorted((REPO / "crds").glob("*.yaml"))
+CRD_FILES = sorted((REPO / "crds").glob("*.yaml"))  # what the chart must ship
 GROUP, VERSION = "refit.kuberefit.io", "v1alpha1"
 
 
-@pytest.fixture(scope="module")
-def crds(kube: KubeCluster) -> Iterator[client.CustomObjectsApi]:
-    api = kube.api_client()
-    ext = client.ApiextensionsV1Api(api)
-    names = []
-    for path in CRD_FILES:
-        body = yaml.safe_load(path.read_text())
-        names.append(body["metadata"]["name"])
-        ext.create_custom_resource_definition(body)
-    deadline = time.monotonic() + 30
-    pending = set(names)
-    while pending and time.monotonic() < deadline:
-        for name in list(pending):
-            conds = ext.read_custom_resource_definition(name).status.conditions or []
-            if any(c.type == "Established" and c.status == "True" for c in conds):
-                pending.discard(name)
-        time.sleep(0.1)
-    assert not pending, f"CRDs not established: {pending}"
-    yield client.CustomObjectsApi(api)
-    for name in names:
-        ext.delete_custom_resource_definition(name)
+@pytest.fixture
+def crds(refit_crds: KubeCluster) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(refit_crds.api_client())
 
 
 def _obj(kind: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
