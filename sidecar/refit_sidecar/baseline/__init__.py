@@ -1,0 +1,28 @@
+"""Source baseline: owned export chunks, their committed bits and the per-attempt pending delta."""
+
+from refit_sidecar.baseline.chunks import ExportChunk, chunk_export, owner_of, plan_chunks
+from refit_sidecar.baseline.source import (
+    BaselineConfig,
+    BaselineError,
+    BaselinePoisonedError,
+    ChunkDelta,
+    ExportMismatchError,
+    PendingStateError,
+    PendingTensor,
+    SourceBaseline,
+)
+
+__all__ = [
+    "BaselineConfig",
+    "BaselineError",
+    "BaselinePoisonedError",
+    "ChunkDelta",
+    "ExportChunk",
+    "ExportMismatchError",
+    "PendingStateError",
+    "PendingTensor",
+    "SourceBaseline",
+    "chunk_export",
+    "owner_of",
+    "plan_chunks",
+]

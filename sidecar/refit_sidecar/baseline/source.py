@@ -1,0 +1,415 @@
+"""The source baseline: the committed canonical bits a producer compares each new export against.
+
+One producer keeps only the chunks it owns, so all producers together hold one copy (H bytes).
+The first export becomes the first baseline (no dense sync at start). For each attempt, compare
+records a pending delta (locations and exact new bits, whatever the wire op); the baseline itself
+changes only on `commit`, after the coordinator's joint commit succeeded, and `discard` drops
+the pending delta. An overwrite retry is rebuilt from the pending delta, without a new export.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+from pydantic import BaseModel, ConfigDict, Field
+
+from refit_sidecar.baseline.chunks import ExportChunk, owner_of, plan_chunks
+from refit_sidecar.baseline.storage import ChunkStore
+from refit_sidecar.bitdiff import BitDiff, bits_numpy, diff_bits, gather_slices, submit_slices
+from refit_sidecar.codec import dtypes
+from refit_sidecar.codec.records import (
+    Item,
+    Mode,
+    Op,
+    TensorMeta,
+    choose_op,
+    item_from_diff,
+    item_from_positions,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class BaselineConfig(BaseModel):
+    """Where and how the source baseline is kept, and how the export is chunked."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    directory: Path | None = Field(
+        default=None,
+        description="Directory for the file-backed baseline (a private subdirectory is created "
+        "in it); None uses the system temp directory.",
+    )
+    in_memory: bool = Field(default=False, description="Keep the baseline in RAM, not in files.")
+    export_chunk_bytes: int = Field(
+        default=256 << 20,
+        ge=1,
+        description="Export chunk limit in bytes (256 MiB suits ZeroMQ, 64 MiB S3); must be the "
+        "same on every producer because ownership depends on it.",
+    )
+    commit_workers: int = Field(default=2, ge=1, description="Threads applying a commit.")
+
+
+class BaselineError(RuntimeError):
+    """Base class of baseline errors; the baseline's committed bits are unchanged."""
+
+
+class ExportMismatchError(BaselineError):
+    """A chunk does not match the export plan (names, shapes, dtypes, chunking or ownership)."""
+
+
+class PendingStateError(BaselineError):
+    """The call does not fit the pending-delta state (other attempt pending, incomplete, ...)."""
+
+
+class BaselinePoisonedError(BaselineError):
+    """A commit failed part way; the baseline must be rebuilt from a fresh first export."""
+
+
+@dataclass(frozen=True)
+class PendingTensor:
+    """Exact new bits of one tensor's changed elements, kept until commit or discard."""
+
+    meta: TensorMeta
+    locations: npt.NDArray[np.int64]
+    new_bits: npt.NDArray[Any]
+
+
+@dataclass(frozen=True)
+class ChunkDelta:
+    """Result of comparing one chunk: its records and the counts the metrics need."""
+
+    index: int
+    nbytes: int
+    total_elements: int
+    changed_elements: int
+    items: tuple[Item, ...]
+
+
+class SourceBaseline:
+    """One producer's share of the source baseline and its pending delta."""
+
+    def __init__(
+        self, *, producer: int, producers: int, config: BaselineConfig | None = None
+    ) -> None:
+        if not 0 <= producer < producers:
+            raise ValueError(f"producer {producer} not in [0, {producers})")
+        self.producer = producer
+        self.producers = producers
+        self.config = config or BaselineConfig()
+        self._plan: list[tuple[TensorMeta, ...]] | None = None
+        self._stores: dict[int, ChunkStore] = {}
+        self._dir: Path | None = None
+        self._lock = threading.Lock()
+        self._attempt: str | None = None
+        self._pending: dict[int, tuple[PendingTensor, ...]] = {}
+        self._in_progress: set[int] = set()
+        self._commits: dict[int, Future[None]] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._poisoned: BaseException | None = None
+
+    # ------------------------------------------------------------------------------ first export
+    def load_initial(self, chunks: Iterable[ExportChunk]) -> dict[str, TensorMeta]:
+        """Build the baseline from the first export and return every tensor's metadata."""
+        if self._plan is not None:
+            raise BaselineError("the baseline is already initialized")
+        seen: list[tuple[TensorMeta, ...]] = []
+        try:
+            for chunk in chunks:
+                if chunk.index != len(seen):
+                    raise ExportMismatchError(f"chunk {chunk.index} arrived as #{len(seen)}")
+                metas = chunk.metas()
+                for meta in metas:
+                    dtypes.dtype_code(meta.dtype)
+                seen.append(metas)
+                if self.owns(chunk.index):
+                    store = ChunkStore(metas, self._chunk_path(chunk.index))
+                    self._stores[chunk.index] = store
+                    for name, t in chunk.tensors:
+                        np.copyto(store.views[name], bits_numpy(t.cpu()))
+            flat = [m for metas in seen for m in metas]
+            if plan_chunks(flat, self.config.export_chunk_bytes) != seen:
+                raise ExportMismatchError(
+                    f"export chunks do not follow the {self.config.export_chunk_bytes}-byte limit"
+                )
+            names = [m.name for m in flat]
+            if len(set(names)) != len(names):
+                raise ExportMismatchError("the export repeats a tensor name")
+        except BaseException:
+            self.close()
+            raise
+        self._plan = seen
+        log.info(
+            "baseline.initialized",
+            producer=self.producer,
+            chunks=len(seen),
+            owned=len(self._stores),
+            nbytes=self.nbytes,
+        )
+        return self.metadata
+
+    def _chunk_path(self, index: int) -> Path | None:
+        if self.config.in_memory:
+            return None
+        if self._dir is None:
+            root = self.config.directory
+            if root is not None:
+                root.mkdir(parents=True, exist_ok=True)
+            prefix = f"kuberefit-baseline-p{self.producer}-"
+            self._dir = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+        return self._dir / f"chunk-{index:06d}.bin"
+
+    # ------------------------------------------------------------------------------- inspection
+    @property
+    def metadata(self) -> dict[str, TensorMeta]:
+        """Canonical metadata of every exported tensor (owned or not), in export order."""
+        return {m.name: m for metas in self._require_plan() for m in metas}
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self._require_plan())
+
+    @property
+    def owned_chunks(self) -> list[int]:
+        return [i for i in range(self.chunk_count) if self.owns(i)]
+
+    @property
+    def nbytes(self) -> int:
+        """Logical bytes of stored baseline bits on this producer."""
+        return sum(s.nbytes for s in self._stores.values())
+
+    @property
+    def pending_attempt(self) -> str | None:
+        return self._attempt
+
+    def owns(self, chunk_index: int) -> bool:
+        return owner_of(chunk_index, self.producers) == self.producer
+
+    def stored_bits(self, name: str) -> npt.NDArray[Any]:
+        """A read-only view of a tensor's committed stored bits (integer view, no copy)."""
+        self._wait_commits()
+        for store in self._stores.values():
+            if name in store.views:
+                view = store.views[name].view()
+                view.flags.writeable = False
+                return view
+        raise KeyError(f"{name} is not in this producer's baseline")
+
+    def _require_plan(self) -> list[tuple[TensorMeta, ...]]:
+        if self._plan is None:
+            raise BaselineError("the baseline has not been initialized (load_initial)")
+        return self._plan
+
+    # ---------------------------------------------------------------------------------- compare
+    def compare_chunk(
+        self,
+        attempt: str,
+        chunk: ExportChunk,
+        *,
+        mode: Mode = Mode.MIXED,
+        xor_incompatible: frozenset[str] = frozenset(),
+        pool: Executor | None = None,
+    ) -> ChunkDelta:
+        """Compare an owned chunk against the baseline; keep its pending delta for `attempt`.
+
+        Thread-safe for different chunks. Waits for an in-flight commit of this chunk first.
+        With `pool`, the tensors are compared in word-aligned slices on that executor (which
+        must not be the one running this call).
+        """
+        plan = self._require_plan()
+        if not 0 <= chunk.index < len(plan) or not self.owns(chunk.index):
+            raise ExportMismatchError(f"chunk {chunk.index} is not owned by {self.producer}")
+        metas = chunk.metas()
+        if metas != plan[chunk.index]:
+            raise ExportMismatchError(f"chunk {chunk.index} differs from the first export")
+        self._reserve(attempt, chunk.index)
+        try:
+            self._wait_commit(chunk.index)
+            store = self._stores[chunk.index]
+            items: list[Item] = []
+            pending: list[PendingTensor] = []
+            total = 0
+            started = [
+                self._start_diff(store.views[name], bits_numpy(t.cpu()), pool)
+                for name, t in chunk.tensors
+            ]
+            for meta, parts in zip(metas, started, strict=True):
+                total += meta.numel
+                diff = gather_slices(parts)
+                item = item_from_diff(meta, diff, choose_op(meta.name, mode, xor_incompatible))
+                if item is not None:
+                    items.append(item)
+                    pending.append(PendingTensor(meta, diff.locations, diff.new_bits))
+        except BaseException:
+            with self._lock:
+                self._in_progress.discard(chunk.index)
+            raise
+        with self._lock:
+            self._in_progress.discard(chunk.index)
+            if self._attempt != attempt:
+                raise PendingStateError(f"attempt {attempt} was discarded during compare")
+            self._pending[chunk.index] = tuple(pending)
+        changed = sum(p.locations.size for p in pending)
+        return ChunkDelta(chunk.index, chunk.nbytes, total, changed, tuple(items))
+
+    @staticmethod
+    def _start_diff(
+        old: npt.NDArray[Any], new: npt.NDArray[Any], pool: Executor | None
+    ) -> list[tuple[int, Future[BitDiff]]]:
+        if pool is None:
+            done: Future[BitDiff] = Future()
+            done.set_result(diff_bits(old, new))
+            return [(0, done)]
+        return submit_slices(old, new, pool)
+
+    def _reserve(self, attempt: str, index: int) -> None:
+        with self._lock:
+            if self._poisoned is not None:
+                raise BaselinePoisonedError("a commit failed; re-initialize") from self._poisoned
+            if self._attempt is None:
+                self._attempt = attempt
+            elif self._attempt != attempt:
+                raise PendingStateError(
+                    f"attempt {self._attempt} still has a pending delta; commit or discard it"
+                )
+            if index in self._pending or index in self._in_progress:
+                raise PendingStateError(f"chunk {index} was already compared for {attempt}")
+            self._in_progress.add(index)
+
+    def rebuild_overwrite(self, from_attempt: str, attempt: str) -> Iterator[ChunkDelta]:
+        """Overwrite records for a retry, from `from_attempt`'s complete pending delta.
+
+        The pending delta moves to `attempt` at once; chunks are yielded in export order.
+        """
+        with self._lock:
+            self._check_complete(from_attempt)
+            self._attempt = attempt
+            pending = dict(self._pending)
+        return self._overwrite_deltas(pending)
+
+    def _overwrite_deltas(
+        self, pending: dict[int, tuple[PendingTensor, ...]]
+    ) -> Iterator[ChunkDelta]:
+        plan = self._require_plan()
+        for index in sorted(pending):
+            items = [
+                item
+                for p in pending[index]
+                if (item := item_from_positions(p.meta, Op.OVERWRITE, p.locations, p.new_bits))
+            ]
+            yield ChunkDelta(
+                index=index,
+                nbytes=sum(m.nbytes for m in plan[index]),
+                total_elements=sum(m.numel for m in plan[index]),
+                changed_elements=sum(p.locations.size for p in pending[index]),
+                items=tuple(items),
+            )
+
+    def _check_complete(self, attempt: str) -> None:
+        if self._attempt != attempt:
+            raise PendingStateError(f"no pending delta for attempt {attempt}")
+        missing = set(self.owned_chunks) - set(self._pending)
+        if missing or self._in_progress:
+            raise PendingStateError(
+                f"attempt {attempt} compared only part of the export "
+                f"({len(missing)} owned chunks missing); re-export in overwrite mode"
+            )
+
+    # ---------------------------------------------------------------------- commit and discard
+    def commit(self, attempt: str) -> Future[None]:
+        """Write the pending new bits in place, in parallel; the next compare waits for it."""
+        with self._lock:
+            self._check_complete(attempt)
+            pending, self._pending, self._attempt = self._pending, {}, None
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    self.config.commit_workers, thread_name_prefix="baseline-commit"
+                )
+            futures: list[Future[None]] = []
+            for i, tensors in pending.items():
+                if tensors:
+                    fut = self._executor.submit(self._apply, self._stores[i], tensors)
+                    self._commits[i] = fut
+                    futures.append(fut)
+        log.info("baseline.commit", attempt=attempt, chunks=len(futures))
+        return _gather(futures)
+
+    def _apply(self, store: ChunkStore, tensors: Sequence[PendingTensor]) -> None:
+        try:
+            for p in tensors:
+                store.views[p.meta.name][p.locations] = p.new_bits
+        except BaseException as exc:
+            self._poisoned = exc
+            raise
+
+    def discard(self, attempt: str) -> None:
+        """Forget `attempt`'s pending delta; the committed bits stay as they are."""
+        with self._lock:
+            if self._attempt == attempt:
+                self._attempt = None
+                self._pending = {}
+
+    def _wait_commit(self, index: int) -> None:
+        fut = self._commits.get(index)
+        if fut is not None:
+            fut.result()
+
+    def _wait_commits(self) -> None:
+        for fut in list(self._commits.values()):
+            fut.result()
+
+    def wait_committed(self) -> None:
+        """Block until every started commit has been written."""
+        self._wait_commits()
+
+    def close(self) -> None:
+        """Wait for commits, release storage and delete the baseline files."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
+        if self._dir is not None:
+            for leftover in self._dir.glob("chunk-*.bin"):
+                leftover.unlink(missing_ok=True)
+            self._dir.rmdir()
+            self._dir = None
+
+
+def _gather(futures: list[Future[None]]) -> Future[None]:
+    """One future that completes when all `futures` have (with the first exception, if any)."""
+    done: Future[None] = Future()
+    remaining = len(futures)
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    if remaining == 0:
+        done.set_result(None)
+        return done
+
+    def on_done(fut: Future[None]) -> None:
+        nonlocal remaining
+        exc = fut.exception()
+        with lock:
+            remaining -= 1
+            if exc is not None:
+                errors.append(exc)
+            if remaining:
+                return
+        if errors:
+            done.set_exception(errors[0])
+        else:
+            done.set_result(None)
+
+    for fut in futures:
+        fut.add_done_callback(on_done)
+    return done

@@ -1,0 +1,1 @@
+"""Benchmarks behind `kuberefit bench ...` (results and method in docs/performance.md)."""

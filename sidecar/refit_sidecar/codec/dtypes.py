@@ -1,0 +1,75 @@
+"""The dtypes the codec carries, their one-byte wire codes and same-width integer views.
+
+Codes are part of wire format v1 (docs/wire-format.md): never renumber, only append.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from refit_sidecar.bitdiff import NP_INT_VIEW
+from refit_sidecar.codec.errors import SchemaError
+
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.bool: 1,
+    torch.uint8: 2,
+    torch.int8: 3,
+    torch.int16: 4,
+    torch.int32: 5,
+    torch.int64: 6,
+    torch.float16: 7,
+    torch.bfloat16: 8,
+    torch.float32: 9,
+    torch.float64: 10,
+    torch.float8_e4m3fn: 11,
+    torch.float8_e5m2: 12,
+    torch.uint16: 13,
+    torch.uint32: 14,
+    torch.uint64: 15,
+}
+CODE_DTYPES: dict[int, torch.dtype] = {code: dt for dt, code in DTYPE_CODES.items()}
+_WIDTHS: dict[torch.dtype, int] = {
+    dt: torch.empty((), dtype=dt).element_size() for dt in DTYPE_CODES
+}
+#: torch dtype of the same-width integer view that `Item.values` uses.
+TORCH_INT_VIEW: dict[int, torch.dtype] = {
+    1: torch.uint8,
+    2: torch.int16,
+    4: torch.int32,
+    8: torch.int64,
+}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """Wire code of a supported dtype (TypeError for anything else)."""
+    code = DTYPE_CODES.get(dtype)
+    if code is None:
+        raise TypeError(f"dtype {dtype} is not supported by the codec")
+    return code
+
+
+def dtype_from_code(code: int) -> torch.dtype:
+    """Inverse of `dtype_code` for untrusted input (SchemaError for unknown codes)."""
+    dtype = CODE_DTYPES.get(code)
+    if dtype is None:
+        raise SchemaError(f"unknown dtype code {code}")
+    return dtype
+
+
+def width(dtype: torch.dtype) -> int:
+    """Element width in bytes of a supported dtype."""
+    w = _WIDTHS.get(dtype)
+    if w is None:
+        raise TypeError(f"dtype {dtype} is not supported by the codec")
+    return w
+
+
+def value_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype `Item.values` has for tensors of `dtype` (bool travels as uint8)."""
+    return TORCH_INT_VIEW[width(dtype)]
+
+
+def np_value_dtype(dtype: torch.dtype) -> np.dtype[np.generic]:
+    """numpy twin of `value_dtype`."""
+    return NP_INT_VIEW[width(dtype)]

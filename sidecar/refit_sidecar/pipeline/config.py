@@ -1,0 +1,39 @@
+"""Producer pipeline settings (defaults follow the paper's Appendix C "Pipeline settings")."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from refit_sidecar.codec.wire import CodecConfig
+
+
+class PipelineConfig(BaseModel):
+    """Sizes of the bounded stages; together they bound the producer's in-flight memory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    compare_workers: int = Field(default=2, ge=1, description="Threads comparing chunks.")
+    bucket_bytes: int = Field(
+        default=512 << 20,
+        ge=1,
+        description="Bucket target: input bytes of the chunks (with records) coalesced into one "
+        "payload. Chunks are never split, so a bucket can exceed it.",
+    )
+    max_chunks_in_flight: int = Field(
+        default=4,
+        ge=1,
+        description="Export chunks taken in but not yet coalesced (being or waiting to be "
+        "compared). The export is not read further while this many are held.",
+    )
+    payload_queue: int = Field(
+        default=2,
+        ge=1,
+        description="Buckets waiting for compression, and payloads waiting to be sent.",
+    )
+    cancel_grace_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="After a failure, how long to wait for a blocked send or export read "
+        "before giving up on it (the transport's stop_and_wait releases it).",
+    )
+    codec: CodecConfig = Field(default_factory=CodecConfig, description="Encoder settings.")

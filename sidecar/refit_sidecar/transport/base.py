@@ -1,0 +1,44 @@
+"""The transport adapter: the three calls the producer pipeline and the coordinator use.
+
+Real transports (ZeroMQ relay tree, S3) implement this protocol; the pipeline only calls `send`,
+from its send thread, and never looks inside a transport. Table B.1 of the paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from refit_sidecar.codec.wire import EncodedPayload
+
+
+@dataclass(frozen=True)
+class TransportSummary:
+    """What `stop_and_wait` reports for an attempt once its transport work has drained."""
+
+    attempt: str
+    payloads_sent: int
+    bytes_sent: int
+    payloads_acknowledged: int
+    errors: tuple[str, ...] = ()
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Moves a producer's payloads to the receivers of an attempt."""
+
+    def send(self, attempt: str, payload: EncodedPayload) -> None:
+        """Hand one payload over; returns once the transport has queued it (its staged ACK).
+
+        Blocking here is the pipeline's backpressure. Raising fails the attempt.
+        """
+        ...
+
+    def stop_and_wait(self, attempt: str) -> TransportSummary:
+        """Stop sending for `attempt`, wait for in-flight transport work, report counts."""
+        ...
+
+    def cleanup(self, attempt: str) -> None:
+        """Release everything the attempt left in the transport (objects, sockets, buffers)."""
+        ...

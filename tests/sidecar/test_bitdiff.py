@@ -1,0 +1,87 @@
+"""Change detection (step 1): the word-at-a-time kernel against a plain element-wise reference."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refit_sidecar.bitdiff import (
+    NP_INT_VIEW,
+    UnsupportedDtypeError,
+    changed_locations,
+    changed_mask,
+    diff_bits,
+    diff_bits_parallel,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    width=st.sampled_from([1, 2, 4, 8]),
+    n=st.integers(0, 3000),
+    rate=st.floats(0.0, 1.0),
+    block_words=st.sampled_from([1, 3, 64, 1 << 17]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_diff_bits_matches_elementwise_reference(
+    width: int, n: int, rate: float, block_words: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    dtype = NP_INT_VIEW[width]
+    old = rng.integers(0, 256, size=n * width, dtype=np.uint8).view(dtype)
+    new = old.copy()
+    flip = rng.random(n) < rate
+    raw = new.view(np.uint8).reshape(n, width)
+    raw[flip, rng.integers(0, width)] ^= np.uint8(1 << int(rng.integers(0, 8)))
+    diff = diff_bits(old, new, block_words=block_words)
+    expected = np.flatnonzero(old != new)
+    assert diff.locations.dtype == np.int64
+    assert np.array_equal(diff.locations, expected)
+    assert np.array_equal(diff.new_bits, new[expected])
+    assert np.array_equal(diff.xor_bits, old[expected] ^ new[expected])
+    assert diff.new_bits.dtype == dtype
+    assert diff.xor_bits.dtype == dtype
+
+
+def test_float_equality_would_be_wrong_but_bits_are_compared() -> None:
+    old = torch.tensor([0.0, float("nan"), 1.0, 1e-45], dtype=torch.float32)
+    new = torch.tensor([-0.0, float("nan"), 1.0, 0.0], dtype=torch.float32)
+    assert changed_mask(old, new).tolist() == [True, False, False, True]
+    assert changed_locations(old, new).tolist() == [0, 3]
+
+
+def test_mismatched_inputs_are_rejected() -> None:
+    with pytest.raises(ValueError, match="cannot compare"):
+        changed_mask(torch.zeros(3), torch.zeros(4))
+    with pytest.raises(ValueError, match="cannot compare"):
+        diff_bits(np.zeros(3, np.int16), np.zeros(3, np.int32))
+    with pytest.raises(UnsupportedDtypeError):
+        diff_bits(np.zeros(3, np.float32), np.zeros(3, np.float32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    width=st.sampled_from([1, 2, 4, 8]),
+    n=st.integers(0, 5000),
+    slice_bytes=st.sampled_from([1, 8, 100, 4096, 1 << 20]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_sliced_parallel_diff_equals_whole_tensor_diff(
+    width: int, n: int, slice_bytes: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    dtype = NP_INT_VIEW[width]
+    old = rng.integers(0, 256, size=n * width, dtype=np.uint8).view(dtype)
+    new = old.copy()
+    new.view(np.uint8)[rng.random(n * width) < 0.05] ^= 0x11
+    with ThreadPoolExecutor(2) as pool:
+        sliced = diff_bits_parallel(old, new, pool, slice_bytes=slice_bytes)
+    whole = diff_bits(old, new)
+    assert np.array_equal(sliced.locations, whole.locations)
+    assert np.array_equal(sliced.new_bits, whole.new_bits)
+    assert np.array_equal(sliced.xor_bits, whole.xor_bits)
