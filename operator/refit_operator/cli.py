@@ -53,5 +53,59 @@ def bench() -> None:
     """Benchmarks that report ratios measured in one run (see docs/performance.md)."""
 
 
+@bench.command("codec")
+@click.option("--quick", is_flag=True, help="A 128 MiB checkpoint instead of 1 GiB (< 60 s).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option(
+    "--checkpoint-mib",
+    type=click.IntRange(1, None),
+    help="Synthetic checkpoint size in MiB (default 1024, or 128 with --quick).",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory for the file-backed baseline (default: the system temp directory).",
+)
+def bench_codec(
+    quick: bool, as_json: bool, checkpoint_mib: int | None, workdir: Path | None
+) -> None:
+    """Codec: the paper's Table 2 XOR/overwrite sizes and synthetic-checkpoint encode speed."""
+    import json
+
+    from refit_operator.logs import configure_logging
+    from refit_sidecar.bench.codec import format_report, run_codec_bench
+
+    configure_logging(level="WARNING")
+    result = run_codec_bench(
+        quick=quick,
+        checkpoint_bytes=checkpoint_mib * (1 << 20) if checkpoint_mib else None,
+        workdir=workdir,
+        say=lambda msg: click.echo(msg, err=True),
+    )
+    click.echo(json.dumps(result) if as_json else format_report(result))
+
+
+@bench.command("apply")
+@click.option(
+    "--size-mib",
+    type=click.IntRange(16, None),
+    default=1024,
+    show_default=True,
+    help="Synthetic model size.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def bench_apply(size_mib: int, as_json: bool) -> None:
+    """Receiver apply throughput through a generic native loader (XOR and overwrite)."""
+    import json
+
+    from refit_sidecar.bench.apply import run_apply_bench
+
+    result = run_apply_bench(
+        size_bytes=size_mib << 20, say=lambda msg: click.echo(msg, err=as_json)
+    )
+    if as_json:
+        click.echo(json.dumps(result))
+
+
 if __name__ == "__main__":
     main()

