@@ -1,0 +1,93 @@
+"""HTTP client of a trainer sidecar's producer (implements the coordinator's ProducerClient)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import aiohttp
+from pydantic import BaseModel
+
+from refit_operator.commit_store import CommitRecord
+from refit_operator.ports import AttemptPlan, EndpointError, SentReport
+from refit_operator.producer_api import (
+    PRODUCER_PREFIX,
+    AttemptPlanModel,
+    BaselineUpdateRequest,
+    ProducerAttemptRequest,
+    ProducerStatus,
+    SentReportModel,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Ack(BaseModel):
+    ok: bool = True
+
+
+class HttpProducerClient:
+    """One producer's control endpoint. Share one `aiohttp.ClientSession` among clients."""
+
+    def __init__(
+        self,
+        producer: int,
+        base_url: str,
+        *,
+        token: str | None,
+        session: aiohttp.ClientSession,
+        timeout_s: float = 3600.0,
+    ) -> None:
+        self.producer = producer
+        self.base_url = base_url.rstrip("/")
+        self._session = session
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def _call(self, method: str, path: str, body: BaseModel | None, out: type[M]) -> M:
+        headers = dict(self._headers)
+        data = None
+        if body is not None:
+            data = body.model_dump_json().encode()
+            headers["Content-Type"] = "application/json"
+        url = f"{self.base_url}{PRODUCER_PREFIX}{path}"
+        try:
+            async with self._session.request(
+                method, url, data=data, headers=headers, timeout=self._timeout
+            ) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    try:
+                        err: Any = json.loads(raw).get("error")
+                    except ValueError:
+                        err = raw[:300].decode(errors="replace")
+                    raise EndpointError(
+                        f"producer {self.producer}{path}: HTTP {resp.status}: {err}"
+                    )
+                return out.model_validate_json(raw)
+        except aiohttp.ClientError as exc:
+            raise EndpointError(f"producer {self.producer}{path}: {exc}") from exc
+
+    async def status(self) -> ProducerStatus:
+        return await self._call("GET", "/status", None, ProducerStatus)
+
+    async def start(self, plan: AttemptPlan) -> None:
+        await self._call("POST", "/start", AttemptPlanModel.of(plan), _Ack)
+
+    async def wait_sent(self, attempt: str) -> SentReport:
+        model = await self._call(
+            "POST", "/wait-sent", ProducerAttemptRequest(attempt=attempt), SentReportModel
+        )
+        return model.report()
+
+    async def stop_and_wait(self, attempt: str) -> None:
+        await self._call("POST", "/stop", ProducerAttemptRequest(attempt=attempt), _Ack)
+
+    async def cleanup(self, attempt: str) -> None:
+        await self._call("POST", "/cleanup", ProducerAttemptRequest(attempt=attempt), _Ack)
+
+    async def update_baseline(self, attempt: str, record: CommitRecord) -> None:
+        req = BaselineUpdateRequest(
+            attempt=attempt, version=record.version, baseline_id=record.baseline_id
+        )
+        await self._call("POST", "/update-baseline", req, _Ack)

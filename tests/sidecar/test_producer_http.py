@@ -1,0 +1,68 @@
+"""The producer's HTTP control plane on a real socket: the coordinator's client drives an
+attempt end to end; a missing or wrong token is refused."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from refit_operator.commit_store import CommitRecord
+from refit_operator.ports import AttemptPlan, EndpointError
+from refit_operator.producer_client import HttpProducerClient
+from refit_sidecar.baseline.chunks import chunk_export
+from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+from refit_sidecar.producer_http import create_producer_app
+from refit_sidecar.producer_service import ProducerService
+from tests.sidecar.test_producer_service import RecordingTransportFake, bump, state
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[tuple[str, ProducerService]]:
+    baseline = SourceBaseline(
+        producer=0, producers=1, config=BaselineConfig(directory=tmp_path, export_chunk_bytes=20000)
+    )
+    baseline.load_initial(chunk_export(state(0).items(), 20000))
+    service = ProducerService(baseline, RecordingTransportFake())
+    runner = web.AppRunner(create_producer_app(service, token=TOKEN))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}", service
+    await runner.cleanup()
+    baseline.close()
+
+
+async def test_attempt_over_http(served) -> None:  # type: ignore[no-untyped-def]
+    url, service = served
+    v1 = bump(state(0), 1)
+    service.stage_candidate(1, lambda: list(chunk_export(v1.items(), 20000)))
+    async with aiohttp.ClientSession() as session:
+        client = HttpProducerClient(0, url, token=TOKEN, session=session)
+        plan = AttemptPlan("a1", 0, 1, "g1", "mixed", frozenset(), ("r0",))
+        await client.start(plan)
+        sent = await client.wait_sent("a1")
+        assert sent.payloads > 0
+        assert sent.changed_elements > 0
+        await client.update_baseline("a1", CommitRecord(1, "g1"))
+        status = await client.status()
+        assert (status.committed_version, status.committed_baseline) == (1, "g1")
+        with pytest.raises(EndpointError, match="unknown attempt"):
+            await client.wait_sent("nope")
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+async def test_token_required(served, token: str | None) -> None:  # type: ignore[no-untyped-def]
+    url, _ = served
+    async with aiohttp.ClientSession() as session:
+        client = HttpProducerClient(0, url, token=token, session=session)
+        with pytest.raises(EndpointError, match="401"):
+            await client.status()
+        async with session.get(url + "/healthz") as resp:
+            assert resp.status == 200

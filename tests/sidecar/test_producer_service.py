@@ -1,0 +1,152 @@
+"""The producer service end to end on the real pipeline and baseline: a mixed attempt, a
+retry rebuilt from the pending delta without a new export, and the baseline update."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from refit_operator.commit_store import CommitRecord
+from refit_operator.ports import AttemptPlan, EndpointError
+from refit_sidecar.baseline.chunks import ExportChunk, chunk_export
+from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+from refit_sidecar.bitdiff import int_view
+from refit_sidecar.codec import EncodedPayload, Op, apply_item_, decode_payload
+from refit_sidecar.producer_service import ProducerService
+from refit_sidecar.transport.base import TransportSummary
+
+
+class RecordingTransportFake:
+    """Keeps payloads in memory; can be told to fail a send (a fault to inject)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, list[EncodedPayload]] = {}
+        self.fail_after: int | None = None
+        self.lock = threading.Lock()
+
+    def send(self, attempt: str, payload: EncodedPayload) -> None:
+        with self.lock:
+            got = self.sent.setdefault(attempt, [])
+            if self.fail_after is not None and len(got) >= self.fail_after:
+                raise ConnectionError("link down")
+            got.append(payload)
+
+    def stop_and_wait(self, attempt: str) -> TransportSummary:
+        n = len(self.sent.get(attempt, []))
+        return TransportSummary(attempt, n, 0, n)
+
+    def cleanup(self, attempt: str) -> None:
+        self.sent.pop(attempt, None)
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"layer{i}.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16) for i in range(8)
+    }
+
+
+def bump(s: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, t in s.items():
+        v = int_view(t).clone()
+        pick = torch.rand(v.shape, generator=g) < 0.05
+        v[pick] ^= 1
+        out[n] = v.view(torch.bfloat16).reshape(t.shape)
+    return out
+
+
+def plan(attempt: str, mode: str) -> AttemptPlan:
+    return AttemptPlan(attempt, 0, 1, "g1", mode, frozenset(), ("r0",))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[tuple[ProducerService, RecordingTransportFake]]:
+    transport = RecordingTransportFake()
+    baseline = SourceBaseline(
+        producer=0, producers=1, config=BaselineConfig(directory=tmp_path, export_chunk_bytes=20000)
+    )
+    baseline.load_initial(chunk_export(state(0).items(), 20000))
+    yield ProducerService(baseline, transport), transport
+    baseline.close()
+
+
+def replay(old: dict[str, torch.Tensor], payloads: list[EncodedPayload]) -> dict[str, torch.Tensor]:
+    out = {n: t.clone() for n, t in old.items()}
+    for p in payloads:
+        for item in decode_payload(p.body).items:
+            apply_item_(out[item.meta.name], item)
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(int_view(a[n]), int_view(b[n])) for n in a)
+
+
+async def test_mixed_attempt_then_baseline_update(service) -> None:  # type: ignore[no-untyped-def]
+    svc, transport = service
+    v0, v1 = state(0), bump(state(0), 1)
+    exports = []
+
+    def export() -> list[ExportChunk]:
+        exports.append(1)
+        return list(chunk_export(v1.items(), 20000))
+
+    svc.stage_candidate(1, export)
+    await svc.start(plan("a1", "mixed"))
+    sent = await svc.wait_sent("a1")
+    assert sent.payloads == len(transport.sent["a1"]) > 0
+    assert 0 < sent.changed_elements < sent.total_elements == 8 * 64 * 64
+    assert same(replay(v0, transport.sent["a1"]), v1)
+    await svc.update_baseline("a1", CommitRecord(1, "g1"))
+    await svc.update_baseline("a1", CommitRecord(1, "g1"))  # idempotent
+    assert all(
+        torch.equal(
+            torch.from_numpy(svc.baseline.stored_bits(n).copy()).reshape(-1), int_view(v1[n])
+        )
+        for n in v1
+    )
+    assert exports == [1]
+    with pytest.raises(ValueError, match="not the next"):
+        svc.stage_candidate(1, export)
+
+
+async def test_retry_is_overwrite_from_pending_delta(service) -> None:  # type: ignore[no-untyped-def]
+    svc, transport = service
+    v0, v1 = state(0), bump(state(0), 2)
+    exports = []
+
+    def export() -> list[ExportChunk]:
+        exports.append(1)
+        return list(chunk_export(v1.items(), 20000))
+
+    svc.stage_candidate(1, export)
+    await svc.start(plan("a1", "mixed"))
+    await svc.wait_sent("a1")
+    await svc.stop_and_wait("a1")
+    await svc.cleanup("a1")
+    await svc.start(plan("a2", "overwrite"))
+    await svc.wait_sent("a2")
+    items = [i for p in transport.sent["a2"] for i in decode_payload(p.body).items]
+    assert items
+    assert all(i.op is Op.OVERWRITE for i in items)
+    assert exports == [1]  # no second export for the retry
+    # Overwrites repair a receiver that holds any mixture of v0 and v1 bits.
+    assert same(replay(v0, transport.sent["a2"]), v1)
+    await svc.update_baseline("a2", CommitRecord(1, "g2"))
+
+
+async def test_transport_failure_surfaces(service) -> None:  # type: ignore[no-untyped-def]
+    svc, transport = service
+    svc.stage_candidate(1, lambda: list(chunk_export(bump(state(0), 3).items(), 20000)))
+    transport.fail_after = 0
+    await svc.start(plan("a1", "mixed"))
+    with pytest.raises(EndpointError, match="link down"):
+        await svc.wait_sent("a1")
+    with pytest.raises(EndpointError, match="no candidate"):
+        await svc.start(AttemptPlan("a9", 1, 2, "g", "mixed", frozenset(), ()))
