@@ -63,6 +63,15 @@ class PrepareRequest(_Msg):
     sync: bool = True  # sync RL: apply during delivery after open_apply; async: stage first
     producers: list[int]
     coordinator: str = ""
+    # Additions of the delivery layer (defaults keep older callers valid):
+    check_samples: int = Field(
+        default=0, ge=-1, description="Post-apply checks per payload: 0 off, N samples, -1 all."
+    )
+    relay_tree: list[str] = Field(
+        default_factory=list,
+        description="ZeroMQ endpoints of every relay node in tree order for this attempt "
+        "(empty: the receiver's configured order). Membership changes only between attempts.",
+    )
 
 
 class PrepareResponse(_Msg):
@@ -91,9 +100,26 @@ class ManifestEntry(_Msg):
     size: int = Field(ge=0)
 
 
+class ManifestResponse(_Msg):
+    """How a receiver took a manifest entry: staged (202), duplicate (200), wait (429)."""
+
+    node: str
+    status: str
+    error: str = ""
+
+
+class StreamEnd(_Msg):
+    """A producer finished its stream of `attempt` with `total` payloads (orders 0..total-1)."""
+
+    attempt: str
+    producer: int = Field(ge=0)
+    total: int = Field(ge=0)
+
+
 class RelayFlushRequest(_Msg):
     attempt: str
     expected: dict[int, int]  # producer -> payloads it reported sent
+    timeout_s: float | None = Field(default=None, gt=0, description="None: receiver default.")
 
 
 class RelayFlushResponse(_Msg):
@@ -108,6 +134,7 @@ class FlushRequest(_Msg):
     attempt: str
     expected: dict[int, int]  # producer -> payload count
     check_samples: int = 0
+    timeout_s: float | None = Field(default=None, gt=0, description="None: receiver default.")
 
 
 class FlushResponse(_Msg):
@@ -140,6 +167,7 @@ class CommitNotice(_Msg):
 
     attempt: str
     version: int
+    dense: bool = False  # a dense restore wrote every bit of `version` (no attempt involved)
 
 
 class ReceiverStatus(_Msg):
@@ -151,3 +179,5 @@ class ReceiverStatus(_Msg):
     applied: int = 0
     gate_closed: bool = False
     errors: list[str] = Field(default_factory=list)
+    dirty: bool = False  # partial writes since held_version: only overwrite attempts admissible
+    dropped: int = 0  # payloads of obsolete attempts dropped since start

@@ -175,14 +175,10 @@ class Coordinator:
                         time.time() + self.config.commit_timeout_s,
                     ),
                 )
+                nodes = tuple(r.node for r in receivers)
+                tree = tuple(await self.membership.relay_tree(nodes))
                 plan = AttemptPlan(
-                    tau,
-                    kv.version,
-                    target,
-                    new.baseline_id,
-                    mode,
-                    xor_incompatible,
-                    tuple(r.node for r in receivers),
+                    tau, kv.version, target, new.baseline_id, mode, xor_incompatible, nodes, tree
                 )
                 progress.attempt_id = tau
                 await self._phase(progress, "Preparing")
@@ -294,6 +290,8 @@ class Coordinator:
             sync=self.config.sync,
             producers=[p.producer for p in self.producers],
             coordinator=self.name,
+            check_samples=self.config.check_samples,
+            relay_tree=list(plan.relay_tree),
         )
         answers = await asyncio.gather(
             *(self._call(r.prepare(req)) for r in receivers), return_exceptions=True

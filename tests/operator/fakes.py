@@ -5,6 +5,7 @@ attempt is applied on top of bits other than the attempt's base version."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from refit_operator.api import (
@@ -165,6 +166,9 @@ class FakeMembership:
 
     async def receivers(self) -> list[ReceiverClient]:
         return list(self.members)
+
+    async def relay_tree(self, nodes: Sequence[str]) -> list[str]:
+        return [f"tcp://{n}" for n in nodes]
 
     async def confirmed_dead(self, node: str) -> bool:
         return node in self.confirmed

@@ -1,0 +1,143 @@
+"""Start local processes with bounded start-up, logs on disk and teardown by process group.
+
+Used by `kuberefit demo` (local mode) and by the test harness."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+
+class ComponentError(RuntimeError):
+    """A real component could not be started or stopped; the message carries its log tail."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports, all held open until every one is chosen."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class ManagedProcess:
+    """One real process in its own process group, logging to `log_path`.
+
+    `start()` waits for `ready()` to return True within `timeout` seconds, else kills the process
+    and raises ComponentError with the log tail. `stop()` sends SIGTERM to the whole group, then
+    SIGKILL after `grace` seconds, so nothing is left running.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.env = dict(os.environ if env is None else env)
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, f"{self.name} not started"
+        return self.proc.pid
+
+    def start(self, ready: Callable[[], bool], *, timeout: float) -> ManagedProcess:
+        """Launch and wait until `ready()`; on failure the process is stopped and its log shown."""
+        self.launch()
+        return self.wait_ready(ready, timeout=timeout)
+
+    def launch(self) -> ManagedProcess:
+        """Start the process without waiting (several can then boot in parallel)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise ComponentError(f"{self.name}: cannot execute {self.argv[0]}: {exc}") from exc
+        finally:
+            log.close()
+        return self
+
+    def wait_ready(self, ready: Callable[[], bool], *, timeout: float) -> ManagedProcess:
+        assert self.proc is not None, f"{self.name} not launched"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ComponentError(
+                    f"{self.name} exited with code {self.proc.returncode} during start-up; "
+                    f"log {self.log_path}:\n{log_tail(self.log_path)}"
+                )
+            with contextlib.suppress(Exception):
+                if ready():
+                    return self
+            time.sleep(0.1)
+        self.stop()
+        raise ComponentError(
+            f"{self.name} not ready within {timeout:.0f}s; log {self.log_path}:\n"
+            f"{log_tail(self.log_path)}"
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (SIGKILL by default), as a crash would."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.proc.wait(timeout=grace)
+        # Children that outlived the leader still belong to the group.
+        self.kill(signal.SIGKILL)

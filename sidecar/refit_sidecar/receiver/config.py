@@ -1,0 +1,107 @@
+"""Receiver node settings (one pydantic model, loaded from a JSON file by `python -m`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from refit_sidecar.transport.relay import RelayConfig
+from refit_sidecar.transport.s3 import S3Config
+
+
+class ApplierConfig(BaseModel):
+    """Which applier writes the weights of this node."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["inprocess", "vllm", "factory"] = Field(
+        default="vllm",
+        description="inprocess: `factory` returns a torch module with load_weights (local mode, "
+        "tests); vllm: the vLLM server's /collective_rpc; factory: `factory` returns an Applier.",
+    )
+    factory: str = Field(
+        default="", description="'module:callable' for kinds inprocess and factory."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the factory."
+    )
+    device: str = Field(default="cpu", description="inprocess: torch device of the module.")
+    vllm_url: str = Field(
+        default="http://127.0.0.1:8000", description="vllm: base URL of the OpenAI server."
+    )
+    vllm_api_key: SecretStr | None = Field(default=None, description="vllm: its --api-key.")
+    shm_dir: Path = Field(
+        default=Path("/dev/shm/kuberefit"),
+        description="vllm: shared-memory directory the workers read staged payload files from.",
+    )
+    rpc_timeout_s: float = Field(default=600.0, gt=0, description="vllm: per-call timeout.")
+    pause_mode: Literal["wait", "abort", "keep"] = Field(
+        default="wait",
+        description="vllm: how /pause treats in-flight requests when the gate closes.",
+    )
+
+
+class ReceiverConfig(BaseModel):
+    """One rollout node's receiver. Defaults follow the paper's Appendix C."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    node: str = Field(description="Node name reported in every answer.")
+    host: str = Field(default="127.0.0.1", description="HTTP bind address.")
+    port: int = Field(default=8470, ge=0, le=65535, description="HTTP port (0: pick one).")
+    token: SecretStr | None = Field(default=None, description="Bearer token (HTTP and ZMQ).")
+    token_file: Path | None = Field(default=None, description="File holding the token.")
+    allow_insecure: bool = Field(
+        default=False,
+        description="Serve without a token on a non-loopback address (never in production).",
+    )
+    held_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="Version whose bits the runtime holds at start (e.g. loaded densely).",
+    )
+    queue_groups: int = Field(default=32, ge=1, description="Resident groups of the apply queue.")
+    group_size: int = Field(
+        default=8, ge=1, description="Payloads per group; one group is applied per call."
+    )
+    staging_workers: int = Field(default=2, ge=1, description="Threads validating/decoding.")
+    download_workers: int = Field(default=4, ge=1, description="Threads downloading from S3.")
+    download_retries: int = Field(default=3, ge=0, description="Retries of a failed download.")
+    async_staging_max_bytes: int = Field(
+        default=64 << 30,
+        gt=0,
+        description="Async RL: most compressed bytes staged in host memory before the gate "
+        "closes; more fails the attempt (it cannot wait: nothing applies until open_apply).",
+    )
+    manifest_wait_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="How long a manifest request waits for queue room before answering 429.",
+    )
+    flush_timeout_s: float = Field(default=600.0, gt=0, description="Default flush deadline.")
+    relay_flush_timeout_s: float = Field(
+        default=120.0, gt=0, description="Default relay-flush deadline."
+    )
+    stop_timeout_s: float = Field(
+        default=120.0, gt=0, description="How long stop waits for the apply in progress."
+    )
+    check_samples: int = Field(
+        default=0, ge=-1, description="Post-apply checks per payload when prepare asks none."
+    )
+    max_control_body_bytes: int = Field(
+        default=64 << 20, gt=0, description="Largest control-plane request (prewarm metadata)."
+    )
+    relay: RelayConfig | None = Field(default=None, description="Relay-tree node (ZeroMQ).")
+    s3: S3Config | None = Field(default=None, description="Object-storage downloads.")
+    applier: ApplierConfig = Field(default_factory=ApplierConfig)
+
+    @property
+    def queue_capacity(self) -> int:
+        """Decoded payload slots: resident groups plus one group under assembly (264)."""
+        return (self.queue_groups + 1) * self.group_size
+
+
+def load_config(path: Path) -> ReceiverConfig:
+    return ReceiverConfig.model_validate_json(path.read_text())

@@ -1,0 +1,34 @@
+"""Typed receiver errors; the HTTP layer maps each to a status code and a JSON body."""
+
+from __future__ import annotations
+
+
+class ReceiverError(Exception):
+    """A control call cannot be served in the current state (HTTP 409 unless said otherwise)."""
+
+    http_status = 409
+    status = "conflict"
+
+
+class BadRequestError(ReceiverError):
+    """The request is well-formed JSON but semantically invalid (HTTP 400)."""
+
+    http_status = 400
+    status = "bad_request"
+
+
+class ObsoleteAttemptError(ReceiverError):
+    """A later prepare replaced this attempt: the call is ignored (HTTP 409)."""
+
+    status = "obsolete"
+
+
+class UnknownAttemptError(ReceiverError):
+    """This node was never prepared for the attempt (HTTP 409)."""
+
+    status = "unknown_attempt"
+
+
+class ReceptionError(ValueError):
+    """A payload failed a reception check that is not a codec error (loader classification,
+    identity, producer set); the attempt fails before the payload is applied."""

@@ -1,0 +1,101 @@
+"""Assembles one receiver node: applier + core + relay-tree node + HTTP service."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from refit_sidecar.receiver.applier import Applier, InProcessApplier, load_object
+from refit_sidecar.receiver.config import ApplierConfig, ReceiverConfig
+from refit_sidecar.receiver.core import ReceiverCore
+from refit_sidecar.receiver.metrics import ReceiverMetrics
+from refit_sidecar.receiver.service import create_app
+from refit_sidecar.transport.auth import endpoint_host, require_token_or_loopback, resolve_token
+from refit_sidecar.transport.relay import RelayServer
+from refit_sidecar.transport.s3 import S3Fetcher
+
+log = structlog.get_logger("kuberefit.receiver")
+
+
+def build_applier(cfg: ApplierConfig) -> Applier:
+    """The configured applier (factories are named in trusted config, never in requests)."""
+    if cfg.kind == "vllm":
+        from refit_sidecar.receiver.vllm_applier import VllmHttpApplier
+
+        return VllmHttpApplier(cfg)
+    if not cfg.factory:
+        raise ValueError(f"applier kind {cfg.kind!r} needs a factory 'module:callable'")
+    made: Any = load_object(cfg.factory)(**cfg.options)
+    if cfg.kind == "inprocess":
+        return InProcessApplier(made, cfg.device)
+    return made  # type: ignore[no-any-return]
+
+
+class ReceiverNode:
+    """One node's receiver: start() brings up the relay and the HTTP site, close() stops both."""
+
+    def __init__(self, config: ReceiverConfig, applier: Applier | None = None) -> None:
+        self.config = config
+        self.token = resolve_token(config.token, config.token_file)
+        hosts = [config.host]
+        if config.relay is not None:
+            hosts.append(endpoint_host(config.relay.bind))
+        require_token_or_loopback(
+            f"receiver {config.node}", hosts, self.token, allow_insecure=config.allow_insecure
+        )
+        if not self.token:
+            log.warning("receiver.no_token", node=config.node, hosts=hosts)
+        self.metrics = ReceiverMetrics()
+        fetcher = S3Fetcher(config.s3) if config.s3 is not None else None
+        self.applier = applier if applier is not None else build_applier(config.applier)
+        self.core = ReceiverCore(config, self.applier, metrics=self.metrics, fetcher=fetcher)
+        self.relay: RelayServer | None = None
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        if self.config.relay is not None:
+            self.relay = RelayServer(
+                self.config.relay, self.core, token=self.token, registry=self.metrics.registry
+            ).start()
+            self.core.relay = self.relay
+        app = create_app(self.core, token=self.token)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=5.0
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.port = int(sockets[0].getsockname()[1]) if sockets else self.config.port
+        log.info(
+            "receiver.ready",
+            node=self.config.node,
+            http=f"{self.config.host}:{self.port}",
+            relay=self.relay.bound if self.relay else None,
+        )
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.relay is not None:
+            self.relay.close()
+        self.core.close()
+        self.applier.close()
+
+    async def run_forever(self) -> None:
+        """Serve until SIGTERM/SIGINT."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.close()

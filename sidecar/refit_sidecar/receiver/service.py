@@ -1,0 +1,216 @@
+"""The receiver's HTTP control plane (aiohttp): one app per node, bearer-token authenticated.
+
+Every body is one of the pydantic models of `refit_operator.api`; a malformed body is a 400 that
+changes nothing. Calls that may block (prepare joins a replaced attempt's apply, flush waits for
+the queue, prewarm runs the loader) run on a dedicated thread pool so the event loop keeps
+serving manifests and status. `/healthz` is open (liveness probes carry no token and learn
+nothing); `/metrics` requires the token like everything else (Prometheus scrape configs send it
+with `authorization: {credentials_file: ...}`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from refit_operator.api import (
+    API_PREFIX,
+    AttemptRequest,
+    CommitNotice,
+    FlushRequest,
+    GateRequest,
+    ManifestEntry,
+    ManifestResponse,
+    PrepareRequest,
+    PrewarmRequest,
+    RelayFlushRequest,
+    StreamEnd,
+)
+from refit_sidecar.receiver.core import ReceiverCore
+from refit_sidecar.receiver.errors import ReceiverError
+from refit_sidecar.transport.auth import tokens_equal
+from refit_sidecar.transport.frames import AckStatus
+
+log = structlog.get_logger("kuberefit.receiver.http")
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+CORE: web.AppKey[ReceiverCore] = web.AppKey("core", ReceiverCore)
+POOL: web.AppKey[ThreadPoolExecutor] = web.AppKey("pool", ThreadPoolExecutor)
+
+#: HTTP status of each answer to a payload offer (manifest, stream end).
+OFFER_STATUS = {
+    AckStatus.STAGED: 202,
+    AckStatus.DUPLICATE: 200,
+    AckStatus.WAIT: 429,
+    AckStatus.OBSOLETE: 409,
+    AckStatus.UNKNOWN_ATTEMPT: 409,
+    AckStatus.REJECTED: 422,
+    AckStatus.READY: 200,
+}
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=lambda d: json.dumps(d))
+
+
+def _model(obj: BaseModel, status: int = 200) -> web.Response:
+    return web.Response(
+        body=obj.model_dump_json().encode(), status=status, content_type="application/json"
+    )
+
+
+async def _parse(request: web.Request, model: type[M]) -> M:
+    raw = await request.read()
+    return model.model_validate_json(raw or b"{}")
+
+
+def create_app(
+    core: ReceiverCore, *, token: str | None, control_threads: int = 16
+) -> web.Application:
+    """The node's aiohttp application (the caller runs and cleans it up)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = (
+            request.match_info.route.resource.canonical
+            if request.match_info.route.resource
+            else "other"
+        )
+        status = 500
+        try:
+            if request.path not in OPEN_PATHS:
+                header = request.headers.get("Authorization", "")
+                given = header[7:] if header.startswith("Bearer ") else None
+                if not tokens_equal(token, given):
+                    core.metrics.unauthorized.inc()
+                    status = 401
+                    return web.json_response(
+                        {"error": "missing or invalid bearer token", "status": "unauthorized"},
+                        status=401,
+                        headers={"WWW-Authenticate": 'Bearer realm="kuberefit"'},
+                    )
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except ValidationError as exc:
+            status = 400
+            errors = exc.errors(include_url=False, include_input=False, include_context=False)
+            return _json(
+                {
+                    "error": "invalid request body",
+                    "status": "bad_request",
+                    "details": json.loads(json.dumps(errors, default=str)),
+                },
+                400,
+            )
+        except ReceiverError as exc:
+            status = exc.http_status
+            return _json({"error": str(exc), "status": exc.status}, exc.http_status)
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except Exception as exc:
+            log.exception("receiver.http_error", node=core.node, path=request.path)
+            return _json({"error": f"internal error: {type(exc).__name__}", "status": "error"}, 500)
+        finally:
+            core.metrics.http.labels(path, str(status)).inc()
+
+    app = web.Application(middlewares=[guard], client_max_size=core.config.max_control_body_bytes)
+    app[CORE] = core
+    app[POOL] = ThreadPoolExecutor(control_threads, thread_name_prefix="refit-control")
+
+    async def blocking(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(app[POOL], fn, *args)
+
+    async def healthz(_: web.Request) -> web.Response:
+        return _json({"ok": True, "node": core.node})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(core.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+    async def status(_: web.Request) -> web.Response:
+        return _model(core.status())
+
+    async def prewarm(request: web.Request) -> web.Response:
+        return _model(await blocking(core.prewarm, await _parse(request, PrewarmRequest)))
+
+    async def prepare(request: web.Request) -> web.Response:
+        return _model(await blocking(core.prepare, await _parse(request, PrepareRequest)))
+
+    async def gate(request: web.Request) -> web.Response:
+        return _model(await blocking(core.gate, await _parse(request, GateRequest)))
+
+    async def open_apply(request: web.Request) -> web.Response:
+        req = await _parse(request, AttemptRequest)
+        return _model(await blocking(core.open_apply, req.attempt))
+
+    async def relay_flush(request: web.Request) -> web.Response:
+        return _model(await blocking(core.relay_flush, await _parse(request, RelayFlushRequest)))
+
+    async def flush(request: web.Request) -> web.Response:
+        return _model(await blocking(core.flush, await _parse(request, FlushRequest)))
+
+    async def stop(request: web.Request) -> web.Response:
+        req = await _parse(request, AttemptRequest)
+        return _model(await blocking(core.stop, req.attempt))
+
+    async def cleanup(request: web.Request) -> web.Response:
+        req = await _parse(request, AttemptRequest)
+        return _model(await blocking(core.cleanup, req.attempt))
+
+    async def commit(request: web.Request) -> web.Response:
+        return _model(await blocking(core.commit, await _parse(request, CommitNotice)))
+
+    async def manifest(request: web.Request) -> web.Response:
+        entry = await _parse(request, ManifestEntry)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + core.config.manifest_wait_s
+        delay = 0.005
+        while True:
+            verdict, error = core.offer_manifest(entry)
+            if verdict is not AckStatus.WAIT or loop.time() >= deadline:
+                break
+            await asyncio.sleep(delay)  # backpressure: the producer's request waits here
+            delay = min(delay * 2, 0.1)
+        body = ManifestResponse(node=core.node, status=verdict.value, error=error)
+        return _model(body, OFFER_STATUS[verdict])
+
+    async def stream_end(request: web.Request) -> web.Response:
+        verdict, error = core.stream_end(await _parse(request, StreamEnd))
+        code = 200 if verdict is AckStatus.STAGED else OFFER_STATUS[verdict]
+        return _model(ManifestResponse(node=core.node, status=verdict.value, error=error), code)
+
+    p = API_PREFIX
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get(f"{p}/status", status)
+    app.router.add_post(f"{p}/prewarm", prewarm)
+    app.router.add_post(f"{p}/prepare", prepare)
+    app.router.add_post(f"{p}/gate", gate)
+    app.router.add_post(f"{p}/open-apply", open_apply)
+    app.router.add_post(f"{p}/manifest", manifest)
+    app.router.add_post(f"{p}/stream-end", stream_end)
+    app.router.add_post(f"{p}/relay-flush", relay_flush)
+    app.router.add_post(f"{p}/flush", flush)
+    app.router.add_post(f"{p}/stop", stop)
+    app.router.add_post(f"{p}/cleanup", cleanup)
+    app.router.add_post(f"{p}/commit", commit)
+
+    async def shutdown(app: web.Application) -> None:
+        app[POOL].shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(shutdown)
+    return app

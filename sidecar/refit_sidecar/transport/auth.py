@@ -1,0 +1,66 @@
+"""Shared-token authentication for every delivery endpoint (HTTP bearer, ZeroMQ frame metadata).
+
+One comparison function, constant-time, so no endpoint can leak the token through timing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from pydantic import SecretStr
+
+#: Environment variable read when neither a token nor a token file is configured.
+TOKEN_ENV = "KUBEREFIT_TOKEN"  # noqa: S105 - the name of a variable, not a secret
+
+
+def tokens_equal(expected: str | None, given: str | None) -> bool:
+    """True when no token is required, or `given` equals `expected` (constant time)."""
+    if not expected:
+        return True
+    if given is None:
+        return False
+    return hmac.compare_digest(expected.encode(), given.encode())
+
+
+def resolve_token(token: SecretStr | None, token_file: Path | None) -> str | None:
+    """The token: explicit value, else a file (a mounted Secret), else $KUBEREFIT_TOKEN."""
+    if token is not None and token.get_secret_value():
+        return token.get_secret_value()
+    if token_file is not None:
+        value = token_file.read_text().strip()
+        if not value:
+            raise ValueError(f"token file {token_file} is empty")
+        return value
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and "localhost"; anything else (incl. 0.0.0.0) is not."""
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host part of a ZeroMQ tcp:// endpoint or an HTTP URL."""
+    host = urlsplit(endpoint).hostname
+    return host or ""
+
+
+def require_token_or_loopback(
+    what: str, hosts: list[str], token: str | None, *, allow_insecure: bool
+) -> None:
+    """Refuse to serve unauthenticated on anything but loopback unless explicitly allowed."""
+    exposed = [h for h in hosts if not is_loopback_host(h)]
+    if exposed and not token and not allow_insecure:
+        raise ValueError(
+            f"{what}: refusing to listen on {exposed} without a token; configure one "
+            f"(token, token_file or ${TOKEN_ENV}) or set allow_insecure=true explicitly"
+        )

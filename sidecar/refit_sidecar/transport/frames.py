@@ -1,0 +1,148 @@
+"""ZeroMQ relay-tree frames: `[kind, JSON metadata, body]`, authenticated by a token in metadata.
+
+Kinds sent to a relay (DEALER -> ROUTER):
+- `DATA`  — one payload: metadata names it (attempt, producer, payload id, order, digest, size),
+  the body frame carries the payload's wire bytes unchanged;
+- `PROBE` — the same metadata without a body: "may I send it now?" after a WAIT;
+- `END`   — a producer's stream of the attempt is complete with `total` payloads.
+A relay answers each with one `ACK` frame pair `[b"ACK", JSON]` whose `status` says what it did.
+Metadata is parsed with pydantic from bounded JSON; bodies are never unpickled, only hashed and
+decoded by the codec.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from refit_sidecar.codec.errors import CodecError, DigestMismatch, HeaderMismatch
+from refit_sidecar.codec.wire import DIGEST_SIZE, MAX_ATTEMPT_BYTES, PREAMBLE_SIZE, peek_header
+
+DATA = b"DATA"
+PROBE = b"PROBE"
+END = b"END"
+ACK = b"ACK"
+REQUEST_KINDS = (DATA, PROBE, END)
+#: Metadata larger than this is malformed (the real thing is a few hundred bytes).
+MAX_META_BYTES = 16 << 10
+
+
+class AckStatus(enum.StrEnum):
+    """What a relay did with a frame."""
+
+    STAGED = "staged"  # registered, local staging and child forwards submitted (the staged ACK)
+    DUPLICATE = "duplicate"  # same id and digest seen before: ignored, acknowledged again
+    WAIT = "wait"  # queue full: not taken, send a PROBE later (backpressure)
+    READY = "ready"  # answer to a PROBE: send the body now
+    OBSOLETE = "obsolete"  # a later prepare replaced the attempt (or it was stopped): dropped
+    UNKNOWN_ATTEMPT = "unknown_attempt"  # not prepared here (yet): retry a little later
+    REJECTED = "rejected"  # failed a check; the attempt has failed on this node
+
+
+FINAL_OK = frozenset({AckStatus.STAGED, AckStatus.DUPLICATE})
+
+
+class FrameMeta(BaseModel):
+    """Identity of a DATA/PROBE/END frame. `root` is set by the root relay for its subtree."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = 1
+    attempt: str = Field(min_length=1, max_length=MAX_ATTEMPT_BYTES)
+    producer: int = Field(ge=0, lt=1 << 32)
+    payload_id: int = Field(default=0, ge=0, lt=1 << 64)
+    order: int = Field(default=0, ge=0, lt=1 << 64)
+    digest: str = Field(default="", pattern=r"^([0-9a-f]{32})?$")
+    size: int = Field(default=0, ge=0)
+    total: int | None = Field(default=None, ge=0)  # END only
+    root: int | None = Field(default=None, ge=0)  # tree root index, set by the root relay
+    token: str = Field(default="", max_length=4096)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.attempt, self.producer, self.payload_id)
+
+
+class AckMeta(BaseModel):
+    """A relay's answer to one frame; echoes the identity so a DEALER can match it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["DATA", "END"]
+    attempt: str
+    producer: int
+    payload_id: int = 0
+    digest: str = ""  # echoed, so retries of other bytes under the same id stay distinct
+    status: AckStatus
+    error: str = ""
+    node: str = ""
+    token: str = Field(default="", max_length=4096)
+
+
+def parse_meta(raw: bytes | memoryview) -> FrameMeta | None:
+    """Metadata of an incoming frame, or None if it is malformed (the frame is dropped)."""
+    if len(raw) > MAX_META_BYTES:
+        return None
+    try:
+        return FrameMeta.model_validate_json(bytes(raw))
+    except ValidationError:
+        return None
+
+
+def parse_ack(raw: bytes | memoryview) -> AckMeta | None:
+    if len(raw) > MAX_META_BYTES:
+        return None
+    try:
+        return AckMeta.model_validate_json(bytes(raw))
+    except ValidationError:
+        return None
+
+
+def body_digest(body: bytes | bytearray | memoryview) -> bytes:
+    """BLAKE2b-128 of the payload's compressed body (what the codec and manifests announce)."""
+    mv = memoryview(body).cast("B")
+    header = peek_header(mv)
+    start = PREAMBLE_SIZE + len(header.attempt.encode())
+    return hashlib.blake2b(mv[start:], digest_size=DIGEST_SIZE).digest()
+
+
+def verify_body(meta: FrameMeta, body: bytes | bytearray | memoryview) -> None:
+    """Check that `body` is the payload `meta` names: identity, size and digest.
+
+    Raises `CodecError` (DigestMismatch for corrupted bytes). The full decode with schema and
+    canonical-metadata checks happens in the receiver before the payload is queued.
+    """
+    mv = memoryview(body).cast("B")
+    if meta.size and len(mv) != meta.size:
+        raise DigestMismatch(f"body has {len(mv)} bytes, metadata says {meta.size}")
+    header = peek_header(mv)
+    if (header.attempt, header.producer, header.payload_id, header.order) != (
+        meta.attempt,
+        meta.producer,
+        meta.payload_id,
+        meta.order,
+    ):
+        raise HeaderMismatch("payload header differs from the frame metadata")
+    if body_digest(mv).hex() != meta.digest:
+        raise DigestMismatch("payload body does not match the announced BLAKE2b-128 digest")
+
+
+__all__ = [
+    "ACK",
+    "DATA",
+    "END",
+    "FINAL_OK",
+    "PROBE",
+    "REQUEST_KINDS",
+    "AckMeta",
+    "AckStatus",
+    "CodecError",
+    "FrameMeta",
+    "body_digest",
+    "parse_ack",
+    "parse_meta",
+    "verify_body",
+]

@@ -1,0 +1,438 @@
+"""Object-storage delivery: one S3 object per payload plus a manifest pointer to every receiver.
+
+Producer side (`S3Transport`): upload each payload once (multipart above a threshold, 64 MiB parts
+by default), then POST a `ManifestEntry` (bucket, key, digest, ids) to every receiver node's
+`/v1/manifest`; the send completes when every receiver accepted it. A receiver answering 429
+(queue full) is asked again with backoff: that is the backpressure path. `stop_and_wait` drains
+the window, announces the stream end, aborts incomplete multipart uploads and deletes objects no
+receiver accepted (the leftovers); `cleanup` deletes every object of the attempt (after commit
+or stop).
+
+Receiver side (`S3Fetcher`): download with the node's own boto3 client; the receiver core then
+verifies the digest. `endpoint_url` makes any S3-compatible store work (SeaweedFS in tests).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import quote
+
+import structlog
+import urllib3
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from refit_operator.api import API_PREFIX, ManifestEntry, StreamEnd
+from refit_sidecar.codec.wire import EncodedPayload
+from refit_sidecar.transport.base import TransportSummary
+from refit_sidecar.transport.errors import (
+    AttemptObsoleteError,
+    DeliveryTimeoutError,
+    PayloadRejectedError,
+    TransportError,
+    TransportStoppedError,
+)
+
+log = structlog.get_logger("kuberefit.transport.s3")
+
+MIB = 1 << 20
+
+
+class S3Config(BaseModel):
+    """Where payload objects live and how to reach the store (both producers and receivers)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bucket: str = Field(min_length=3, description="Bucket for payload objects (must exist).")
+    prefix: str = Field(default="kuberefit", description="Key prefix; objects go below it.")
+    endpoint_url: str | None = Field(
+        default=None, description="S3-compatible endpoint (None: AWS for `region`)."
+    )
+    region: str = Field(default="us-east-1", description="Signing region.")
+    access_key_id: SecretStr | None = Field(
+        default=None, description="Static credentials; None uses boto3's default chain."
+    )
+    secret_access_key: SecretStr | None = Field(default=None)
+    addressing_style: Literal["auto", "path", "virtual"] = Field(default="auto")
+    multipart_threshold: int = Field(
+        default=64 * MIB, ge=5 * MIB, description="Payloads larger than this upload in parts."
+    )
+    part_size: int = Field(default=64 * MIB, ge=5 * MIB, description="Multipart part size.")
+    upload_concurrency: int = Field(default=4, ge=1, description="Parts uploaded in parallel.")
+    max_attempts: int = Field(default=3, ge=1, description="botocore attempts per request.")
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    read_timeout_s: float = Field(default=120.0, gt=0)
+
+
+def make_client(cfg: S3Config) -> Any:
+    """A boto3 S3 client for `cfg` (thread-safe; create one per process and share it)."""
+    import boto3
+    from botocore.config import Config
+
+    kwargs: dict[str, Any] = {}
+    if cfg.access_key_id is not None and cfg.secret_access_key is not None:
+        kwargs["aws_access_key_id"] = cfg.access_key_id.get_secret_value()
+        kwargs["aws_secret_access_key"] = cfg.secret_access_key.get_secret_value()
+    return boto3.client(
+        "s3",
+        endpoint_url=cfg.endpoint_url,
+        region_name=cfg.region,
+        config=Config(
+            retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
+            s3={"addressing_style": cfg.addressing_style},
+            connect_timeout=cfg.connect_timeout_s,
+            read_timeout=cfg.read_timeout_s,
+            max_pool_connections=max(10, cfg.upload_concurrency * 2),
+            # Integrity is the BLAKE2b-128 digest every receiver checks; extra CRCs buy nothing.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
+        **kwargs,
+    )
+
+
+def attempt_prefix(cfg: S3Config, attempt: str) -> str:
+    return f"{cfg.prefix.strip('/')}/{quote(attempt, safe='')}/"
+
+
+def object_key(cfg: S3Config, attempt: str, producer: int, payload_id: int, digest: str) -> str:
+    """One key per payload identity and content: a retry with other bytes cannot overwrite."""
+    return f"{attempt_prefix(cfg, attempt)}p{producer}/{payload_id:012d}-{digest[:16]}.krp"
+
+
+def upload_payload(client: Any, cfg: S3Config, key: str, body: bytes) -> None:
+    """PUT one object, multipart above the threshold (aborted on any failure)."""
+    if len(body) <= cfg.multipart_threshold:
+        client.put_object(Bucket=cfg.bucket, Key=key, Body=body)
+        return
+    mpu = client.create_multipart_upload(Bucket=cfg.bucket, Key=key)
+    upload_id = mpu["UploadId"]
+    mv = memoryview(body)
+    ranges = [(i + 1, off) for i, off in enumerate(range(0, len(body), cfg.part_size))]
+
+    def part(number: int, off: int) -> dict[str, Any]:
+        chunk = bytes(mv[off : off + cfg.part_size])
+        resp = client.upload_part(
+            Bucket=cfg.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=chunk
+        )
+        return {"ETag": resp["ETag"], "PartNumber": number}
+
+    try:
+        with ThreadPoolExecutor(cfg.upload_concurrency, thread_name_prefix="s3-part") as pool:
+            parts = list(pool.map(lambda r: part(*r), ranges))
+        client.complete_multipart_upload(
+            Bucket=cfg.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+        )
+    except BaseException:
+        try:
+            client.abort_multipart_upload(Bucket=cfg.bucket, Key=key, UploadId=upload_id)
+        except Exception as exc:  # the leftover sweep at stream end retries it
+            log.warning("s3.abort_failed", key=key, error=str(exc))
+        raise
+
+
+def delete_prefix(client: Any, bucket: str, prefix: str) -> int:
+    """Delete every object and abort every multipart upload below `prefix`; returns objects."""
+    deleted = 0
+    paginator = client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            resp = client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+            errors = resp.get("Errors", [])
+            if errors:
+                raise TransportError(f"S3 delete failed for {len(errors)} objects: {errors[0]}")
+            deleted += len(batch)
+    abort_uploads(client, bucket, prefix)
+    return deleted
+
+
+def abort_uploads(client: Any, bucket: str, prefix: str) -> int:
+    """Abort incomplete multipart uploads below `prefix` (they cost storage until aborted)."""
+    aborted = 0
+    resp = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+    for up in resp.get("Uploads", []):
+        client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+        aborted += 1
+    return aborted
+
+
+class S3Fetcher:
+    """Receiver-side downloads with the node's own client."""
+
+    def __init__(self, cfg: S3Config, client: Any | None = None) -> None:
+        self.cfg = cfg
+        self.client = client if client is not None else make_client(cfg)
+
+    def fetch(self, bucket: str, key: str, size: int) -> bytes:
+        if bucket != self.cfg.bucket:
+            raise PayloadRejectedError(f"bucket {bucket!r} is not the configured payload bucket")
+        resp = self.client.get_object(Bucket=bucket, Key=key)
+        data: bytes = resp["Body"].read()
+        if len(data) != size:
+            raise PayloadRejectedError(f"{key}: {len(data)} bytes, manifest says {size}")
+        return data
+
+
+# ------------------------------------------------------------------------------- producer side
+class S3TransportConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    s3: S3Config
+    receivers: list[str] = Field(
+        min_length=1, description="Base URLs of every receiver node's service."
+    )
+    token: SecretStr | None = Field(default=None, description="Receivers' bearer token.")
+    producer: int | None = Field(
+        default=None, ge=0, description="This producer's id (stream end of an empty stream)."
+    )
+    max_in_flight: int = Field(default=2, ge=1, description="Payloads uploading/announcing.")
+    http_timeout_s: float = Field(default=30.0, gt=0, description="Per manifest request.")
+    http_retries: int = Field(default=3, ge=0, description="Retries after connection errors.")
+    max_wait_s: float = Field(
+        default=3600.0, gt=0, description="How long a receiver may answer 429 (backpressure)."
+    )
+    unknown_attempt_timeout_s: float = Field(
+        default=30.0, gt=0, description="How long to retry while a receiver lacks the attempt."
+    )
+    stop_timeout_s: float = Field(default=120.0, gt=0)
+
+
+@dataclass
+class _S3Attempt:
+    sent: int = 0
+    bytes_sent: int = 0
+    acked: int = 0
+    in_flight: int = 0
+    stopped: bool = False
+    error: BaseException | None = None
+    errors: list[str] = field(default_factory=list)
+    orphans: set[str] = field(default_factory=set)
+    producers: set[int] = field(default_factory=set)
+
+
+class S3Transport:
+    """`Transport` over object storage for one producer (thread-safe)."""
+
+    def __init__(self, config: S3TransportConfig, *, client: Any | None = None) -> None:
+        self.config = config
+        self.client = client if client is not None else make_client(config.s3)
+        self._token = config.token.get_secret_value() if config.token else ""
+        workers = config.max_in_flight
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="s3-send")
+        self._posters = ThreadPoolExecutor(
+            max(2, min(32, len(config.receivers) * workers)), thread_name_prefix="s3-manifest"
+        )
+        self._http = urllib3.PoolManager(maxsize=max(4, len(config.receivers)), retries=False)
+        self._cond = threading.Condition()
+        self._attempts: dict[str, _S3Attempt] = {}
+
+    # -- Transport --------------------------------------------------------------------------------
+    def send(self, attempt: str, payload: EncodedPayload) -> None:
+        if payload.header.attempt != attempt:
+            raise ValueError(f"payload of attempt {payload.header.attempt!r} sent as {attempt!r}")
+        with self._cond:
+            st = self._attempts.setdefault(attempt, _S3Attempt())
+            while True:
+                if st.error is not None:
+                    raise st.error
+                if st.stopped:
+                    raise TransportStoppedError(f"{attempt}: stopped; no more sends")
+                if st.in_flight < self.config.max_in_flight:
+                    break
+                self._cond.wait(0.5)
+            st.in_flight += 1
+            st.sent += 1
+            st.bytes_sent += payload.size
+            st.producers.add(payload.header.producer)
+        fut = self._pool.submit(self._deliver, attempt, payload)
+        fut.add_done_callback(lambda f: self._done(attempt, f))
+
+    def stop_and_wait(self, attempt: str) -> TransportSummary:
+        deadline = time.monotonic() + self.config.stop_timeout_s
+        with self._cond:
+            st = self._attempts.setdefault(attempt, _S3Attempt())
+            st.stopped = True
+            self._cond.notify_all()
+            while st.in_flight and time.monotonic() < deadline:
+                self._cond.wait(min(0.5, max(deadline - time.monotonic(), 0.0)))
+            if st.in_flight:
+                st.errors.append(f"{st.in_flight} payloads still in flight at stop")
+        if not st.errors:
+            self._announce_end(attempt, st)
+        self._sweep_leftovers(attempt, st)
+        with self._cond:
+            return TransportSummary(attempt, st.sent, st.bytes_sent, st.acked, tuple(st.errors))
+
+    def cleanup(self, attempt: str) -> None:
+        with self._cond:
+            st = self._attempts.pop(attempt, None)
+            if st is not None:
+                st.stopped = True
+        n = delete_prefix(
+            self.client, self.config.s3.bucket, attempt_prefix(self.config.s3, attempt)
+        )
+        log.info("s3.cleanup", attempt=attempt, deleted=n)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._posters.shutdown(wait=False, cancel_futures=True)
+        self._http.clear()
+
+    # -- internals --------------------------------------------------------------------------------
+    def _deliver(self, attempt: str, payload: EncodedPayload) -> None:
+        h = payload.header
+        cfg = self.config.s3
+        digest = payload.digest.hex()
+        key = object_key(cfg, attempt, h.producer, h.payload_id, digest)
+        upload_payload(self.client, cfg, key, payload.body)
+        entry = ManifestEntry(
+            attempt=attempt,
+            producer=h.producer,
+            payload_id=h.payload_id,
+            order=h.order,
+            bucket=cfg.bucket,
+            key=key,
+            digest=digest,
+            size=payload.size,
+        )
+        body = entry.model_dump_json().encode()
+        futs = [
+            self._posters.submit(self._post_until_taken, url, "/manifest", body, key)
+            for url in self.config.receivers
+        ]
+        accepted = 0
+        first: BaseException | None = None
+        for f in futs:
+            try:
+                f.result()
+                accepted += 1
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            if accepted == 0:
+                with self._cond:
+                    self._attempts.setdefault(attempt, _S3Attempt()).orphans.add(key)
+            raise first
+
+    def _post_until_taken(self, base: str, path: str, body: bytes, what: str) -> None:
+        """POST until the receiver takes it; 429 and unknown attempts are retried with backoff."""
+        url = base.rstrip("/") + API_PREFIX + path
+        start = time.monotonic()
+        backoff = 0.02
+        conn_errors = 0
+        while True:
+            try:
+                resp = self._http.request(
+                    "POST",
+                    url,
+                    body=body,
+                    headers={
+                        "Content-Type": "application/json",
+                        "Authorization": f"Bearer {self._token}",
+                    },
+                    timeout=urllib3.Timeout(total=self.config.http_timeout_s),
+                )
+            except urllib3.exceptions.HTTPError as exc:
+                conn_errors += 1
+                if conn_errors > self.config.http_retries:
+                    raise DeliveryTimeoutError(f"{url}: {exc}") from exc
+                time.sleep(min(0.2 * 2**conn_errors, 2.0))
+                continue
+            status = _status_of(resp)
+            if resp.status in (200, 202):
+                return
+            waited = time.monotonic() - start
+            if resp.status == 429 and waited < self.config.max_wait_s:
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 0.5)
+                continue
+            if status == "unknown_attempt" and waited < self.config.unknown_attempt_timeout_s:
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 0.5)
+                continue
+            error = _error_of(resp)
+            if resp.status == 409 and status == "obsolete":
+                raise AttemptObsoleteError(f"{url}: {what}: {error}")
+            if resp.status in (409, 422):
+                raise PayloadRejectedError(f"{url}: {what}: {error}")
+            if resp.status == 429:
+                raise DeliveryTimeoutError(
+                    f"{url}: {what}: still backpressured after {waited:.0f}s"
+                )
+            raise TransportError(f"{url}: {what}: HTTP {resp.status}: {error}")
+
+    def _done(self, attempt: str, fut: Future[None]) -> None:
+        exc = fut.exception()
+        with self._cond:
+            st = self._attempts.get(attempt)
+            if st is None:
+                return
+            st.in_flight -= 1
+            if exc is None:
+                st.acked += 1
+            else:
+                st.errors.append(str(exc))
+                if st.error is None:
+                    st.error = exc if isinstance(exc, TransportError) else TransportError(repr(exc))
+            self._cond.notify_all()
+
+    def _announce_end(self, attempt: str, st: _S3Attempt) -> None:
+        if st.producers:
+            producer = next(iter(st.producers))
+        elif self.config.producer is not None:
+            producer = self.config.producer
+        else:
+            return
+        body = StreamEnd(attempt=attempt, producer=producer, total=st.sent).model_dump_json()
+        futs = [
+            self._posters.submit(self._post_until_taken, url, "/stream-end", body.encode(), "end")
+            for url in self.config.receivers
+        ]
+        for f in futs:
+            try:
+                f.result()
+            except Exception as exc:
+                with self._cond:
+                    st.errors.append(f"stream end: {exc}")
+
+    def _sweep_leftovers(self, attempt: str, st: _S3Attempt) -> None:
+        """Stream end: abort incomplete uploads of this producer, delete unannounced objects."""
+        cfg = self.config.s3
+        producers = set(st.producers)
+        if self.config.producer is not None:
+            producers.add(self.config.producer)
+        try:
+            for producer in producers:
+                abort_uploads(
+                    self.client, cfg.bucket, f"{attempt_prefix(cfg, attempt)}p{producer}/"
+                )
+            if st.orphans:
+                self.client.delete_objects(
+                    Bucket=cfg.bucket,
+                    Delete={"Objects": [{"Key": k} for k in sorted(st.orphans)], "Quiet": True},
+                )
+                st.orphans.clear()
+        except Exception as exc:  # cleanup(attempt) deletes the whole prefix later
+            log.warning("s3.leftover_sweep_failed", attempt=attempt, error=str(exc))
+
+
+def _status_of(resp: Any) -> str:
+    try:
+        data = json.loads(resp.data or b"{}")
+    except ValueError:
+        return ""
+    return str(data.get("status", "")) if isinstance(data, dict) else ""
+
+
+def _error_of(resp: Any) -> str:
+    try:
+        data = json.loads(resp.data or b"{}")
+    except ValueError:
+        return resp.data[:200].decode(errors="replace") if resp.data else ""
+    return str(data.get("error", data)) if isinstance(data, dict) else str(data)

@@ -1,0 +1,73 @@
+"""Frame metadata parsing and body verification on untrusted bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from refit_sidecar.codec.errors import BadMagic, DigestMismatch, HeaderMismatch
+from refit_sidecar.transport.auth import is_loopback_host, require_token_or_loopback, tokens_equal
+from refit_sidecar.transport.frames import FrameMeta, parse_meta, verify_body
+from tests.sidecar.receiver.models import canonical, payloads, perturb
+
+
+def _payload():  # type: ignore[no-untyped-def]
+    old = canonical(0, tensors=1)
+    return payloads("a", 3, old, perturb(old, 1))[0]
+
+
+def meta_of(p, **kw) -> FrameMeta:  # type: ignore[no-untyped-def]
+    h = p.header
+    fields = {
+        "attempt": h.attempt,
+        "producer": h.producer,
+        "payload_id": h.payload_id,
+        "order": h.order,
+        "digest": p.digest.hex(),
+        "size": p.size,
+    } | kw
+    return FrameMeta(**fields)
+
+
+def test_verify_accepts_the_payload_and_rejects_tampering() -> None:
+    p = _payload()
+    verify_body(meta_of(p), p.body)
+    bad = bytearray(p.body)
+    bad[-1] ^= 1
+    with pytest.raises(DigestMismatch):
+        verify_body(meta_of(p), bytes(bad))
+    with pytest.raises(HeaderMismatch):
+        verify_body(meta_of(p, payload_id=9), p.body)
+    with pytest.raises(DigestMismatch):
+        verify_body(meta_of(p, size=p.size + 1), p.body)
+    with pytest.raises(BadMagic):
+        verify_body(meta_of(p, size=0), b"X" * 64)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"{",
+        b"[]",
+        b'{"attempt": "a", "producer": -1}',
+        b'{"attempt": "a", "producer": 0, "digest": "zz"}',
+        b'{"attempt": "a", "producer": 0, "evil": 1}',
+        b'{"attempt": "' + b"a" * 2000 + b'", "producer": 0}',
+        b" " * 20000,
+    ],
+)
+def test_malformed_metadata_is_none(raw: bytes) -> None:
+    assert parse_meta(raw) is None
+
+
+def test_token_checks() -> None:
+    assert tokens_equal(None, None)
+    assert tokens_equal("t", "t")
+    assert not tokens_equal("t", None)
+    assert not tokens_equal("t", "u")
+    assert is_loopback_host("127.0.0.1")
+    assert is_loopback_host("::1")
+    assert not is_loopback_host("0.0.0.0")
+    require_token_or_loopback("x", ["127.0.0.1"], None, allow_insecure=False)
+    with pytest.raises(ValueError, match="allow_insecure"):
+        require_token_or_loopback("x", ["10.0.0.1"], None, allow_insecure=False)

@@ -1,0 +1,375 @@
+"""The ZeroMQ relay tree with every node a real process: exactly-once delivery to all nodes in
+declared order, dedup, id reuse, corruption, obsolete attempts, authentication, and a relay
+SIGKILLed mid-stream (flush fails within its deadline, nothing hangs)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import urllib3
+from pydantic import SecretStr
+
+from refit_operator.api import PrepareRequest
+from refit_sidecar.codec.records import Op
+from refit_sidecar.codec.wire import EncodedPayload
+from refit_sidecar.transport.client import RelayClient, RelayClientConfig
+from refit_sidecar.transport.errors import (
+    AttemptObsoleteError,
+    DeliveryTimeoutError,
+    PayloadRejectedError,
+)
+from refit_sidecar.transport.frames import AckStatus, FrameMeta
+from refit_sidecar.transport.zmq_relay import ZmqRelayTransport, ZmqTransportConfig
+from tests.harness.receivers import Cluster, NodeProc, start_cluster
+from tests.sidecar.receiver.models import (
+    canonical,
+    fingerprint,
+    metas,
+    payloads,
+    perturb,
+    read_applied,
+)
+
+CLIENT = RelayClientConfig(ack_timeout_s=3.0, max_retries=2, unknown_attempt_timeout_s=5.0)
+STATE: dict[str, object] = {"version": 0, "weights": canonical(0)}
+
+
+def recording(i: int, log: Path) -> dict[str, object]:
+    return {
+        "kind": "factory",
+        "factory": "tests.sidecar.receiver.models:recording_applier",
+        "options": {"log_path": str(log), "seed": 0},
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = start_cluster(tmp_path_factory.mktemp("relay7"), 7, applier=recording)
+    try:
+        c.each(lambda n: n.ctl.prewarm(metas(canonical(0))))
+        yield c
+    finally:
+        c.stop_all()
+
+
+def transport(c: Cluster, root: int, **kw: object) -> ZmqRelayTransport:
+    cfg = ZmqTransportConfig(root=c.relay_tree[root], token=SecretStr(c.token), client=CLIENT, **kw)  # type: ignore[arg-type]
+    return ZmqRelayTransport(cfg)
+
+
+def prepare(
+    c: Cluster, attempt: str, mode: str, producers: list[int], *, open_apply: bool = True
+) -> None:
+    version = int(STATE["version"])  # type: ignore[call-overload]
+    req = PrepareRequest(
+        attempt=attempt,
+        from_version=version,
+        target_version=version + 1,
+        mode=mode,
+        producers=producers,
+        relay_tree=c.relay_tree,
+    )  # type: ignore[arg-type]
+    answers = c.each(lambda n: n.ctl.prepare(req))
+    assert all(a.accepted for a in answers), [a.reason for a in answers]
+    if open_apply:
+        c.each(lambda n: n.ctl.gate(attempt, True))
+        c.each(lambda n: n.ctl.open_apply(attempt))
+
+
+def finish(
+    c: Cluster, attempt: str, expected: dict[int, int], target: dict[str, torch.Tensor]
+) -> None:
+    relayed = c.each(lambda n: n.ctl.relay_flush(attempt, expected, timeout_s=20))
+    assert all(r.ok for r in relayed), [r.errors for r in relayed]
+    acks = c.each(lambda n: n.ctl.flush(attempt, expected, timeout_s=30))
+    assert all(a.ok for a in acks), [a.errors for a in acks]
+    total = sum(expected.values())
+    assert [a.applied for a in acks] == [total] * len(c.nodes)
+    for node in c.nodes:
+        rows = [r for r in read_applied(node.applied_log) if r["attempt"] == attempt]
+        keys = [(r["producer"], r["payload_id"]) for r in rows]
+        assert len(keys) == len(set(keys)) == total, (node.name, keys)  # exactly once
+        assert [(r["order"], r["producer"]) for r in rows] == sorted(
+            (r["order"], r["producer"]) for r in rows
+        ), f"{node.name} applied out of declared order"
+        assert rows[-1]["fingerprint"] == fingerprint(target), f"{node.name}: wrong bits"
+    version = int(STATE["version"]) + 1  # type: ignore[call-overload]
+    c.each(lambda n: n.ctl.commit(attempt, version))
+    c.each(lambda n: n.ctl.cleanup(attempt))
+    c.each(lambda n: n.ctl.gate(attempt, False))
+    STATE["version"], STATE["weights"] = version, target
+
+
+def send_all(t: ZmqRelayTransport, attempt: str, ps: list[EncodedPayload]) -> None:
+    for p in ps:
+        t.send(attempt, p)
+    summary = t.stop_and_wait(attempt)
+    assert summary.errors == (), summary
+    assert summary.payloads_acknowledged == len(ps), summary
+
+
+def test_every_payload_reaches_every_node_exactly_once(cluster: Cluster) -> None:
+    old = STATE["weights"]
+    assert isinstance(old, dict)
+    new = perturb(old, 11)
+    names = list(new)
+    p0 = payloads("t1", 0, old, new, names=names[:5])
+    p1 = payloads("t1", 1, old, new, names=names[5:])
+    prepare(cluster, "t1", "mixed", [0, 1])
+    t0, t1 = transport(cluster, 0), transport(cluster, 3)  # two roots, two rotated trees
+    try:
+        send_all(t0, "t1", p0)
+        send_all(t1, "t1", p1)
+    finally:
+        t0.close()
+        t1.close()
+    finish(cluster, "t1", {0: len(p0), 1: len(p1)}, new)  # XOR twice would revert: bits prove once
+
+
+def test_duplicates_are_acknowledged_and_ignored(cluster: Cluster) -> None:
+    old = STATE["weights"]
+    assert isinstance(old, dict)
+    new = perturb(old, 12)
+    ps = payloads("t2", 0, old, new)
+    prepare(cluster, "t2", "mixed", [0])
+    t = transport(cluster, 0)
+    raw = RelayClient(cluster.relay_tree[5], token=cluster.token, config=CLIENT)
+    try:
+        send_all(t, "t2", ps)
+        deadline = time.monotonic() + 10  # forwarding to node 5 continues after the root's ACK
+        while cluster.nodes[5].ctl.status().staged < len(ps) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for p in ps[:3]:  # a producer retry to the root, and a late forward to an inner node
+            assert (
+                _send_raw(RelayClient(cluster.relay_tree[0], token=cluster.token, config=CLIENT), p)
+                is AckStatus.DUPLICATE
+            )
+            assert _send_raw(raw, p, root=0) is AckStatus.DUPLICATE
+    finally:
+        t.close()
+        raw.close()
+    finish(cluster, "t2", {0: len(ps)}, new)
+
+
+def test_id_reuse_with_other_bytes_fails_the_attempt(cluster: Cluster) -> None:
+    old = STATE["weights"]
+    assert isinstance(old, dict)
+    a = payloads("t3", 0, old, perturb(old, 13), op=Op.OVERWRITE)
+    b = payloads("t3", 0, old, perturb(old, 14), op=Op.OVERWRITE)
+    prepare(cluster, "t3", "overwrite", [0], open_apply=False)
+    t = transport(cluster, 0)
+    try:
+        t.send("t3", a[0])
+        t.send("t3", a[1])
+        t.send("t3", b[0])  # a producer bug: same id, other bytes
+        summary = t.stop_and_wait("t3")
+        assert summary.payloads_acknowledged == 2
+        assert "reused with other bytes" in summary.errors[0]
+        with pytest.raises(PayloadRejectedError, match="reused with other bytes"):
+            t.send("t3", a[2])
+    finally:
+        t.close()
+    root = cluster.nodes[0].ctl
+    assert root.status().phase == "failed"
+    assert not root.relay_flush("t3", {0: 2}, timeout_s=2).ok
+    stop_everywhere(cluster, "t3")
+
+
+def test_corrupted_body_is_rejected_by_digest(cluster: Cluster) -> None:
+    old = STATE["weights"]
+    assert isinstance(old, dict)
+    p = payloads("t4", 0, old, perturb(old, 15))[0]
+    prepare(cluster, "t4", "overwrite", [0], open_apply=False)
+    bad = bytearray(p.body)
+    bad[len(bad) // 2] ^= 0x01
+    client = RelayClient(cluster.relay_tree[0], token=cluster.token, config=CLIENT)
+    try:
+        meta = _meta(p)
+        with pytest.raises(PayloadRejectedError, match="DigestMismatch"):
+            client.submit_data(meta, bytes(bad)).result(10)
+    finally:
+        client.close()
+    statuses = cluster.each(lambda n: n.ctl.status())
+    assert statuses[0].phase == "failed"
+    assert "DigestMismatch" in statuses[0].errors[0]
+    assert [s.staged for s in statuses] == [0] * 7  # never registered, never forwarded
+    stop_everywhere(cluster, "t4")
+
+
+def test_payloads_of_an_obsolete_attempt_are_dropped(cluster: Cluster) -> None:
+    old = STATE["weights"]
+    assert isinstance(old, dict)
+    new = perturb(old, 16)
+    stale = payloads("t5a", 0, old, new)
+    prepare(cluster, "t5a", "mixed", [0], open_apply=False)
+    t = transport(cluster, 0)
+    try:
+        for p in stale[:2]:
+            t.send("t5a", p)
+        assert t.stop_and_wait("t5a").payloads_acknowledged == 2
+        deadline = time.monotonic() + 10  # until the tree delivered both everywhere
+        while time.monotonic() < deadline:
+            if all(s.staged == 2 for s in cluster.each(lambda n: n.ctl.status())):
+                break
+            time.sleep(0.02)
+        before = [s.dropped for s in cluster.each(lambda n: n.ctl.status())]
+        prepare(cluster, "t5b", "overwrite", [0])  # replaces t5a everywhere
+        client = RelayClient(cluster.relay_tree[0], token=cluster.token, config=CLIENT)
+        try:
+            late = client.submit_data(_meta(stale[2]), stale[2].body)
+            with pytest.raises(AttemptObsoleteError):
+                late.result(10)
+        finally:
+            client.close()
+        after = [s.dropped for s in cluster.each(lambda n: n.ctl.status())]
+        assert all(n >= 2 for n in after)  # every node dropped its two queued t5a payloads
+        assert after[0] == before[0] + 3  # ... and the root the late one too
+        fresh = payloads("t5b", 0, old, new, op=Op.OVERWRITE)
+        send_all(t, "t5b", fresh)
+    finally:
+        t.close()
+    finish(cluster, "t5b", {0: len(fresh)}, new)
+    for node in cluster.nodes:
+        assert not [r for r in read_applied(node.applied_log) if r["attempt"] == "t5a"]
+
+
+def test_out_of_order_arrival_is_applied_in_declared_order(cluster: Cluster) -> None:
+    old = STATE["weights"]
+    assert isinstance(old, dict)
+    new = perturb(old, 17)
+    ps = payloads("t6", 0, old, new)
+    random.Random(6).shuffle(ps)
+    assert [p.header.order for p in ps] != sorted(p.header.order for p in ps)
+    prepare(cluster, "t6", "mixed", [0])
+    t = transport(cluster, 2)
+    try:
+        send_all(t, "t6", ps)
+    finally:
+        t.close()
+    finish(cluster, "t6", {0: len(ps)}, new)  # finish() checks declared order on every node
+
+
+def test_missing_or_wrong_token_is_rejected(cluster: Cluster) -> None:
+    node = cluster.nodes[4]
+    before = node.ctl.status()
+    for token in (None, "wrong-" + cluster.token):
+        for method, path in (
+            ("GET", "/v1/status"),
+            ("POST", "/v1/prepare"),
+            ("GET", "/metrics"),
+            ("POST", "/v1/flush"),
+            ("POST", "/v1/manifest"),
+        ):
+            status, body = node.ctl.raw(method, path, b"{}", token=token)
+            assert status == 401, (path, status, body)
+    assert node.ctl.raw("GET", "/healthz", token=None)[0] == 200
+    assert node.ctl.status() == before  # nothing changed
+
+    old = STATE["weights"]
+    assert isinstance(old, dict)
+    p = payloads("t7", 0, old, perturb(old, 18))[0]
+    prepare(cluster, "t7", "overwrite", [0], open_apply=False)
+    quick = RelayClientConfig(ack_timeout_s=0.5, max_retries=1)
+    for token in (None, "wrong"):
+        client = RelayClient(node.relay, token=token, config=quick)
+        try:
+            with pytest.raises(DeliveryTimeoutError):  # dropped without an answer
+                client.submit_data(_meta(p), p.body).result(10)
+        finally:
+            client.close()
+    assert node.ctl.status().staged == 0
+    assert _metric(node, 'kuberefit_relay_frames_dropped_total{reason="unauthenticated"}') >= 4
+    stop_everywhere(cluster, "t7")
+
+
+# ------------------------------------------------------------------------------ relay killed
+def test_a_relay_killed_mid_stream_fails_flush_within_the_deadline(cluster: Cluster) -> None:
+    """Last test of the module: it SIGKILLs node 1 of the shared cluster."""
+    c = cluster  # tree from node 0: 0 -> (1, 2), 1 -> (3, 4), 2 -> (5, 6)
+    old = STATE["weights"]
+    assert isinstance(old, dict)
+    a = perturb(old, 21, fraction=0.5)
+    ps = payloads("k1", 0, old, a, op=Op.OVERWRITE)
+    ps += [
+        _renumber(p, len(ps) + i)
+        for i, p in enumerate(payloads("k1", 0, a, perturb(a, 22), op=Op.OVERWRITE))
+    ]
+    prepare(c, "k1", "overwrite", [0])
+    t = transport(c, 0)
+    start = time.monotonic()
+    try:
+        for i, p in enumerate(ps):
+            if i == 4:
+                c.nodes[1].proc.kill()  # SIGKILL an inner relay mid-stream
+            t.send("k1", p)
+        summary = t.stop_and_wait("k1")
+    finally:
+        t.close()
+    assert summary.payloads_acknowledged == len(ps)  # the root staged everything
+    alive = [n for n in c.nodes if n.name != "node1"]
+    flushed = c.each(lambda n: n.ctl.relay_flush("k1", {0: len(ps)}, timeout_s=6), alive)
+    by = {n.name: f for n, f in zip(alive, flushed, strict=True)}
+    assert all(by[n].ok for n in ("node2", "node5", "node6")), by
+    assert not by["node0"].ok
+    assert any(c.nodes[1].relay in e for e in by["node0"].errors), by["node0"].errors
+    for orphan in ("node3", "node4"):  # below the dead relay: payloads missing
+        assert not by[orphan].ok
+        assert by[orphan].staged < len(ps)
+    acks = c.each(lambda n: n.ctl.flush("k1", {0: len(ps)}, timeout_s=3), alive)
+    assert not all(a.ok for a in acks)
+    with pytest.raises(urllib3.exceptions.HTTPError):  # the node is gone
+        c.nodes[1].ctl.status()
+    assert time.monotonic() - start < 40
+
+
+# ------------------------------------------------------------------------------ helpers
+def stop_everywhere(c: Cluster, attempt: str) -> None:
+    stops = c.each(lambda n: n.ctl.stop(attempt))
+    assert all(s.drained for s in stops)
+    c.each(lambda n: n.ctl.cleanup(attempt))
+    assert not any(s.dirty for s in c.each(lambda n: n.ctl.status()))  # nothing was applied
+
+
+def _meta(p: EncodedPayload, root: int | None = None) -> FrameMeta:
+    h = p.header
+    return FrameMeta(
+        attempt=h.attempt,
+        producer=h.producer,
+        payload_id=h.payload_id,
+        order=h.order,
+        digest=p.digest.hex(),
+        size=p.size,
+        root=root,
+    )
+
+
+def _send_raw(client: RelayClient, p: EncodedPayload, root: int | None = None) -> AckStatus:
+    try:
+        return client.submit_data(_meta(p, root), p.body).result(10)
+    finally:
+        if root is None:
+            client.close()
+
+
+def _renumber(p: EncodedPayload, i: int) -> EncodedPayload:
+    from refit_sidecar.codec.wire import PayloadHeader, decode_payload, encode_payload
+
+    d = decode_payload(p.body)
+    return encode_payload(PayloadHeader(1, d.header.attempt, d.header.producer, i, i), d.items)
+
+
+def _metric(node: NodeProc, name: str) -> float:
+    status, _ = node.ctl.raw("GET", "/metrics", token=True)
+    assert status == 200
+    resp = node.ctl.http.request(
+        "GET", node.http + "/metrics", headers={"Authorization": f"Bearer {node.ctl.token}"}
+    )
+    for line in resp.data.decode().splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
