@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 from urllib.parse import quote
 
@@ -34,8 +33,8 @@ from refit_sidecar.transport.errors import (
     DeliveryTimeoutError,
     PayloadRejectedError,
     TransportError,
-    TransportStoppedError,
 )
+from refit_sidecar.transport.window import AttemptSends, SendWindow
 
 log = structlog.get_logger("kuberefit.transport.s3")
 
@@ -203,19 +202,6 @@ class S3TransportConfig(BaseModel):
     stop_timeout_s: float = Field(default=120.0, gt=0)
 
 
-@dataclass
-class _S3Attempt:
-    sent: int = 0
-    bytes_sent: int = 0
-    acked: int = 0
-    in_flight: int = 0
-    stopped: bool = False
-    error: BaseException | None = None
-    errors: list[str] = field(default_factory=list)
-    orphans: set[str] = field(default_factory=set)
-    producers: set[int] = field(default_factory=set)
-
-
 class S3Transport:
     """`Transport` over object storage for one producer (thread-safe)."""
 
@@ -229,51 +215,32 @@ class S3Transport:
             max(2, min(32, len(config.receivers) * workers)), thread_name_prefix="s3-manifest"
         )
         self._http = urllib3.PoolManager(maxsize=max(4, len(config.receivers)), retries=False)
-        self._cond = threading.Condition()
-        self._attempts: dict[str, _S3Attempt] = {}
+        self._window = SendWindow(config.max_in_flight)
+        self._orphans: dict[str, set[str]] = {}  # objects no receiver accepted, per attempt
+        self._orphans_lock = threading.Lock()
 
     # -- Transport --------------------------------------------------------------------------------
     def send(self, attempt: str, payload: EncodedPayload) -> None:
         if payload.header.attempt != attempt:
             raise ValueError(f"payload of attempt {payload.header.attempt!r} sent as {attempt!r}")
-        with self._cond:
-            st = self._attempts.setdefault(attempt, _S3Attempt())
-            while True:
-                if st.error is not None:
-                    raise st.error
-                if st.stopped:
-                    raise TransportStoppedError(f"{attempt}: stopped; no more sends")
-                if st.in_flight < self.config.max_in_flight:
-                    break
-                self._cond.wait(0.5)
-            st.in_flight += 1
-            st.sent += 1
-            st.bytes_sent += payload.size
-            st.producers.add(payload.header.producer)
+        self._window.admit(attempt, payload.header.producer, payload.size)
         fut = self._pool.submit(self._deliver, attempt, payload)
-        fut.add_done_callback(lambda f: self._done(attempt, f))
+        fut.add_done_callback(lambda f: self._window.settle(attempt, f.exception()))
 
     def stop_and_wait(self, attempt: str) -> TransportSummary:
         deadline = time.monotonic() + self.config.stop_timeout_s
-        with self._cond:
-            st = self._attempts.setdefault(attempt, _S3Attempt())
-            st.stopped = True
-            self._cond.notify_all()
-            while st.in_flight and time.monotonic() < deadline:
-                self._cond.wait(min(0.5, max(deadline - time.monotonic(), 0.0)))
-            if st.in_flight:
-                st.errors.append(f"{st.in_flight} payloads still in flight at stop")
+        st = self._window.stop_and_drain(attempt, deadline)
+        if st.in_flight:
+            self._window.note(st, f"{st.in_flight} payloads still in flight at stop")
         if not st.errors:
             self._announce_end(attempt, st)
         self._sweep_leftovers(attempt, st)
-        with self._cond:
-            return TransportSummary(attempt, st.sent, st.bytes_sent, st.acked, tuple(st.errors))
+        return self._window.summary(attempt, st)
 
     def cleanup(self, attempt: str) -> None:
-        with self._cond:
-            st = self._attempts.pop(attempt, None)
-            if st is not None:
-                st.stopped = True
+        self._window.forget(attempt)
+        with self._orphans_lock:
+            self._orphans.pop(attempt, None)
         n = delete_prefix(
             self.client, self.config.s3.bucket, attempt_prefix(self.config.s3, attempt)
         )
@@ -316,8 +283,8 @@ class S3Transport:
                 first = first or exc
         if first is not None:
             if accepted == 0:
-                with self._cond:
-                    self._attempts.setdefault(attempt, _S3Attempt()).orphans.add(key)
+                with self._orphans_lock:
+                    self._orphans.setdefault(attempt, set()).add(key)
             raise first
 
     def _post_until_taken(self, base: str, path: str, body: bytes, what: str) -> None:
@@ -367,27 +334,9 @@ class S3Transport:
                 )
             raise TransportError(f"{url}: {what}: HTTP {resp.status}: {error}")
 
-    def _done(self, attempt: str, fut: Future[None]) -> None:
-        exc = fut.exception()
-        with self._cond:
-            st = self._attempts.get(attempt)
-            if st is None:
-                return
-            st.in_flight -= 1
-            if exc is None:
-                st.acked += 1
-            else:
-                st.errors.append(str(exc))
-                if st.error is None:
-                    st.error = exc if isinstance(exc, TransportError) else TransportError(repr(exc))
-            self._cond.notify_all()
-
-    def _announce_end(self, attempt: str, st: _S3Attempt) -> None:
-        if st.producers:
-            producer = next(iter(st.producers))
-        elif self.config.producer is not None:
-            producer = self.config.producer
-        else:
+    def _announce_end(self, attempt: str, st: AttemptSends) -> None:
+        producer = st.end_producer(self.config.producer)
+        if producer is None:
             return
         body = StreamEnd(attempt=attempt, producer=producer, total=st.sent).model_dump_json()
         futs = [
@@ -398,10 +347,9 @@ class S3Transport:
             try:
                 f.result()
             except Exception as exc:
-                with self._cond:
-                    st.errors.append(f"stream end: {exc}")
+                self._window.note(st, f"stream end: {exc}")
 
-    def _sweep_leftovers(self, attempt: str, st: _S3Attempt) -> None:
+    def _sweep_leftovers(self, attempt: str, st: AttemptSends) -> None:
         """Stream end: abort incomplete uploads of this producer, delete unannounced objects."""
         cfg = self.config.s3
         producers = set(st.producers)
@@ -412,12 +360,13 @@ class S3Transport:
                 abort_uploads(
                     self.client, cfg.bucket, f"{attempt_prefix(cfg, attempt)}p{producer}/"
                 )
-            if st.orphans:
+            with self._orphans_lock:
+                orphans = self._orphans.pop(attempt, set())
+            if orphans:
                 self.client.delete_objects(
                     Bucket=cfg.bucket,
-                    Delete={"Objects": [{"Key": k} for k in sorted(st.orphans)], "Quiet": True},
+                    Delete={"Objects": [{"Key": k} for k in sorted(orphans)], "Quiet": True},
                 )
-                st.orphans.clear()
         except Exception as exc:  # cleanup(attempt) deletes the whole prefix later
             log.warning("s3.leftover_sweep_failed", attempt=attempt, error=str(exc))
 

@@ -1,0 +1,105 @@
+"""The send window every transport shares: per-attempt in-flight accounting.
+
+`send` admits a payload only while fewer than `max_in_flight` of the attempt's payloads are
+unacknowledged (this is the pipeline's backpressure), counts acknowledgments, keeps the first
+failure so later sends fail fast, and `stop_and_wait` drains it. Transports only say how a
+payload travels; this bookkeeping is written once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from refit_sidecar.transport.base import TransportSummary
+from refit_sidecar.transport.errors import TransportError, TransportStoppedError
+
+
+@dataclass
+class AttemptSends:
+    """One attempt's sends on one transport (read or change it under the window's lock)."""
+
+    sent: int = 0
+    bytes_sent: int = 0
+    acked: int = 0
+    in_flight: int = 0
+    stopped: bool = False
+    ended: bool = False  # the stream-end mark was acknowledged
+    error: BaseException | None = None
+    errors: list[str] = field(default_factory=list)
+    producers: set[int] = field(default_factory=set)
+
+    def end_producer(self, configured: int | None) -> int | None:
+        """Whose stream ends: the producer seen in the payloads, else the configured one."""
+        return next(iter(self.producers)) if self.producers else configured
+
+
+class SendWindow:
+    """Thread-safe; one per transport instance."""
+
+    def __init__(self, max_in_flight: int) -> None:
+        self.max_in_flight = max_in_flight
+        self.lock = threading.Condition()
+        self._attempts: dict[str, AttemptSends] = {}
+
+    def state(self, attempt: str) -> AttemptSends:
+        with self.lock:
+            return self._attempts.setdefault(attempt, AttemptSends())
+
+    def admit(self, attempt: str, producer: int, size: int) -> None:
+        """Wait for room in the window; raise at once if the attempt failed or stopped."""
+        with self.lock:
+            st = self._attempts.setdefault(attempt, AttemptSends())
+            while True:
+                if st.error is not None:
+                    raise st.error
+                if st.stopped:
+                    raise TransportStoppedError(f"{attempt}: stopped; no more sends")
+                if st.in_flight < self.max_in_flight:
+                    break
+                self.lock.wait(0.5)
+            st.in_flight += 1
+            st.sent += 1
+            st.bytes_sent += size
+            st.producers.add(producer)
+
+    def settle(self, attempt: str, exc: BaseException | None) -> None:
+        """A send finished: acknowledged, or failed with `exc` (the first failure is kept)."""
+        with self.lock:
+            st = self._attempts.get(attempt)
+            if st is None:
+                return  # cleaned up meanwhile
+            st.in_flight -= 1
+            if exc is None:
+                st.acked += 1
+            else:
+                st.errors.append(str(exc))
+                if st.error is None:
+                    st.error = exc if isinstance(exc, TransportError) else TransportError(repr(exc))
+            self.lock.notify_all()
+
+    def note(self, st: AttemptSends, error: str) -> None:
+        with self.lock:
+            st.errors.append(error)
+
+    def stop_and_drain(self, attempt: str, deadline: float) -> AttemptSends:
+        """No more sends; wait until nothing is in flight or `deadline` (then `in_flight > 0`)."""
+        with self.lock:
+            st = self._attempts.setdefault(attempt, AttemptSends())
+            st.stopped = True
+            self.lock.notify_all()
+            while st.in_flight and time.monotonic() < deadline:
+                self.lock.wait(min(0.5, max(deadline - time.monotonic(), 0.0)))
+            return st
+
+    def summary(self, attempt: str, st: AttemptSends) -> TransportSummary:
+        with self.lock:
+            return TransportSummary(attempt, st.sent, st.bytes_sent, st.acked, tuple(st.errors))
+
+    def forget(self, attempt: str) -> None:
+        with self.lock:
+            st = self._attempts.pop(attempt, None)
+            if st is not None:
+                st.stopped = True
+            self.lock.notify_all()
