@@ -129,11 +129,8 @@ async def _run(
         shutil.copy(v0 / "config.json", d / "config.json")
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(d / "model.safetensors"))
 
-    relay_ports = free_ports(n_nodes)
-    nodes = [LocalNode(f"node{i}", root, token, relay_ports[i]) for i in range(n_nodes)]
-    for n in nodes:
-        n.relay_nodes = [m.relay_endpoint for m in nodes]
-    reference = LocalNode("reference", root, token, 0)
+    nodes = [LocalNode(f"node{i}", root, token) for i in range(n_nodes)]
+    reference = LocalNode("reference", root, token)
     transports: dict[str, ZmqRelayTransport] = {}
     baseline = SourceBaseline(
         producer=0,
@@ -145,11 +142,14 @@ async def _run(
         "reference server (~1 min)"
     )
     try:
-        for n in [*nodes, reference]:
-            n.start_vllm(v0)
+        everyone = [*nodes, reference]
+        ports = free_ports(3 * len(everyone))
+        for i, n in enumerate(everyone):
+            n.start_vllm(v0, ports[3 * i : 3 * i + 3])
         for n in [*nodes, reference]:
             n.wait_vllm()
         for n in nodes:
+            n.relay_nodes = [m.relay_endpoint for m in nodes]
             n.start_receiver(held_version=0)
         async with aiohttp.ClientSession() as session:
             membership = LocalMembership(nodes, session, metas, checkpoint_of)
@@ -234,6 +234,7 @@ async def _run(
                         n.stop()
                         n.start_vllm(checkpoint_of(version))
                         n.wait_vllm()
+                        n.relay_nodes = [m.relay_endpoint for m in nodes]
                         n.start_receiver(held_version=version)
                         await membership.prewarm(n)
     finally:

@@ -48,7 +48,7 @@ class LocalNode:
     name: str
     workdir: Path
     token: str
-    relay_port: int
+    relay_port: int = 0
     http_port: int = 0
     vllm_port: int = 0
     relay_nodes: list[str] = field(default_factory=list)
@@ -68,9 +68,14 @@ class LocalNode:
     def vllm_url(self) -> str:
         return f"http://127.0.0.1:{self.vllm_port}"
 
-    def start_vllm(self, model_dir: Path) -> None:
+    def start_vllm(self, model_dir: Path, ports: list[int] | None = None) -> None:
+        """Launch the server (wait with `wait_vllm`). `ports`: three distinct free ports for
+        the server, the receiver and the relay (allocate several nodes' at once: a port chosen
+        but not yet bound is not reserved)."""
         self.generation += 1
-        self.vllm_port, self.http_port = free_ports(2)
+        # Fresh ports per start: the dead generation's ports may have been reused meanwhile.
+        # The coordinator passes the current relay endpoints with every prepare.
+        self.vllm_port, self.http_port, self.relay_port = ports or free_ports(3)
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
         env[ENV_SWITCH] = "1"
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
