@@ -91,15 +91,12 @@ class ApplyContext:
     def apply(self, items: Sequence[Item], *, check_samples: int = 0) -> ApplyStats:
         """Apply items in order. `check_samples`: 0 off, N sampled elements, -1 every element."""
         stats = ApplyStats()
-        budget = check_samples
+        self.hook.check_budget = check_samples  # shared by every copy of this call
         for item in items:
-            part = self._apply_item(item, budget)
-            if budget > 0:
-                budget = max(budget - part.checks, 0)
-            stats.add(part)
+            stats.add(self._apply_item(item))
         return stats
 
-    def _apply_item(self, item: Item, check_budget: int) -> ApplyStats:
+    def _apply_item(self, item: Item) -> ApplyStats:
         stats = ApplyStats(items=1, values=item.count)
         meta = self._known(item.meta)
         stats.canonical_bytes = meta.nbytes
@@ -107,17 +104,17 @@ class ApplyContext:
             stats.skipped = 1  # prewarm recorded an explicit native skip on this rank
             return stats
         if item.op is Op.XOR:
-            self._run(item, meta, Mode.XOR, Placeholder(0), check_budget, stats)
+            self._run(item, meta, Mode.XOR, Placeholder(0), stats)
             return stats
         placeholder = choose(meta.dtype, item.values)
         if placeholder is None:
             # Every 1-byte pattern is an active value: split until each part has a free one.
             for half in _halves(item):
-                part = self._apply_item(half, check_budget)
+                part = self._apply_item(half)
                 part.items = part.values = part.canonical_bytes = 0
                 stats.add(part)
             return stats
-        self._run(item, meta, Mode.OVERWRITE, placeholder, check_budget, stats)
+        self._run(item, meta, Mode.OVERWRITE, placeholder, stats)
         return stats
 
     def _run(
@@ -126,7 +123,6 @@ class ApplyContext:
         meta: TensorMeta,
         mode: Mode,
         placeholder: Placeholder,
-        check_budget: int,
         stats: ApplyStats,
     ) -> None:
         view = self.scratch_view(meta)
@@ -143,7 +139,7 @@ class ApplyContext:
         index = item.index()
         flat[index] = item.values.to(self.device)
         t2 = time.perf_counter()
-        self.hook.begin_item(meta.name, mode, placeholder, check_budget)
+        self.hook.begin_item(meta.name, mode, placeholder)
         try:
             with self.hook:
                 loaded = self.model.load_weights([(meta.name, view)])

@@ -95,7 +95,8 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._trace = ItemTrace()
         self._masks: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
         self._xor_spans: dict[int, list[_Geometry]] = {}
-        self._check_budget = 0
+        # Post-apply checks left for the current apply call: 0 off, N elements, -1 every element.
+        self.check_budget = 0
         self._generator = torch.Generator().manual_seed(0)
 
     # -- item lifecycle ---------------------------------------------------------------------
@@ -104,7 +105,6 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
         name: str,
         mode: Mode,
         placeholder: Placeholder | None = None,
-        check_budget: int = 0,
     ) -> None:
         self._name = name
         self._mode = mode
@@ -112,7 +112,6 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._trace = ItemTrace()
         self._masks = {}
         self._xor_spans = {}
-        self._check_budget = check_budget
 
     def end_item(self) -> ItemTrace:
         trace, self._trace = self._trace, ItemTrace()
@@ -276,11 +275,11 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
     # -- optional post-apply checks ----------------------------------------------------------------
     def _sample(self, numel: int, device: torch.device) -> torch.Tensor | None:
         """Positions to check among `numel`: all of them (-1), a budget (N) or none (0)."""
-        if self._check_budget == 0 or numel == 0:
+        if self.check_budget == 0 or numel == 0:
             return None
-        n = numel if self._check_budget < 0 else min(self._check_budget, numel)
-        if self._check_budget > 0:
-            self._check_budget -= n
+        n = numel if self.check_budget < 0 else min(self.check_budget, numel)
+        if self.check_budget > 0:
+            self.check_budget -= n
         if n == numel:
             return torch.arange(n, device=device)
         return torch.randint(0, numel, (n,), generator=self._generator).to(device)
