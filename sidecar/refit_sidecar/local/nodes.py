@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import urllib.request
@@ -55,6 +56,11 @@ class LocalNode:
     vllm: ManagedProcess | None = None
     receiver: ManagedProcess | None = None
     generation: int = 0
+
+    @property
+    def shm_dir(self) -> Path:
+        """Where the receiver stages payload files for the vLLM workers (shared memory)."""
+        return _shm_root() / f"kuberefit-{os.getpid()}-{self.name}"
 
     @property
     def relay_endpoint(self) -> str:
@@ -122,7 +128,7 @@ class LocalNode:
             "applier": {
                 "kind": "vllm",
                 "vllm_url": self.vllm_url,
-                "shm_dir": str(_shm_root() / f"kuberefit-{os.getpid()}-{self.name}"),
+                "shm_dir": str(self.shm_dir),
             },
         }
         path = self.workdir / f"{self.name}-receiver.json"
@@ -156,6 +162,7 @@ class LocalNode:
         for proc in (self.receiver, self.vllm):
             if proc is not None:
                 proc.stop()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
 
     def rpc(self, method: str, *args: Any) -> list[Any]:
         return vllm_rpc(self.vllm_url, method, *args)
