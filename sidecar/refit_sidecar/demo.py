@@ -97,7 +97,7 @@ async def _run(
     from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
     from refit_sidecar.local.membership import LocalMembership
     from refit_sidecar.local.nodes import LocalNode
-    from refit_sidecar.local.procs import free_ports
+    from refit_sidecar.local.procs import free_ports, shm_segments, sweep_orphaned_shm
     from refit_sidecar.producer_service import ProducerService
     from refit_sidecar.tiny_models import write_tiny_model
     from refit_sidecar.trainer.synthetic import SyntheticTrainer
@@ -110,6 +110,7 @@ async def _run(
     report = DemoReport(nodes=n_nodes)
     token = secrets.token_hex(16)
     say(f"[demo] workdir {root} (logs of every process are there)")
+    segments_before = shm_segments()
 
     ckpt = root / "checkpoints"
     v0 = write_tiny_model(ckpt / "v0", "qwen3", seed=seed)
@@ -243,6 +244,7 @@ async def _run(
         for n in [*nodes, reference]:
             n.stop()
         baseline.close()
+        sweep_orphaned_shm(segments_before)  # left by the vLLM servers we SIGKILLed
     return report
 
 

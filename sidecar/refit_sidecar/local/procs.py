@@ -141,3 +141,32 @@ class ManagedProcess:
                 self.proc.wait(timeout=grace)
         # Children that outlived the leader still belong to the group.
         self.kill(signal.SIGKILL)
+
+
+def shm_segments() -> set[str]:
+    """Names of the POSIX shared-memory segments (vLLM's message queues) that exist now."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("psm_*")} if shm.is_dir() else set()
+
+
+def sweep_orphaned_shm(existing_before: set[str]) -> int:
+    """Unlink segments created since `existing_before` that no live process maps any more.
+
+    A SIGKILLed vLLM process cannot unlink its message-queue segments; only ones nobody maps
+    are removed, so a running engine is never affected. Returns how many were removed.
+    """
+    candidates = shm_segments() - existing_before
+    if not candidates:
+        return 0
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            for line in maps.read_text().splitlines():
+                if "/dev/shm/psm_" in line:
+                    mapped.add(line.split("/dev/shm/", 1)[1].split()[0])
+    removed = 0
+    for name in candidates - mapped:
+        with contextlib.suppress(OSError):
+            (Path("/dev/shm") / name).unlink()
+            removed += 1
+    return removed
