@@ -17,7 +17,7 @@ from refit_operator.producer_api import (
     SentReportModel,
 )
 from refit_sidecar.producer_service import ProducerService
-from refit_sidecar.transport.auth import tokens_equal
+from refit_sidecar.transport.auth import bearer_ok
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OK = {"ok": True}
@@ -28,11 +28,10 @@ def create_producer_app(service: ProducerService, *, token: str | None) -> web.A
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path != "/healthz":
-            header = request.headers.get("Authorization", "")
-            given = header[7:] if header.startswith("Bearer ") else None
-            if not tokens_equal(token, given):
-                return web.json_response({"error": "missing or invalid bearer token"}, status=401)
+        if request.path != "/healthz" and not bearer_ok(
+            token, request.headers.get("Authorization", "")
+        ):
+            return web.json_response({"error": "missing or invalid bearer token"}, status=401)
         try:
             return await handler(request)
         except ValidationError as exc:

@@ -36,7 +36,7 @@ from refit_operator.api import (
 )
 from refit_sidecar.receiver.core import ReceiverCore
 from refit_sidecar.receiver.errors import ReceiverError
-from refit_sidecar.transport.auth import tokens_equal
+from refit_sidecar.transport.auth import bearer_ok
 from refit_sidecar.transport.frames import AckStatus
 
 log = structlog.get_logger("kuberefit.receiver.http")
@@ -88,17 +88,16 @@ def create_app(
         )
         status = 500
         try:
-            if request.path not in OPEN_PATHS:
-                header = request.headers.get("Authorization", "")
-                given = header[7:] if header.startswith("Bearer ") else None
-                if not tokens_equal(token, given):
-                    core.metrics.unauthorized.inc()
-                    status = 401
-                    return web.json_response(
-                        {"error": "missing or invalid bearer token", "status": "unauthorized"},
-                        status=401,
-                        headers={"WWW-Authenticate": 'Bearer realm="kuberefit"'},
-                    )
+            if request.path not in OPEN_PATHS and not bearer_ok(
+                token, request.headers.get("Authorization", "")
+            ):
+                core.metrics.unauthorized.inc()
+                status = 401
+                return web.json_response(
+                    {"error": "missing or invalid bearer token", "status": "unauthorized"},
+                    status=401,
+                    headers={"WWW-Authenticate": 'Bearer realm="kuberefit"'},
+                )
             resp = await handler(request)
             status = resp.status
             return resp

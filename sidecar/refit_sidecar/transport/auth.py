@@ -26,6 +26,12 @@ def tokens_equal(expected: str | None, given: str | None) -> bool:
     return hmac.compare_digest(expected.encode(), given.encode())
 
 
+def bearer_ok(expected: str | None, authorization: str) -> bool:
+    """Check an HTTP `Authorization` header ("Bearer <token>") against the expected token."""
+    given = authorization[7:] if authorization.startswith("Bearer ") else None
+    return tokens_equal(expected, given)
+
+
 def resolve_token(token: SecretStr | None, token_file: Path | None) -> str | None:
     """The token: explicit value, else a file (a mounted Secret), else $KUBEREFIT_TOKEN."""
     if token is not None and token.get_secret_value():
