@@ -5,20 +5,29 @@ bit patterns through an integer view of the same width finds exactly the element
 refit would rewrite: signed zeros, NaN payloads and subnormals all count.
 
 `diff_bits` is the producer's hot kernel. It compares 64-bit words (four BF16 values at a time)
-block by block, so the boolean mask stays in cache and `nonzero` runs over a quarter of the
-elements; only the few changed words are expanded to element positions. Every step is a numpy
-kernel that releases the GIL, so compare threads scale across cores; `submit_slices` spreads one
-large tensor over several threads.
+and emits the position, new bits and XOR mask of each changed element in the same pass. It is
+compiled with numba (`_diff_words`, GIL released for the whole slice) because numpy has no fused
+"compare and emit" kernel: the numpy formulation (`diff_bits_numpy`, kept as the fallback and as
+an independent oracle in the tests) needs ~10 passes and holds the GIL between them, which made
+change detection 2-4x a bare compare and limited two-thread scaling (docs/performance.md).
+`submit_slices` spreads one large tensor over several threads.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 import torch
+
+log = structlog.get_logger("kuberefit.bitdiff")
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: numpy dtype of the same-width integer view, by element width in bytes.
@@ -28,14 +37,18 @@ NP_INT_VIEW: dict[int, np.dtype[np.generic]] = {
     4: np.dtype(np.int32),
     8: np.dtype(np.int64),
 }
+_UINT_VIEW = {w: np.dtype(f"<u{w}") for w in (1, 2, 4, 8)}
 _WORD = np.dtype(np.uint64)
-#: Words per block for a single compare thread: 2 x 512 KiB of input and a 64 Ki-entry mask
-#: stay in L2 cache.
+#: Words per block of the numpy fallback: 2 x 512 KiB of input and a 64 Ki-entry mask stay in
+#: L2 cache. (The compiled kernel streams and needs no blocks.)
 DEFAULT_BLOCK_WORDS = 1 << 16
-#: Words per block when several compare threads share the GIL. Each block costs ~20 numpy calls
-#: whose Python glue holds the GIL; with 4x longer blocks two threads scale ~1.7-1.9x instead
-#: of ~1.4x, for ~15% more single-thread time (measured on the 2-core VM, docs/performance.md).
+#: Fallback words per block when several compare threads share the GIL: fewer numpy calls per
+#: byte, so less Python glue under the GIL (two threads ~1.7x instead of ~1.4x).
 PARALLEL_BLOCK_WORDS = 1 << 18
+#: Output capacity of one kernel call, as a fraction of the slice's elements (1/16 covers every
+#: rate up to ~6% in one call; denser changes continue in further calls).
+_FIRST_CAPACITY_DIVISOR = 16
+_MIN_CAPACITY = 1 << 12
 #: Slice size for spreading one large tensor over compare threads.
 DEFAULT_SLICE_BYTES = 16 << 20
 
@@ -96,6 +109,18 @@ class BitDiff:
         return int(self.locations.size)
 
 
+def _check_views(old: npt.NDArray[np.generic], new: npt.NDArray[np.generic]) -> None:
+    if old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
+        raise ValueError(f"cannot compare {old.dtype}{old.shape} with {new.dtype}{new.shape}")
+    if NP_INT_VIEW.get(old.dtype.itemsize) != old.dtype:
+        raise UnsupportedDtypeError(f"diff_bits needs an integer view, got {old.dtype}")
+
+
+def _empty(dtype: np.dtype[Any]) -> BitDiff:
+    empty = np.empty(0, dtype=dtype)
+    return BitDiff(np.empty(0, dtype=np.int64), empty, empty.copy())
+
+
 def diff_bits(
     old: npt.NDArray[np.generic],
     new: npt.NDArray[np.generic],
@@ -105,12 +130,64 @@ def diff_bits(
     """Compare two flat integer views (same dtype and size) and return their changed elements.
 
     Locations are sorted int64 and 64-bit safe; values keep the integer view's dtype.
+    `block_words` only shapes the numpy fallback.
     """
-    if old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
-        raise ValueError(f"cannot compare {old.dtype}{old.shape} with {new.dtype}{new.shape}")
+    _check_views(old, new)
+    kernel = _compiled_kernel()
+    if kernel is None:
+        return diff_bits_numpy(old, new, block_words=block_words)
+    return _diff_compiled(kernel, old, new)
+
+
+def _diff_compiled(
+    kernel: Callable[..., Any], old: npt.NDArray[Any], new: npt.NDArray[Any]
+) -> BitDiff:
+    per = 8 // old.dtype.itemsize  # elements per 64-bit word
+    old_c = np.ascontiguousarray(old)
+    new_c = np.ascontiguousarray(new)
+    n_words = old_c.size // per
+    head = n_words * per
+    old_w = old_c[:head].view(_WORD)
+    new_w = new_c[:head].view(_WORD)
+    parts: list[BitDiff] = []
+    word = 0
+    lanes = _UINT_VIEW[old.dtype.itemsize]  # the kernel writes unsigned lanes
+    capacity = max(head // _FIRST_CAPACITY_DIVISOR, _MIN_CAPACITY)
+    while word < n_words:
+        locs = np.empty(capacity, dtype=np.int64)
+        news = np.empty(capacity, dtype=lanes)
+        xors = np.empty(capacity, dtype=lanes)
+        word, k = kernel(old_w, new_w, per, word, locs, news, xors)
+        if k:  # shrink in place (realloc): the pending delta must not pin the spare capacity
+            for buf in (locs, news, xors):
+                buf.resize(k, refcheck=False)
+            parts.append(BitDiff(locs, news.view(old.dtype), xors.view(old.dtype)))
+        capacity = min(capacity * 2, max(head, _MIN_CAPACITY))
+    if head < old_c.size:  # the last < 8 bytes, element by element
+        tail = np.flatnonzero(old_c[head:] != new_c[head:])
+        if tail.size:
+            pos = (tail + head).astype(np.int64)
+            parts.append(BitDiff(pos, new_c[pos], np.bitwise_xor(old_c[pos], new_c[pos])))
+    if not parts:
+        return _empty(old.dtype)
+    if len(parts) == 1:
+        return parts[0]
+    return BitDiff(
+        locations=np.concatenate([p.locations for p in parts]),
+        new_bits=np.concatenate([p.new_bits for p in parts]),
+        xor_bits=np.concatenate([p.xor_bits for p in parts]),
+    )
+
+
+def diff_bits_numpy(
+    old: npt.NDArray[np.generic],
+    new: npt.NDArray[np.generic],
+    *,
+    block_words: int = DEFAULT_BLOCK_WORDS,
+) -> BitDiff:
+    """`diff_bits` in plain numpy kernels, block by block (fallback and test oracle)."""
+    _check_views(old, new)
     width = old.dtype.itemsize
-    if NP_INT_VIEW.get(width) != old.dtype:
-        raise UnsupportedDtypeError(f"diff_bits needs an integer view, got {old.dtype}")
     if block_words < 1:
         raise ValueError("block_words must be positive")
     per = 8 // width  # elements per 64-bit word
@@ -156,8 +233,7 @@ def diff_bits(
             news.append(new_c[head:][tail])
             xors.append(np.bitwise_xor(old_c[head:][tail], new_c[head:][tail]))
     if not locs:
-        empty = np.empty(0, dtype=old.dtype)
-        return BitDiff(np.empty(0, dtype=np.int64), empty, empty.copy())
+        return _empty(old.dtype)
     return BitDiff(
         locations=np.concatenate(locs).astype(np.int64, copy=False),
         new_bits=np.concatenate(news),
@@ -218,3 +294,69 @@ def gather_slices(parts: list[tuple[int, Future[BitDiff]]]) -> BitDiff:
         new_bits=np.concatenate([d.new_bits for _, d in found]),
         xor_bits=np.concatenate([d.xor_bits for _, d in found]),
     )
+
+
+@functools.cache
+def _compiled_kernel() -> Callable[..., Any] | None:
+    """The numba kernel, or None (numpy fallback) when numba is missing or disabled.
+
+    Built on first use, so processes that never compare (receivers) do not import numba."""
+    if os.environ.get("KUBEREFIT_DIFF_KERNEL", "numba") == "numpy":
+        return None
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - numba is a declared sidecar dependency
+        log.warning("bitdiff.numba_missing", fallback="numpy")
+        return None
+
+    def _diff_words(old_w, new_w, per, word, locs, news, xors):  # type: ignore[no-untyped-def]
+        """Scan 64-bit words from `word`; emit each changed element until the output is full.
+
+        Branch-free in both phases, so the cost does not depend on how changes are spread:
+        a block's changed word indices are compacted into a small buffer (stays in L1), then
+        each changed word's lanes are written unconditionally and kept only when nonzero.
+        Returns (next word to scan, elements written)."""
+        n_words = old_w.size
+        cap = locs.size
+        k = 0
+        block = 2048
+        buf = np.empty(block, np.int64)
+        bits = 64 // per
+        full = np.uint64(0xFFFFFFFFFFFFFFFF)
+        lane_mask = full if per == 1 else (np.uint64(1) << np.uint64(bits)) - np.uint64(1)
+        while word < n_words:
+            stop = min(word + block, n_words)
+            if k + (stop - word) * per > cap:  # a worst-case block must fit
+                room = (cap - k) // per
+                if room <= 0:
+                    break
+                stop = word + room
+            c = 0
+            for i in range(word, stop):
+                buf[c] = i
+                c += old_w[i] != new_w[i]
+            for j in range(c):
+                w = buf[j]
+                b = new_w[w]
+                x = old_w[w] ^ b
+                base = w * per
+                for lane in range(per):
+                    shift = np.uint64(lane * bits)
+                    xl = (x >> shift) & lane_mask
+                    locs[k] = base + lane
+                    news[k] = (b >> shift) & lane_mask
+                    xors[k] = xl
+                    k += xl != 0
+            word = stop
+        return word, k
+
+    try:
+        return numba.njit(nogil=True, cache=True)(_diff_words)  # type: ignore[no-any-return]
+    except RuntimeError as exc:  # no writable cache location (read-only image, non-root user)
+        log.info("bitdiff.numba_cache_unavailable", error=str(exc))
+        return numba.njit(nogil=True)(_diff_words)  # type: ignore[no-any-return]
+
+
+def kernel_name() -> str:
+    """Which change-detection kernel this process uses ("numba" or "numpy")."""
+    return "numpy" if _compiled_kernel() is None else "numba"
