@@ -13,7 +13,7 @@ from refit_sidecar.bitdiff import int_view
 from tests.harness.bridge import run_export
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2)])
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2), (2, 1)])
 def test_export_hf_weights_is_bit_identical(
     tp: int, pp: int, tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:

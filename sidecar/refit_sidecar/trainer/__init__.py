@@ -1,1 +1,42 @@
-"""Trainer-side sources of canonical (HF-named) tensors."""
+"""Trainer side: canonical sources of HF-named tensors and the publisher that hands each
+version to the local trainer sidecar (docs/trainer.md).
+
+Importable without Megatron: `MegatronBridgeSource` only calls the bridge object it is given.
+"""
+
+from refit_sidecar.trainer.errors import (
+    CandidateDroppedError,
+    CandidateMismatchError,
+    ChunkFileError,
+    FingerprintMismatchError,
+    SidecarUnreachableError,
+    StagingError,
+    StagingStateError,
+    TransitionTimeoutError,
+    VersionMismatchError,
+)
+from refit_sidecar.trainer.export import CanonicalSource, ExportEntry, PlannedChunk, plan_owned
+from refit_sidecar.trainer.megatron import MegatronBridgeSource
+from refit_sidecar.trainer.publisher import Publisher, PublisherConfig, PublishResult
+from refit_sidecar.trainer.state_dict import StateDictSource
+
+__all__ = [
+    "CandidateDroppedError",
+    "CandidateMismatchError",
+    "CanonicalSource",
+    "ChunkFileError",
+    "ExportEntry",
+    "FingerprintMismatchError",
+    "MegatronBridgeSource",
+    "PlannedChunk",
+    "PublishResult",
+    "Publisher",
+    "PublisherConfig",
+    "SidecarUnreachableError",
+    "StagingError",
+    "StagingStateError",
+    "StateDictSource",
+    "TransitionTimeoutError",
+    "VersionMismatchError",
+    "plan_owned",
+]

@@ -1,0 +1,130 @@
+"""Real trainer sidecars for tests: producer services on real sockets, each with a shared-memory
+inbox, and a stand-in coordinator that drives a transition once every producer staged it."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from refit_operator.commit_store import CommitRecord
+from refit_operator.ports import AttemptPlan, SentReport
+from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+from refit_sidecar.codec import EncodedPayload
+from refit_sidecar.producer_http import create_producer_app
+from refit_sidecar.producer_service import ProducerService
+from refit_sidecar.trainer.publisher import PublisherConfig
+from refit_sidecar.trainer.staging import StagingConfig
+from tests.sidecar.test_producer_service import RecordingTransportFake
+
+TOKEN = "trainer-test-token"
+
+
+@dataclass
+class Sidecar:
+    url: str
+    service: ProducerService
+    transport: RecordingTransportFake
+    inbox: Path
+
+    def publisher_config(self, **overrides: object) -> PublisherConfig:
+        fields: dict[str, object] = {
+            "url": self.url,
+            "inbox": self.inbox,
+            "token": TOKEN,
+            "request_timeout_s": 60,
+            "commit_timeout_s": 120,
+        }
+        fields.update(overrides)
+        return PublisherConfig.model_validate(fields)
+
+    def payloads(self, attempt: str) -> list[EncodedPayload]:
+        return list(self.transport.sent.get(attempt, []))
+
+
+def shm_root() -> Path:
+    """A private directory on the shared-memory volume (/dev/shm), as a pod would mount it."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        raise RuntimeError("/dev/shm is missing: the trainer handoff needs a shared-memory volume")
+    return shm / f"kuberefit-test-{uuid.uuid4().hex[:12]}"
+
+
+@asynccontextmanager
+async def serve_sidecars(
+    tmp: Path,
+    producers: int,
+    *,
+    chunk_bytes: int,
+    committed: CommitRecord | None = None,
+    reference: Path | None = None,
+) -> AsyncIterator[list[Sidecar]]:
+    """`producers` producer services with uninitialized baselines, served over HTTP."""
+    root = shm_root()
+    runners: list[web.AppRunner] = []
+    sidecars: list[Sidecar] = []
+    try:
+        for p in range(producers):
+            baseline = SourceBaseline(
+                producer=p,
+                producers=producers,
+                config=BaselineConfig(
+                    directory=tmp / f"baseline{p}", export_chunk_bytes=chunk_bytes
+                ),
+            )
+            transport = RecordingTransportFake()
+            staging = StagingConfig(
+                inbox=root / f"p{p}",
+                candidate_dir=tmp / f"candidate{p}",
+                reference_checkpoint=reference,
+            )
+            service = ProducerService(
+                baseline, transport, committed=committed or CommitRecord(0, "g0"), staging=staging
+            )
+            runner = web.AppRunner(create_producer_app(service, token=TOKEN))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            sidecars.append(Sidecar(f"http://127.0.0.1:{port}", service, transport, root / f"p{p}"))
+        yield sidecars
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        for s in sidecars:
+            s.service.baseline.close()
+            s.service.close_staging()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def run_transition(
+    sidecars: list[Sidecar],
+    version: int,
+    *,
+    xor_incompatible: frozenset[str] = frozenset(),
+    timeout: float = 120,
+) -> tuple[str, list[SentReport]]:
+    """What the coordinator does once every producer staged `version`: one mixed attempt,
+    then the commit and the baseline update."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while any(s.service.candidate_version != version for s in sidecars):
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"v{version} was not staged by every producer in {timeout}s")
+        await asyncio.sleep(0.02)
+    attempt = f"a-v{version}"
+    plan = AttemptPlan(
+        attempt, version - 1, version, f"g{version}", "mixed", xor_incompatible, ("r0",)
+    )
+    for s in sidecars:
+        await s.service.start(plan)
+    reports = [await s.service.wait_sent(attempt) for s in sidecars]
+    for s in sidecars:
+        await s.service.update_baseline(attempt, CommitRecord(version, f"g{version}"))
+    return attempt, reports

