@@ -44,3 +44,41 @@ def test_demo_recovers_from_killed_nodes_bit_exactly(tmp_path: Path) -> None:
     assert all(r["modes"].split("/")[1:] in ([], ["overwrite"]) for r in rows)
     assert all(0.001 < r["changed_fraction"] < 0.05 for r in rows)
     assert all(0 < r["wire_bytes"] < r["checkpoint_bytes"] / 10 for r in rows)
+
+
+def test_demo_over_s3_in_async_mode(tmp_path: Path) -> None:
+    """The same local deployment with payloads through a real SeaweedFS S3 server, async RL
+    (staged while the engines serve), and one node SIGKILLed mid-refit."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "refit_operator.cli",
+            "demo",
+            "--steps",
+            "3",
+            "--nodes",
+            "2",
+            "--kill-receiver-every",
+            "2",
+            "--transport",
+            "s3",
+            "--async",
+            "--workdir",
+            str(tmp_path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (summary["transport"], summary["mode"]) == ("s3", "async")
+    assert summary["transitions_committed"] == 3
+    assert summary["bit_mismatches"] == 0
+    assert summary["receivers_killed"] == 1
+    assert summary["retries"] >= 1
+    assert summary["manual_interventions"] == 0
+    assert all(0 < r["wire_bytes"] < r["checkpoint_bytes"] / 10 for r in summary["transitions"])

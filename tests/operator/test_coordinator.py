@@ -120,6 +120,90 @@ async def test_receiver_dies_mid_attempt_is_retired(tmp_path: Path) -> None:
     assert_all_at(receivers, 2)
 
 
+async def test_a_dead_receiver_fails_the_attempt_without_waiting_for_the_others(
+    tmp_path: Path,
+) -> None:
+    """r0 waits (for payloads a dead peer would have relayed) while r2 is dead: the attempt fails
+    as soon as r2's call fails, not after r0's flush timeout."""
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[0].hang_flush_times = 1
+    receivers[2].die_on_flush = True
+    membership.confirmed.add("r2")
+    c = await coordinator(store, producers, membership, sink, flush_timeout_s=60)
+    t0 = time.monotonic()
+    result = await c.run_transition()
+    assert time.monotonic() - t0 < 10
+    assert (result.outcome, result.retired, result.modes) == (
+        "committed",
+        ["r2"],
+        ["mixed", "overwrite"],
+    )
+    assert_all_at(receivers[:2], 1)
+
+
+async def test_a_receiver_dying_while_producers_stream_fails_the_attempt_at_once(
+    tmp_path: Path,
+) -> None:
+    """The relay root dies mid-stream, so the producers' sends would only end at their ACK
+    timeouts: the liveness probe retires it within about one probe interval."""
+    store, receivers, producers, membership, sink = world(tmp_path)
+    producers[0].stall_sends, producers[0].kill_on_stall = 1, receivers[1]
+    membership.confirmed.add("r1")
+    c = await coordinator(store, producers, membership, sink, liveness_probe_s=0.2)
+    t0 = time.monotonic()
+    result = await c.run_transition()
+    assert time.monotonic() - t0 < 5
+    assert (result.outcome, result.retired, result.modes) == (
+        "committed",
+        ["r1"],
+        ["mixed", "overwrite"],
+    )
+    assert_all_at([receivers[0], receivers[2]], 1)
+
+
+async def test_a_receiver_dying_after_the_commit_does_not_stop_the_others(tmp_path: Path) -> None:
+    """r1 dies between its flush and the commit notice: the version is committed, the others
+    get the notice and their gates reopen, and the coordinator does not fail."""
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[1].die_on_notice = True
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert result.outcome == "committed"
+    assert [r.held_version for r in (receivers[0], receivers[2])] == [1, 1]
+    assert not receivers[0].gate_closed
+    assert not receivers[2].gate_closed
+
+
+async def test_a_receiver_rejecting_the_overwrite_retry_leaves_the_transition(
+    tmp_path: Path,
+) -> None:
+    """r2 restarted between attempts and no longer holds the base: it rejects the overwrite
+    retry; instead of burning every attempt, it leaves this transition (restored next time)."""
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[0].fail_flush_times = 1
+    receivers[2].reject_overwrite = "holds no known version (a dense restore is needed)"
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert (result.outcome, result.modes, result.retired) == (
+        "committed",
+        ["mixed", "overwrite", "overwrite"],
+        ["r2"],
+    )
+    assert_all_at(receivers[:2], 1)
+
+
+async def test_a_receiver_that_was_never_prewarmed_is_restored_before_joining(
+    tmp_path: Path,
+) -> None:
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[1].prewarmed = False  # a restarted receiver process (its server kept v0 bits)
+    receivers[1].gate_closed = True  # ... which holds its gate closed until restored
+    c = await coordinator(store, producers, membership, sink)
+    assert (await c.run_transition()).outcome == "committed"
+    assert membership.restored == ["r1"]
+    assert_all_at(receivers, 1)
+
+
 async def test_silent_receiver_needs_an_operator(tmp_path: Path) -> None:
     store, receivers, producers, membership, sink = world(tmp_path)
     receivers[1].die_on_flush = True  # gone, but not confirmed dead: it could still write

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import aiohttp
 
-from refit_operator.api import PrewarmRequest, TensorMetaModel
+from refit_operator.api import PrewarmRequest, RestoreRequest, TensorMetaModel
 from refit_operator.commit_store import CommitRecord
 from refit_operator.ports import ReceiverClient
 from refit_sidecar.local.nodes import LocalNode
@@ -25,8 +25,11 @@ class LocalMembership:
         session: aiohttp.ClientSession,
         metas: list[TensorMetaModel],
         checkpoint_of: Callable[[int], Path],
+        *,
+        relay: bool = True,
     ) -> None:
         self.nodes = {n.name: n for n in nodes}
+        self.relay = relay
         self.session = session
         self.metas = metas
         self.checkpoint_of = checkpoint_of
@@ -50,10 +53,16 @@ class LocalMembership:
         return answer.xor_incompatible
 
     async def restore(self, receiver: ReceiverClient, record: CommitRecord) -> None:
+        """The receiver loads the committed checkpoint through vLLM's loader and prewarms
+        (`POST /v1/restore`, the same path as the coordinator process's HttpMembership)."""
         node = self.nodes[receiver.node]
-        node.rpc("refit_dense_load", str(self.checkpoint_of(record.version)))
-        await self.prewarm(node)
-        await self.client(node).commit_notice(f"dense-{record.version}", record.version, dense=True)
+        req = RestoreRequest(
+            version=record.version, source=str(self.checkpoint_of(record.version)), metas=self.metas
+        )
+        answer = await self.client(node).restore(req)
+        if answer.unsupported:
+            raise RuntimeError(f"{node.name}: unsupported loaders {answer.unsupported}")
+        self.incompatible |= answer.xor_incompatible
 
     async def relay_tree(self, nodes: Sequence[str]) -> list[str]:
-        return [self.nodes[n].relay_endpoint for n in nodes]
+        return [self.nodes[n].relay_endpoint for n in nodes] if self.relay else []

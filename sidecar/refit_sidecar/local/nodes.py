@@ -114,17 +114,19 @@ class LocalNode:
         assert self.vllm is not None
         self.vllm.wait_ready(lambda: _get_ok(self.vllm_url + "/health"), timeout=timeout)
 
-    def start_receiver(self, held_version: int) -> None:
-        config = {
+    def start_receiver(self, held_version: int | None, *, s3: dict[str, Any] | None = None) -> None:
+        """Start the receiver; `held_version=None` when the server's bits are not known to be a
+        committed version (a restarted sidecar): the coordinator then restores the node.
+        With `s3` (an `S3Config` as JSON) payloads arrive through object storage instead of the
+        relay tree."""
+        config: dict[str, Any] = {
             "node": self.name,
             "host": "127.0.0.1",
             "port": self.http_port,
             "token": self.token,
             "held_version": held_version,
-            "relay": {
-                "bind": self.relay_endpoint,
-                "nodes": self.relay_nodes,
-            },
+            "relay": None if s3 else {"bind": self.relay_endpoint, "nodes": self.relay_nodes},
+            "s3": s3,
             "applier": {
                 "kind": "vllm",
                 "vllm_url": self.vllm_url,

@@ -20,6 +20,7 @@ import torch
 
 from refit_operator.api import RankPrewarm
 from refit_sidecar.apply import ApplyContext, NativeModel, prewarm
+from refit_sidecar.apply.checkpoint import checkpoint_files, feed_checkpoint
 from refit_sidecar.codec.records import Item, TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload, PayloadHeader
 
@@ -69,6 +70,11 @@ class Applier(Protocol):
 
     def gate(self, closed: bool) -> None:
         """Close (hold new requests, wait for in-flight ones) or reopen the request gate."""
+        ...
+
+    def restore(self, source: str) -> set[str]:
+        """Dense load of every tensor of a safetensors checkpoint directory (joining node);
+        returns the canonical names loaded (on every rank)."""
         ...
 
     def close(self) -> None: ...
@@ -124,6 +130,11 @@ class InProcessApplier:
 
     def gate(self, closed: bool) -> None:
         self.gate_closed = closed  # nothing serves from this module: the flag is the gate
+
+    def restore(self, source: str) -> set[str]:
+        names = feed_checkpoint(self.model, checkpoint_files(source))
+        self.ctx = None  # prewarm again: the loader may have replaced storages
+        return names
 
     def close(self) -> None:
         self.ctx = None

@@ -28,6 +28,7 @@ from refit_operator.api import (
     ReceiverStatus,
     RelayFlushRequest,
     RelayFlushResponse,
+    RestoreRequest,
     StopResponse,
     StreamEnd,
 )
@@ -131,6 +132,10 @@ class ReceiverHttpClient:
     # -- others -----------------------------------------------------------------------------------
     async def prewarm(self, req: PrewarmRequest) -> PrewarmResponse:
         return await self._call("POST", f"{API_PREFIX}/prewarm", req, PrewarmResponse)
+
+    async def restore(self, req: RestoreRequest) -> PrewarmResponse:
+        """Dense restore to the committed version, then prewarm (see `RestoreRequest`)."""
+        return await self._call("POST", f"{API_PREFIX}/restore", req, PrewarmResponse)
 
     async def manifest(self, entry: ManifestEntry) -> ManifestResponse:
         return await self._call(

@@ -34,6 +34,7 @@ from refit_operator.api import (
     ReceiverStatus,
     RelayFlushRequest,
     RelayFlushResponse,
+    RestoreRequest,
     StopResponse,
     StreamEnd,
 )
@@ -86,8 +87,10 @@ class ReceiverCore:
         self.fetcher = fetcher
         self.relay: RelayServer | None = None
         self.cond = threading.Condition()
-        self._control = threading.Lock()  # serializes prepare/stop/cleanup/gate/commit/prewarm
+        # Serializes prepare/stop/cleanup/gate/commit/prewarm; reentrant for restore.
+        self._control = threading.RLock()
         self.held_version = config.held_version
+        self._prewarmed: PrewarmResponse | None = None  # the last prewarm's classification
         self.dirty = False
         self.gate_closed = False
         self.metas: dict[str, TensorMeta] = {}
@@ -121,6 +124,8 @@ class ReceiverCore:
                 gate_closed=self.gate_closed,
                 errors=list(st.errors) if st else [],
                 dirty=self.dirty,
+                base_version=self.held_version,
+                prewarmed=bool(self.metas),
                 dropped=self.dropped,
             )
 
@@ -136,12 +141,15 @@ class ReceiverCore:
         with self._control:
             with self.cond:
                 if self.current is not None and self.current.phase in _ACTIVE:
+                    if metas == self.metas and self._prewarmed is not None:
+                        return self._prewarmed  # e.g. a new coordinator taking over
                     raise ReceiverError(f"attempt {self.current.attempt} is in progress")
             ranks = self.applier.prewarm(metas)
             with self.cond:
                 self.metas = metas
                 self.xor_incompatible = frozenset(n for r in ranks for n in r.xor_incompatible)
                 self.unsupported = {n: e for r in ranks for n, e in r.unsupported.items()}
+                self._prewarmed = PrewarmResponse(node=self.node, ranks=ranks)
         log.info(
             "receiver.prewarmed",
             node=self.node,
@@ -150,7 +158,51 @@ class ReceiverCore:
             xor_incompatible=len(self.xor_incompatible),
             unsupported=len(self.unsupported),
         )
-        return PrewarmResponse(node=self.node, ranks=ranks)
+        return self._prewarmed
+
+    def restore(self, req: RestoreRequest) -> PrewarmResponse:
+        """Join: load the committed version densely, prewarm, then hold that version.
+
+        The request gate is closed for the load (no request sees half-loaded weights) and open
+        afterwards: the node then holds a committed version and no attempt. Until the load
+        succeeded, and every expected tensor was in the checkpoint, the node holds no known
+        version, so no attempt admits it."""
+        with self._control:
+            with self.cond:
+                if self.current is not None and self.current.phase in _ACTIVE:
+                    raise ReceiverError(f"attempt {self.current.attempt} is in progress")
+                self.held_version = None
+                self._set_held_metric()
+            log.info("receiver.restoring", node=self.node, version=req.version, source=req.source)
+            self._set_gate(closed=True)
+            try:
+                loaded = self.applier.restore(req.source)
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise ReceiverError(f"dense restore from {req.source} failed: {exc}") from exc
+            missing = sorted({m.name for m in req.metas} - loaded)
+            if missing:
+                raise ReceiverError(
+                    f"dense restore from {req.source}: {len(missing)} expected tensors are not "
+                    f"in the checkpoint (first: {missing[:5]})"
+                )
+            answer = self.prewarm(PrewarmRequest(metas=req.metas))
+            v = req.version
+            self.commit(CommitNotice(attempt=f"restore-v{v}", version=v, dense=True))
+            self._set_gate(closed=False)
+        return answer
+
+    def close_gate_for_unknown_bits(self) -> None:
+        """At start-up without a known version: close the gate (best effort: the serving
+        runtime may not be up yet, then the coordinator's restore closes it)."""
+        try:
+            self._set_gate(closed=True)
+        except Exception as exc:
+            log.warning("receiver.gate_unreachable", node=self.node, error=str(exc))
+
+    def _set_gate(self, *, closed: bool) -> None:
+        self.applier.gate(closed)
+        with self.cond:
+            self.gate_closed = closed
 
     def prepare(self, req: PrepareRequest) -> PrepareResponse:
         with self._control:
@@ -233,18 +285,21 @@ class ReceiverCore:
         relay = self.config.relay
         if relay is not None and req.relay_tree and relay.endpoint not in req.relay_tree:
             return f"this node's relay {relay.endpoint} is not in relay_tree"
-        if req.mode == "mixed":
-            if self.held_version is None:
-                return "holds no known version (a dense restore is needed)"
-            if self.dirty:
-                return (
-                    f"partial writes since v{self.held_version}: only an overwrite attempt is "
-                    "admissible"
-                )
-            if self.held_version != req.from_version:
-                return (
-                    f"holds v{self.held_version}, the mixed attempt starts from v{req.from_version}"
-                )
+        # Either mode carries only the elements changed since from_version, so it repairs a
+        # node only if that node's bits are from_version (plus, for overwrite, partial writes
+        # of the same transition).
+        if self.held_version is None:
+            return "holds no known version (a dense restore is needed)"
+        if self.held_version != req.from_version:
+            return (
+                f"holds v{self.held_version}, the {req.mode} attempt starts from "
+                f"v{req.from_version} (a dense restore is needed)"
+            )
+        if req.mode == "mixed" and self.dirty:
+            return (
+                f"partial writes since v{self.held_version}: only an overwrite attempt is "
+                "admissible"
+            )
         return ""
 
     def gate(self, req: GateRequest) -> ReceiverStatus:

@@ -58,6 +58,10 @@ class ReceiverNode:
         self.port = 0
 
     async def start(self) -> None:
+        if self.core.held_version is None:
+            # Unknown bits (e.g. a restarted sidecar whose server may hold partial writes) must
+            # not serve: hold the gate closed until a dense restore.
+            await asyncio.to_thread(self.core.close_gate_for_unknown_bits)
         if self.config.relay is not None:
             self.relay = RelayServer(
                 self.config.relay, self.core, token=self.token, registry=self.metrics.registry

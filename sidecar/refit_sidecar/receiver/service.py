@@ -32,6 +32,7 @@ from refit_operator.api import (
     PrepareRequest,
     PrewarmRequest,
     RelayFlushRequest,
+    RestoreRequest,
     StreamEnd,
 )
 from refit_sidecar.receiver.core import ReceiverCore
@@ -170,6 +171,9 @@ def create_app(
         req = await _parse(request, AttemptRequest)
         return _model(await blocking(core.cleanup, req.attempt))
 
+    async def restore(request: web.Request) -> web.Response:
+        return _model(await blocking(core.restore, await _parse(request, RestoreRequest)))
+
     async def commit(request: web.Request) -> web.Response:
         return _model(await blocking(core.commit, await _parse(request, CommitNotice)))
 
@@ -207,6 +211,7 @@ def create_app(
     app.router.add_post(f"{p}/stop", stop)
     app.router.add_post(f"{p}/cleanup", cleanup)
     app.router.add_post(f"{p}/commit", commit)
+    app.router.add_post(f"{p}/restore", restore)
 
     async def shutdown(app: web.Application) -> None:
         app[POOL].shutdown(wait=False, cancel_futures=True)

@@ -130,5 +130,11 @@ class VllmHttpApplier:
         else:
             self._post("/resume")
 
+    def restore(self, source: str) -> set[str]:
+        """The workers read the checkpoint themselves (`refit_dense_load`, vLLM's loader);
+        a name counts as loaded only if every rank loaded it."""
+        per_rank = [set(names) for names in self._rpc("refit_dense_load", source)]
+        return set.intersection(*per_rank) if per_rank else set()
+
     def close(self) -> None:
         self._http.clear()

@@ -90,17 +90,14 @@ class RefitWorkerExtension:
         return asdict(stats) | {"rank": _rank(), "payload_id": decoded.header.payload_id}
 
     def refit_dense_load(self, checkpoint_dir: str) -> list[str]:
-        """Dense load of every tensor of a safetensors checkpoint through `load_weights`."""
-        from safetensors.torch import safe_open
+        """Dense load of every tensor of a safetensors checkpoint through `load_weights`.
 
-        model = self._refit_model()
-        loaded: set[str] = set()
-        for f in sorted(Path(checkpoint_dir).glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as fh:
-                loaded |= set(
-                    model.load_weights((k, fh.get_tensor(k)) for k in fh.keys()) or ()  # noqa: SIM118
-                )
-        return sorted(loaded)
+        Returns the canonical names fed to the loader (callers check them against the expected
+        metadata); a directory without safetensors files is an error, never a silent no-op."""
+        from refit_sidecar.apply.checkpoint import checkpoint_files, feed_checkpoint
+
+        files = checkpoint_files(checkpoint_dir)
+        return sorted(feed_checkpoint(self._refit_model(), files))
 
     def refit_dense_reload(self, checkpoint_dir: str) -> None:
         """vLLM's own dense in-place reload (re-runs post-load processing)."""

@@ -50,7 +50,8 @@ def node(tmp_path: Path) -> ReceiverCore:
 
 def make_core(tmp_path: Path, **cfg: object) -> ReceiverCore:
     applier = RecordingApplier(TinyModel(V0), str(tmp_path / "applied.jsonl"))
-    core = ReceiverCore(ReceiverConfig(node="n0", held_version=0, **cfg), applier)  # type: ignore[arg-type]
+    cfg.setdefault("held_version", 0)
+    core = ReceiverCore(ReceiverConfig(node="n0", **cfg), applier)  # type: ignore[arg-type]
     core.prewarm(PrewarmRequest(metas=metas(V0)))
     return core
 
@@ -266,6 +267,29 @@ def test_admission_tracks_held_version_and_partial_writes(tmp_path: Path) -> Non
     assert status.held_version == 1
     assert not status.dirty
     assert module_fingerprint(core.applier.model) == fingerprint(V1)  # type: ignore[attr-defined]
+
+
+def test_overwrite_attempts_also_need_the_base_version(tmp_path: Path) -> None:
+    """An overwrite carries only the elements changed since from_version: a node with unknown
+    bits, or bits of another version, cannot be repaired by it and must be restored."""
+    unknown = make_core(tmp_path, held_version=None)
+    assert unknown.status().base_version is None
+    answer = unknown.prepare(
+        PrepareRequest(
+            attempt="o1", from_version=0, target_version=1, mode="overwrite", producers=[0]
+        )
+    )
+    assert not answer.accepted
+    assert "no known version" in answer.reason
+    other = make_core(tmp_path)
+    answer = other.prepare(
+        PrepareRequest(
+            attempt="o2", from_version=3, target_version=4, mode="overwrite", producers=[0]
+        )
+    )
+    assert not answer.accepted
+    assert "holds v0" in answer.reason
+    assert other.status().prewarmed
 
 
 def test_open_apply_needs_the_gate_closed(node: ReceiverCore) -> None:

@@ -1,0 +1,186 @@
+"""The coordinator as a long-running process (`kuberefit coordinator --config FILE`).
+
+It holds no state of its own: everything it needs to continue lives in the commit store (the
+commit record and the active attempt), in the producers (candidate, pending delta) and in the
+receivers. So a coordinator can be SIGKILLed at any point and a new one takes over: it acquires
+the store (a newer epoch fences the old one), finishes a transition whose commit took effect
+(`Coordinator.recover`), or takes over an admitted one in overwrite mode (Algorithm B.2), and
+then runs a transition whenever every producer has staged the next version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from refit_operator.commit_store import CommitRecord
+from refit_operator.coordinator import Coordinator, CoordinatorConfig, TransitionResult
+from refit_operator.http_membership import HttpMembership, NodeEndpoint
+from refit_operator.ports import EndpointError, TransitionProgress
+from refit_operator.producer_client import HttpProducerClient
+from refit_operator.sqlite_store import SqliteCommitStore
+
+log = structlog.get_logger("kuberefit.coordinator_service")
+
+#: Exit codes of `serve` (and the `kuberefit coordinator` command).
+EXIT_DONE, EXIT_ABORTED, EXIT_CONFLICT = 0, 3, 4
+
+
+class NodeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Node name (as its receiver reports it).")
+    url: str = Field(description="Receiver control-plane URL, e.g. http://10.0.0.5:8470.")
+    relay_endpoint: str = Field("", description="Relay-tree endpoint (ZeroMQ), if any.")
+
+
+class CoordinatorServiceConfig(BaseModel):
+    """Everything one coordinator process needs (one policy, static membership)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = Field(description="Policy name (the commit record's key).")
+    name: str | None = Field(None, description="This coordinator's name (default: random).")
+    store_path: Path = Field(description="SQLite commit store file (shared by every coordinator).")
+    initial_baseline_id: str = Field(
+        "g-initial", description="Baseline id of version 0 if the store is new."
+    )
+    producers: list[str] = Field(description="Producer control URLs, in producer-index order.")
+    nodes: list[NodeConfig] = Field(description="Rollout nodes (receivers).")
+    token: SecretStr | None = Field(None, description="Bearer token of every control plane.")
+    token_file: Path | None = Field(None, description="File holding the token.")
+    checkpoint_template: str = Field(
+        description="Where committed version N's checkpoint lies, with {version}, e.g. "
+        "/ckpt/v{version}; joining receivers restore from it."
+    )
+    until_version: int | None = Field(
+        None, ge=1, description="Exit after this version is committed (default: run forever)."
+    )
+    poll_s: float = Field(0.2, gt=0, description="How often to look for a staged candidate.")
+    rejected_backoff_s: float = Field(
+        5.0,
+        gt=0,
+        description="Wait after a rejected transition (a receiver not on the committed version) "
+        "before trying again; the next try restores such receivers first.",
+    )
+    progress_file: Path | None = Field(
+        None, description="Append every progress update and result as a JSON line here."
+    )
+    coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+
+    def bearer(self) -> str | None:
+        if self.token is not None:
+            return self.token.get_secret_value()
+        if self.token_file is not None:
+            return self.token_file.read_text().strip()
+        return None
+
+
+class JsonLinesSink:
+    """ProgressSink that appends each update as one JSON line (and logs it)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    async def update(self, progress: TransitionProgress) -> None:
+        self.write({"event": "progress", **asdict(progress)})
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        with self.path.open("a") as fh:
+            fh.write(json.dumps({"time": time.time(), **record}, default=str) + "\n")
+            fh.flush()
+
+
+async def serve(config: CoordinatorServiceConfig) -> int:
+    """Run transitions until `until_version` is committed (or forever); returns an exit code."""
+    token = config.bearer()
+    sink = JsonLinesSink(config.progress_file)
+    store = SqliteCommitStore(config.store_path, config.policy)
+    await store.initialize(CommitRecord(0, config.initial_baseline_id))
+    async with aiohttp.ClientSession() as session:
+        producers = [
+            HttpProducerClient(i, url, token=token, session=session)
+            for i, url in enumerate(config.producers)
+        ]
+        membership = HttpMembership(
+            [NodeEndpoint(n.name, n.url, n.relay_endpoint) for n in config.nodes],
+            session,
+            token=token,
+            checkpoint_of=lambda v: config.checkpoint_template.format(version=v),
+        )
+        coordinator = Coordinator(
+            config.policy,
+            store,
+            producers,
+            membership,
+            sink,
+            config.coordinator,
+            name=config.name,
+        )
+        await coordinator.start()
+        sink.write({"event": "started", "name": coordinator.name, "epoch": coordinator.epoch})
+        await coordinator.recover()
+        await membership.prewarm((await store.read()).record.version)
+        while True:
+            kv = (await store.read()).record
+            if config.until_version is not None and kv.version >= config.until_version:
+                return EXIT_DONE
+            if not await _candidates_staged(producers, kv.version + 1):
+                await asyncio.sleep(config.poll_s)
+                continue
+            result = await coordinator.run_transition(frozenset(membership.incompatible))
+            _report(sink, result)
+            if result.outcome == "rejected":
+                await asyncio.sleep(config.rejected_backoff_s)
+            if result.outcome == "aborted":
+                return EXIT_ABORTED
+            if result.outcome == "conflict":
+                return EXIT_CONFLICT
+
+
+async def _candidates_staged(producers: list[HttpProducerClient], version: int) -> bool:
+    try:
+        statuses = await asyncio.gather(*(p.status() for p in producers))
+    except EndpointError as exc:
+        log.info("producer.not_ready", error=str(exc))
+        return False
+    return all(s.candidate_version == version for s in statuses)
+
+
+def _report(sink: JsonLinesSink, result: TransitionResult) -> None:
+    p = result.progress
+    log.info(
+        "transition.done",
+        outcome=result.outcome,
+        version=result.version,
+        attempts=result.attempts,
+        modes=result.modes,
+        retired=result.retired,
+        latency_s=round(result.latency_s, 3),
+    )
+    sink.write(
+        {
+            "event": "result",
+            "outcome": result.outcome,
+            "version": result.version,
+            "attempts": result.attempts,
+            "modes": list(result.modes),
+            "retired": list(result.retired),
+            "message": result.message,
+            "latency_s": result.latency_s,
+            "finalization_s": result.finalization_s,
+            "wire_bytes": p.wire_bytes if p else 0,
+            "changed_elements": p.changed_elements if p else 0,
+            "total_elements": p.total_elements if p else 0,
+        }
+    )

@@ -1,0 +1,21 @@
+"""The producer control-plane messages carry a plan unchanged across the wire."""
+
+from __future__ import annotations
+
+from refit_operator.ports import AttemptPlan
+from refit_operator.producer_api import AttemptPlanModel
+
+
+def test_attempt_plan_round_trips_through_json() -> None:
+    plan = AttemptPlan(
+        attempt="a-2",
+        from_version=3,
+        target_version=4,
+        baseline_id="b-3",
+        mode="overwrite",
+        xor_incompatible=frozenset({"model.embed_tokens.weight"}),
+        receivers=("node-0", "node-1"),
+        relay_tree=("tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"),
+    )
+    wire = AttemptPlanModel.of(plan).model_dump_json()
+    assert AttemptPlanModel.model_validate_json(wire).plan() == plan
