@@ -33,7 +33,11 @@ _FUSED = {
 class SyntheticServingModel(torch.nn.Module):
     """Parameters in a serving layout (fused q/k/v and gate/up); one generic loader."""
 
-    def __init__(self, layout: list[tuple[str, tuple[int, ...]]], seed: int = 0) -> None:
+    def __init__(
+        self, layout: list[tuple[str, tuple[int, ...]]], seed: int = 0, *, empty: bool = False
+    ) -> None:
+        """Random BF16 parameters, or uninitialized ones when `empty` (the caller loads a
+        checkpoint densely next, so drawing values would be wasted work)."""
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.slots: dict[str, tuple[str, int]] = {}  # canonical -> (param, row offset)
@@ -47,7 +51,11 @@ class SyntheticServingModel(torch.nn.Module):
         for target, parts in sizes.items():
             rows = sum(s[0] for _, s in parts)
             shape = (rows, *parts[0][1][1:])
-            data = torch.randn(shape, generator=g, dtype=torch.float32).to(BF16)
+            data = (
+                torch.empty(shape, dtype=BF16)
+                if empty
+                else torch.randn(shape, generator=g, dtype=torch.float32).to(BF16)
+            )
             key = target.replace(".", "__")
             self.params[key] = torch.nn.Parameter(data, requires_grad=False)
             offset = 0

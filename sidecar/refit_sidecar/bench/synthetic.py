@@ -9,6 +9,7 @@ selected element to change its stored bits, so the change rate is exact.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,16 +64,21 @@ def make_checkpoint(
     layout: list[tuple[str, tuple[int, ...]]], seed: int = 0
 ) -> list[tuple[str, torch.Tensor]]:
     """BF16 weights: N(0, 0.02) matrices, norms near 1 (values drawn directly in BF16)."""
+    return list(iter_checkpoint(layout, seed))
+
+
+def iter_checkpoint(
+    layout: list[tuple[str, tuple[int, ...]]], seed: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`make_checkpoint` one tensor at a time (a dense load then never holds two copies)."""
     gen = torch.Generator().manual_seed(seed)
-    out: list[tuple[str, torch.Tensor]] = []
     for name, shape in layout:
         t = torch.randn(shape, generator=gen, dtype=BF16)
         if len(shape) == 1:
             t = (t * 0.1 + 1.0).to(BF16)
         else:
             t.mul_(0.02)
-        out.append((name, t))
-    return out
+        yield name, t
 
 
 def perturb(

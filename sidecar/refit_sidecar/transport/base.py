@@ -6,6 +6,7 @@ from its send thread, and never looks inside a transport. Table B.1 of the paper
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -22,6 +23,24 @@ class TransportSummary:
     bytes_sent: int
     payloads_acknowledged: int
     errors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SendInterval:
+    """One payload's transport interval (paper Appendix C): from its submission to the wire
+    (admitted into the send window) until the sending endpoint got its queueing ACK, or failed.
+    Times are `time.monotonic()`, comparable across the processes of one host."""
+
+    attempt: str
+    payload_id: int
+    size: int
+    submitted: float
+    settled: float
+    ok: bool
+
+
+#: Called once per payload when its interval ends (from a transport thread: keep it short).
+SendObserver = Callable[[SendInterval], None]
 
 
 @runtime_checkable

@@ -9,12 +9,7 @@ here; `kuberefit bench apply` measures that).
 
 from __future__ import annotations
 
-import json
-import os
 import secrets
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,17 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import urllib3
 from pydantic import SecretStr
 
-from refit_operator.api import (
-    PrepareRequest,
-    PrewarmRequest,
-    RankPrewarm,
-    RelayFlushRequest,
-    RelayFlushResponse,
-    TensorMetaModel,
-)
+from refit_operator.api import PrewarmRequest, RankPrewarm, TensorMetaModel
+from refit_sidecar.bench.nodes import BenchNodes
 from refit_sidecar.codec.records import Item, Op, TensorMeta
 from refit_sidecar.codec.wire import (
     CODEC_VERSION,
@@ -72,6 +60,9 @@ class DiscardApplier:
     def gate(self, closed: bool) -> None:
         pass
 
+    def restore(self, source: str) -> set[str]:
+        return set()
+
     def close(self) -> None:
         pass
 
@@ -96,131 +87,35 @@ def synthetic_payloads(
     return out, metas
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-class _Nodes:
-    """Receiver node processes on loopback for the benchmark (stopped by PID at the end)."""
-
-    def __init__(self, n: int, workdir: Path) -> None:
-        self.token = secrets.token_hex(16)
-        ports = _free_ports(2 * n)
-        self.http = [f"http://127.0.0.1:{p}" for p in ports[:n]]
-        self.relays = [f"tcp://127.0.0.1:{p}" for p in ports[n:]]
-        self.pool = urllib3.PoolManager(maxsize=2 * n, retries=False)
-        self.procs: list[subprocess.Popen[bytes]] = []
-        env = dict(os.environ, KUBEREFIT_LOG_LEVEL="WARNING")
-        for i in range(n):
-            cfg = {
-                "node": f"bench{i}",
-                "port": ports[i],
-                "token": self.token,
-                "held_version": 0,
-                "applier": {"kind": "factory", "factory": f"{__name__}:discard_applier"},
-                "relay": {"bind": self.relays[i], "nodes": self.relays},
-            }
-            path = workdir / f"bench{i}.json"
-            path.write_text(json.dumps(cfg))
-            log = (workdir / f"bench{i}.log").open("wb")
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "refit_sidecar.receiver", "--config", str(path)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                )
-            )
-        deadline = time.monotonic() + 120
-        for url in self.http:
-            while True:
-                try:
-                    if self.pool.request("GET", url + "/healthz", timeout=1.0).status == 200:
-                        break
-                except urllib3.exceptions.HTTPError:
-                    pass
-                if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                    self.close()
-                    raise RuntimeError(f"receiver nodes did not start; logs in {workdir}")
-                time.sleep(0.1)
-
-    def post(self, url: str, path: str, body: Any, timeout: float = 300) -> dict[str, Any]:
-        resp = self.pool.request(
-            "POST",
-            url + "/v1" + path,
-            body=body.model_dump_json().encode(),
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
-            timeout=timeout,
-        )
-        if resp.status != 200:
-            raise RuntimeError(f"{url}{path}: HTTP {resp.status}: {resp.data[:300]!r}")
-        data: dict[str, Any] = json.loads(resp.data)
-        return data
-
-    def each(self, fn: Callable[[str], Any]) -> list[Any]:
-        with ThreadPoolExecutor(len(self.http)) as ex:
-            return list(ex.map(fn, self.http))
-
-    def close(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+def _nodes(n: int, workdir: Path) -> BenchNodes:
+    """Receiver node processes on loopback whose applier discards everything."""
+    return BenchNodes(
+        n, workdir, applier=lambda _i: {"kind": "factory", "factory": f"{__name__}:discard_applier"}
+    ).start()
 
 
 def _relay_round(
-    nodes: _Nodes, attempt: str, ps: list[EncodedPayload], metas: list[TensorMetaModel]
+    nodes: BenchNodes, attempt: str, ps: list[EncodedPayload], metas: list[TensorMetaModel]
 ) -> float:
     """Seconds from the first send to a successful relay flush on every node."""
     nodes.each(lambda u: nodes.post(u, "/prewarm", PrewarmRequest(metas=metas)))
-    req = PrepareRequest(
-        attempt=attempt,
-        from_version=0,
-        target_version=1,
-        mode="overwrite",
-        sync=False,
-        producers=[0],
-        relay_tree=nodes.relays,
-    )
-    nodes.each(lambda u: nodes.post(u, "/prepare", req))
     t = ZmqRelayTransport(
         ZmqTransportConfig(
             root=nodes.relays[0], token=SecretStr(nodes.token), client=RelayClientConfig()
         )
     )
-    t0 = time.perf_counter()
-    try:
+
+    def send() -> float:
+        t0 = time.monotonic()
         for p in ps:
             t.send(attempt, p)
         t.stop_and_wait(attempt)
+        return t0
+
+    try:
+        return nodes.deliver(attempt, {0: len(ps)}, send, timeout_s=300)
     finally:
         t.close()
-    flush = RelayFlushRequest(attempt=attempt, expected={0: len(ps)}, timeout_s=300)
-    answers = nodes.each(lambda u: RelayFlushResponse(**nodes.post(u, "/relay-flush", flush)))
-    elapsed = time.perf_counter() - t0
-    bad = [a.errors for a in answers if not a.ok]
-    if bad:
-        raise RuntimeError(f"relay flush failed: {bad[0]}")
-    nodes.each(lambda u: nodes.post(u, "/stop", _attempt(attempt)))
-    return elapsed
-
-
-def _attempt(attempt: str) -> Any:
-    from refit_operator.api import AttemptRequest
-
-    return AttemptRequest(attempt=attempt)
 
 
 def run_relay_bench(
@@ -235,7 +130,7 @@ def run_relay_bench(
     """Relay-tree delivery to `nodes` processes on loopback."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kuberefit-bench-"))
     say(f"starting {nodes} receiver nodes ...")
-    cluster = _Nodes(nodes, workdir)
+    cluster = _nodes(nodes, workdir)
     try:
         big, big_metas = synthetic_payloads("bench-big", payloads, payload_mib * MIB)
         volume = sum(p.size for p in big)

@@ -11,6 +11,7 @@ producer's total) so receivers know its declared order is complete.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import structlog
@@ -18,7 +19,7 @@ import zmq
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from refit_sidecar.codec.wire import EncodedPayload
-from refit_sidecar.transport.base import TransportSummary
+from refit_sidecar.transport.base import SendInterval, SendObserver, TransportSummary
 from refit_sidecar.transport.client import RelayClient, RelayClientConfig
 from refit_sidecar.transport.frames import FrameMeta
 from refit_sidecar.transport.window import AttemptSends, SendWindow
@@ -50,9 +51,16 @@ class ZmqRelayTransport:
     """`Transport` implementation for one producer (thread-safe)."""
 
     def __init__(
-        self, config: ZmqTransportConfig, *, context: zmq.Context[Any] | None = None
+        self,
+        config: ZmqTransportConfig,
+        *,
+        context: zmq.Context[Any] | None = None,
+        observer: SendObserver | None = None,
     ) -> None:
+        """`observer` receives every payload's transport interval (benchmarks measure the
+        transport lower bound with it)."""
         self.config = config
+        self._observer = observer
         token = config.token.get_secret_value() if config.token else None
         self._client = RelayClient(
             config.root, token=token, config=config.client, context=context, name="zmq-producer"
@@ -73,8 +81,9 @@ class ZmqRelayTransport:
             digest=payload.digest.hex(),
             size=payload.size,
         )
+        submitted = time.monotonic()
         fut = self._client.submit_data(meta, payload.body)
-        fut.add_done_callback(lambda f: self._window.settle(attempt, f.exception()))
+        fut.add_done_callback(lambda f: self._settled(meta, submitted, f))
 
     def stop_and_wait(self, attempt: str) -> TransportSummary:
         deadline = time.monotonic() + self.config.stop_timeout_s
@@ -95,6 +104,17 @@ class ZmqRelayTransport:
         self._client.close()
 
     # -- internals --------------------------------------------------------------------------------
+    def _settled(self, meta: FrameMeta, submitted: float, fut: Future[Any]) -> None:
+        settled = time.monotonic()
+        exc = fut.exception()
+        self._window.settle(meta.attempt, exc)
+        if self._observer is not None:
+            self._observer(
+                SendInterval(
+                    meta.attempt, meta.payload_id, meta.size, submitted, settled, exc is None
+                )
+            )
+
     def _announce_end(self, attempt: str, st: AttemptSends, deadline: float) -> None:
         producer = st.end_producer(self.config.producer)
         if producer is None:

@@ -1,0 +1,168 @@
+"""Two emulated clusters joined by a rate-limited link (HARNESS.md "Networks between clusters").
+
+`trainer` and `rollout` network namespaces are joined by a veth pair whose trainer-side egress
+(the payload direction) is shaped with `tc tbf`. A second, unshaped veth joins the caller's own
+namespace to `rollout`, so the caller can drive the receivers' control plane without touching
+the shaped link; `trainer_control=True` adds a third one to `trainer` (for a producer's control
+plane). Everything is deleted by `close()` (deleting a namespace deletes its veth ends).
+Needs root and iproute2. Used by `kuberefit bench refit` and by the link tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+#: The payload link's addresses are 10.213.<s>.0/30; control veths 10.214.<s> (rollout) and
+#: 10.215.<s> (trainer). <s> is chosen so that no host route of another link uses it.
+_PAYLOAD_NET, _ROLLOUT_CTL_NET, _TRAINER_CTL_NET = "10.213", "10.214", "10.215"
+
+
+class NetnsError(RuntimeError):
+    """The namespaces or the shaped link could not be set up (message says what to do)."""
+
+
+def require_netns_tools() -> None:
+    """Fail early, with a clear message, when namespaces cannot be created here."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise NetnsError(
+            f"{', '.join(missing)} not found: install iproute2 (`apt-get install iproute2`)"
+        )
+    if os.geteuid() != 0:
+        raise NetnsError(
+            "network namespaces and tc need root: run as root (e.g. `sudo -E .venv/bin/kuberefit "
+            "bench refit`)"
+        )
+
+
+def _run(*argv: str) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    if proc.returncode != 0:
+        raise NetnsError(f"{' '.join(argv)}: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+@dataclass
+class Link:
+    """A created link; `close()` removes everything it made (idempotent)."""
+
+    trainer_ns: str
+    rollout_ns: str
+    trainer_ip: str  # trainer end of the shaped veth
+    rollout_ip: str  # rollout end of the shaped veth (bind relays here)
+    control_ip: str  # the rollout namespace's address on the unshaped control veth
+    rate_mbit: float
+    trainer_control_ip: str = ""  # the trainer namespace's control address (trainer_control)
+    shaped_dev: str = ""  # the tbf-shaped device, inside trainer_ns
+    _created: list[str] = field(default_factory=list)
+    _host_veths: list[str] = field(default_factory=list)
+
+    @property
+    def rate_bytes_s(self) -> float:
+        return self.rate_mbit * 1e6 / 8
+
+    def wrap(self, ns: str, argv: list[str]) -> list[str]:
+        """`argv` run inside namespace `ns` (`ip netns exec` execs, so the PID is argv's)."""
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def shaped_bytes(self) -> int:
+        """Bytes the tbf qdisc has sent so far (L2 frames that crossed the shaped link)."""
+        out = _run("tc", "-n", self.trainer_ns, "-s", "-j", "qdisc", "show", "dev", self.shaped_dev)
+        for qdisc in json.loads(out or "[]"):
+            if qdisc.get("kind") == "tbf":
+                return int(qdisc.get("bytes", 0))
+        raise NetnsError(f"no tbf qdisc on {self.shaped_dev} in {self.trainer_ns}")
+
+    def close(self) -> None:
+        for ns in reversed(self._created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30, check=False)
+        for dev in self._host_veths:
+            subprocess.run(["ip", "link", "del", dev], capture_output=True, timeout=30, check=False)
+        self._created.clear()
+        self._host_veths.clear()
+
+
+def _free_subnet() -> int:
+    """A third octet no host route uses yet (several links may exist at once)."""
+    routes = _run("ip", "-o", "-4", "route", "show")
+    for _ in range(64):
+        s = secrets.randbelow(200) + 20
+        if f"{_ROLLOUT_CTL_NET}.{s}." not in routes and f"{_TRAINER_CTL_NET}.{s}." not in routes:
+            return s
+    raise NetnsError("no free 10.214.x/10.215.x subnet for the control veths")
+
+
+def create_link(rate_mbit: float, *, latency_ms: int = 100, trainer_control: bool = False) -> Link:
+    """trainer --(tbf rate_mbit)--> rollout, plus host <-> rollout (and host <-> trainer) for
+    control traffic."""
+    require_netns_tools()
+    tag = secrets.token_hex(3)
+    s = _free_subnet()
+    link = Link(
+        trainer_ns=f"krt-{tag}",
+        rollout_ns=f"krr-{tag}",
+        trainer_ip=f"{_PAYLOAD_NET}.{s}.1",
+        rollout_ip=f"{_PAYLOAD_NET}.{s}.2",
+        control_ip=f"{_ROLLOUT_CTL_NET}.{s}.2",
+        rate_mbit=rate_mbit,
+        shaped_dev=f"krvt{tag}",
+    )
+    t, r = link.trainer_ns, link.rollout_ns
+    vt, vr = link.shaped_dev, f"krvr{tag}"
+    try:
+        for ns in (t, r):
+            _run("ip", "netns", "add", ns)
+            link._created.append(ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("ip", "link", "add", vt, "type", "veth", "peer", "name", vr)
+        link._host_veths.append(vt)  # until both ends moved; deleting a missing link is harmless
+        _run("ip", "link", "set", vt, "netns", t)
+        _run("ip", "link", "set", vr, "netns", r)
+        _run("ip", "-n", t, "addr", "add", f"{link.trainer_ip}/30", "dev", vt)
+        _run("ip", "-n", r, "addr", "add", f"{link.rollout_ip}/30", "dev", vr)
+        _run("ip", "-n", t, "link", "set", vt, "up")
+        _run("ip", "-n", r, "link", "set", vr, "up")
+        burst = max(16_000, int(link.rate_bytes_s / 250))  # ~4 ms of tokens
+        _run(
+            "tc",
+            "-n",
+            t,
+            "qdisc",
+            "add",
+            "dev",
+            vt,
+            "root",
+            "tbf",
+            "rate",
+            f"{rate_mbit}mbit",
+            "burst",
+            str(burst),
+            "latency",
+            f"{latency_ms}ms",
+        )
+        link.control_ip = _control_veth(link, r, f"krvh{tag}", f"krvc{tag}", _ROLLOUT_CTL_NET, s)
+        if trainer_control:
+            link.trainer_control_ip = _control_veth(
+                link, t, f"krvg{tag}", f"krvd{tag}", _TRAINER_CTL_NET, s
+            )
+    except BaseException:
+        link.close()
+        raise
+    return link
+
+
+def _control_veth(link: Link, ns: str, host_dev: str, ns_dev: str, net: str, s: int) -> str:
+    """An unshaped veth between the caller's namespace and `ns`; returns `ns`'s address."""
+    _run("ip", "link", "add", host_dev, "type", "veth", "peer", "name", ns_dev)
+    link._host_veths.append(host_dev)
+    _run("ip", "link", "set", ns_dev, "netns", ns)
+    _run("ip", "addr", "add", f"{net}.{s}.1/30", "dev", host_dev)
+    _run("ip", "-n", ns, "addr", "add", f"{net}.{s}.2/30", "dev", ns_dev)
+    _run("ip", "link", "set", host_dev, "up")
+    _run("ip", "-n", ns, "link", "set", ns_dev, "up")
+    return f"{net}.{s}.2"

@@ -1,0 +1,152 @@
+"""`kuberefit bench refit` end to end on a tiny checkpoint: real namespaces and tbf link, real
+producer and receiver processes, the real coordinator. Checks the JSON contract, that the numbers
+are consistent and bit-exact, and that nothing is left behind (also after Ctrl-C)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from refit_sidecar.bench.refit import union_seconds
+
+CLI = [sys.executable, "-m", "refit_operator.cli", "bench", "refit"]
+ROW_KEYS = {
+    "latency_s",
+    "v_payload_bytes",
+    "full_reference_s",
+    "speedup",
+    "transport_share",
+    "finalization_s",
+}
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+def _ours(stderr: str) -> set[str]:
+    """The namespaces this run created (named in its first progress line)."""
+    for line in stderr.splitlines():
+        if "between namespaces" in line:
+            words = line.split("between namespaces ", 1)[1].split()
+            return {words[0], words[2].rstrip(";")}
+    raise AssertionError(f"no namespace line in:\n{stderr}")
+
+
+def _processes_using(path: Path) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(path) in text:
+            found.append(text)
+    return found
+
+
+def test_union_counts_overlaps_once_and_clips() -> None:
+    spans = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (-1.0, 0.5), (9.0, 12.0)]
+    assert union_seconds(spans, 0.0, 10.0) == pytest.approx(3.0 + 1.0 + 1.0)
+    assert union_seconds([], 0.0, 1.0) == 0.0
+
+
+def test_tiny_refit_bench_reports_consistent_bit_exact_numbers(tmp_path: Path) -> None:
+    work, results = tmp_path / "work", tmp_path / "results"
+    proc = subprocess.run(
+        [
+            *CLI,
+            "--checkpoint-mib",
+            "8",
+            "--nodes",
+            "2",
+            "--link-mbit",
+            "100",
+            "--json",
+            "--workdir",
+            str(work),
+            "--results-dir",
+            str(results),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    h = out["checkpoint_bytes"]
+    assert out["link_mbit"] == 100.0
+    assert h >= 8 << 20
+    assert set(out["rates"]) == {"0.01", "0.03", "0.05"}
+    volumes = []
+    for key, row in out["rates"].items():
+        assert set(row) >= ROW_KEYS, key
+        assert all(row[k] > 0 for k in ROW_KEYS), row
+        assert row["bit_exact"] is True
+        assert row["speedup"] == pytest.approx(row["full_reference_s"] / row["latency_s"])
+        assert 0 < row["transport_share"] <= 1
+        assert row["finalization_s"] < row["latency_s"]
+        assert row["v_payload_bytes"] < h * float(key)  # compressed changes, not the checkpoint
+        assert row["changed_fraction"] == pytest.approx(float(key), rel=0.05)
+        volumes.append(row["v_payload_bytes"])
+    assert volumes == sorted(volumes)
+    ref = out["full_reference"]
+    assert ref["wire_bytes"] >= h  # the reference really moves H bytes ...
+    assert ref["seconds"] >= 0.9 * h * 8 / 100e6  # ... over the 100 Mbit/s link
+    assert len({row["full_reference_s"] for row in out["rates"].values()}) == 1
+
+    latest = json.loads((results / "refit-latest.json").read_text())
+    assert latest["rates"].keys() == out["rates"].keys()
+    svg = ET.parse(results / "refit-latest.svg").getroot()
+    assert svg.tag.endswith("svg")
+    assert len(list(results.glob("refit-2*.json"))) == 1
+
+    assert not (_ours(proc.stderr) & _namespaces()), "namespaces left behind"
+    assert not _processes_using(work), "processes left behind"
+    (run,) = work.iterdir()  # this run's directory: logs and configs, no baseline left
+    assert (run / "producer.log").exists()
+    assert not [p for p in run.iterdir() if p.is_dir()], "baseline files left behind"
+
+
+def test_ctrl_c_cleans_up(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    proc = subprocess.Popen(
+        [*CLI, "--checkpoint-mib", "8", "--nodes", "2", "--workdir", str(work)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # interrupt once the processes run
+        line = proc.stderr.readline()
+        lines.append(line)
+        if "warm-up" in line or not line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=90)
+    stderr = "".join(lines) + rest
+    assert proc.returncode != 0
+    assert not (_ours(stderr) & _namespaces()), "namespaces left behind"
+    assert not _processes_using(work), "processes left behind"
+
+
+def test_clear_error_without_iproute2(tmp_path: Path) -> None:
+    env = dict(os.environ, PATH=str(tmp_path))  # neither ip nor tc on PATH
+    proc = subprocess.run(
+        [*CLI, "--quick"], capture_output=True, text=True, env=env, timeout=60, check=False
+    )
+    assert proc.returncode != 0
+    assert "iproute2" in proc.stderr, proc.stderr
