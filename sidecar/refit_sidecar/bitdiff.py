@@ -16,7 +16,6 @@ change detection 2-4x a bare compare and limited two-thread scaling (docs/perfor
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -24,10 +23,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import structlog
 import torch
 
-log = structlog.get_logger("kuberefit.bitdiff")
+from refit_sidecar import compiled
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: numpy dtype of the same-width integer view, by element width in bytes.
@@ -298,32 +296,35 @@ def gather_slices(parts: list[tuple[int, Future[BitDiff]]]) -> BitDiff:
 
 @functools.cache
 def _compiled_kernel() -> Callable[..., Any] | None:
-    """The numba kernel, or None (numpy fallback) when numba is missing or disabled.
-
-    Built on first use, so processes that never compare (receivers) do not import numba."""
-    if os.environ.get("KUBEREFIT_DIFF_KERNEL", "numba") == "numpy":
+    """The numba kernel, or None (numpy fallback) when numba is missing or disabled."""
+    if not compiled.enabled():
         return None
-    try:
-        import numba
-    except ImportError:  # pragma: no cover - numba is a declared sidecar dependency
-        log.warning("bitdiff.numba_missing", fallback="numpy")
-        return None
+    from numba.cpython.unsafe.numbers import trailing_zeros  # an LLVM cttz intrinsic
 
     def _diff_words(old_w, new_w, per, word, locs, news, xors):  # type: ignore[no-untyped-def]
         """Scan 64-bit words from `word`; emit each changed element until the output is full.
 
-        Branch-free in both phases, so the cost does not depend on how changes are spread:
-        a block's changed word indices are compacted into a small buffer (stays in L1), then
-        each changed word's lanes are written unconditionally and kept only when nonzero.
-        Returns (next word to scan, elements written)."""
+        Two phases per block of words. First, the indices of changed words are compacted into a
+        small buffer (branch-free, stays in L1). Then, for each changed word, a SWAR test marks
+        the top bit of every nonzero lane of the XOR and only those lanes are visited, lowest
+        first (count-trailing-zeros): at 1-5% of BF16 elements a changed word nearly always has
+        one changed lane, so this does a quarter of the work of writing all four lanes and the
+        loop exit is well predicted. Returns (next word to scan, elements written)."""
         n_words = old_w.size
         cap = locs.size
         k = 0
         block = 2048
         buf = np.empty(block, np.int64)
         bits = 64 // per
+        lane_shift = 3  # log2(bits): a bit position >> lane_shift is its lane
+        while (1 << lane_shift) < bits:
+            lane_shift += 1
         full = np.uint64(0xFFFFFFFFFFFFFFFF)
         lane_mask = full if per == 1 else (np.uint64(1) << np.uint64(bits)) - np.uint64(1)
+        top = np.uint64(0)  # the top bit of every lane
+        for lane in range(per):
+            top |= np.uint64(1) << np.uint64(lane * bits + bits - 1)
+        below = ~top
         while word < n_words:
             stop = min(word + block, n_words)
             if k + (stop - word) * per > cap:  # a worst-case block must fit
@@ -339,22 +340,21 @@ def _compiled_kernel() -> Callable[..., Any] | None:
                 w = buf[j]
                 b = new_w[w]
                 x = old_w[w] ^ b
+                # a lane is nonzero iff its top bit is set or its lower bits carry into it
+                nonzero = (((x & below) + below) | x) & top
                 base = w * per
-                for lane in range(per):
+                while nonzero:
+                    lane = trailing_zeros(nonzero) >> lane_shift
                     shift = np.uint64(lane * bits)
-                    xl = (x >> shift) & lane_mask
                     locs[k] = base + lane
                     news[k] = (b >> shift) & lane_mask
-                    xors[k] = xl
-                    k += xl != 0
+                    xors[k] = (x >> shift) & lane_mask
+                    k += 1
+                    nonzero &= nonzero - np.uint64(1)
             word = stop
         return word, k
 
-    try:
-        return numba.njit(nogil=True, cache=True)(_diff_words)  # type: ignore[no-any-return]
-    except RuntimeError as exc:  # no writable cache location (read-only image, non-root user)
-        log.info("bitdiff.numba_cache_unavailable", error=str(exc))
-        return numba.njit(nogil=True)(_diff_words)  # type: ignore[no-any-return]
+    return compiled.njit(_diff_words)
 
 
 def kernel_name() -> str:

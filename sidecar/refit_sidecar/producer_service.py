@@ -45,7 +45,7 @@ from refit_sidecar.trainer.errors import (
 )
 from refit_sidecar.trainer.manifest import from_wire, require_same_layout
 from refit_sidecar.trainer.staging import CandidateStaging, StagingConfig, meta_chunk
-from refit_sidecar.transport.base import Transport
+from refit_sidecar.transport.base import AbandoningTransport, Transport
 
 log = structlog.get_logger("kuberefit.producer")
 
@@ -162,8 +162,12 @@ class ProducerService:
         )
 
     async def stop_and_wait(self, attempt: str) -> None:
+        """The coordinator stops only attempts it marked obsolete: abandon what is in flight
+        where the transport can, instead of waiting for ACKs that may never come."""
         transport = self._transports.get(attempt)
         if transport is not None:
+            if isinstance(transport, AbandoningTransport):
+                transport.abandon(attempt)
             await asyncio.to_thread(transport.stop_and_wait, attempt)
         fut = self._runs.get(attempt)
         if fut is not None:

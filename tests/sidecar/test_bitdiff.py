@@ -58,6 +58,37 @@ def test_the_compiled_kernel_is_in_use() -> None:
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_every_subset_of_changed_lanes_in_a_word(width: int) -> None:
+    """The compiled kernel visits only a word's nonzero lanes (a SWAR test on each lane's top
+    bit): every subset of changed lanes, with XOR masks that set only the lowest bit, only the
+    top bit or every bit of a lane, must come out exactly."""
+    per = 8 // width
+    dtype = NP_INT_VIEW[width]
+    top = 1 << (8 * width - 1)
+    masks = [1, top, (1 << (8 * width)) - 1]
+    subsets = range(1, 1 << per)
+    old = (
+        np.random.default_rng(width)
+        .integers(0, 256, size=len(masks) * len(subsets) * 8, dtype=np.uint8)
+        .view(dtype)
+    )
+    new = old.copy()
+    unsigned = new.view(f"<u{width}")
+    word = 0
+    for mask in masks:
+        for subset in subsets:
+            for lane in range(per):
+                if subset >> lane & 1:
+                    unsigned[word * per + lane] ^= np.array(mask, dtype=f"<u{width}")
+            word += 1
+    diff = diff_bits(old, new)
+    expected = np.flatnonzero(old != new)
+    assert np.array_equal(diff.locations, expected)
+    assert np.array_equal(diff.new_bits, new[expected])
+    assert np.array_equal(diff.xor_bits, old[expected] ^ new[expected])
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("rate", [0.2, 1.0])
 def test_dense_changes_overflow_the_first_output_buffer(width: int, rate: float) -> None:
     """More changes than the first output capacity (1/16 of the elements) continue in further

@@ -61,3 +61,18 @@ class Transport(Protocol):
     def cleanup(self, attempt: str) -> None:
         """Release everything the attempt left in the transport (objects, sockets, buffers)."""
         ...
+
+
+@runtime_checkable
+class AbandoningTransport(Transport, Protocol):
+    """A transport that can give up on an obsolete attempt's in-flight sends at once.
+
+    The coordinator stops an attempt only after marking it obsolete, so nothing in flight can
+    still be useful; waiting for its acknowledgments (up to the stop timeout when the node that
+    should acknowledge was killed) only delays the retry. Transports whose in-flight work must
+    finish before `cleanup` can delete it (S3 uploads) do not implement this.
+    """
+
+    def abandon(self, attempt: str) -> None:
+        """Stop sending for `attempt` and fail its unacknowledged sends now."""
+        ...

@@ -83,6 +83,12 @@ class SendWindow:
         with self.lock:
             st.errors.append(error)
 
+    def stop(self, attempt: str) -> None:
+        """No more sends for `attempt` (waiting senders raise TransportStoppedError)."""
+        with self.lock:
+            self._attempts.setdefault(attempt, AttemptSends()).stopped = True
+            self.lock.notify_all()
+
     def stop_and_drain(self, attempt: str, deadline: float) -> AttemptSends:
         """No more sends; wait until nothing is in flight or `deadline` (then `in_flight > 0`)."""
         with self.lock:

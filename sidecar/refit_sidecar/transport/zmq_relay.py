@@ -95,6 +95,12 @@ class ZmqRelayTransport:
             self._announce_end(attempt, st, deadline)
         return self._window.summary(attempt, st)
 
+    def abandon(self, attempt: str) -> None:
+        """The attempt is obsolete: no more sends, and its unacknowledged frames fail now
+        (frames already on the wire are dropped by relays that learned the attempt is stopped)."""
+        self._window.stop(attempt)
+        self._client.abort(attempt, "attempt abandoned")
+
     def cleanup(self, attempt: str) -> None:
         self._client.abort(attempt, "cleaned up")
         self._window.forget(attempt)

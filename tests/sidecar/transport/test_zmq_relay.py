@@ -4,7 +4,9 @@ SIGKILLed mid-stream (flush fails within its deadline, nothing hangs)."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from refit_sidecar.transport.errors import (
     AttemptObsoleteError,
     DeliveryTimeoutError,
     PayloadRejectedError,
+    TransportStoppedError,
 )
 from refit_sidecar.transport.frames import AckStatus, FrameMeta
 from refit_sidecar.transport.zmq_relay import ZmqRelayTransport, ZmqTransportConfig
@@ -285,6 +288,39 @@ def test_missing_or_wrong_token_is_rejected(cluster: Cluster) -> None:
     assert node.ctl.status().staged == 0
     assert _metric(node, 'kuberefit_relay_frames_dropped_total{reason="unauthenticated"}') >= 4
     stop_everywhere(cluster, "t7")
+
+
+# ------------------------------------------------------------------------------ abandon
+def test_abandon_fails_unacknowledged_sends_at_once(cluster: Cluster) -> None:
+    """A stopped attempt does not wait for ACKs a frozen root (SIGSTOP: alive, connected,
+    silent) will not send in time. Without `abandon` this stop lasted until the client gave up
+    on the payloads (~9 s with this test's ACK timeouts; up to `stop_timeout_s` in general)."""
+    c = cluster
+    old = STATE["weights"]
+    assert isinstance(old, dict)
+    ps = payloads("ab1", 0, old, perturb(old, 31, fraction=0.5), op=Op.OVERWRITE)
+    assert len(ps) >= 2
+    prepare(c, "ab1", "overwrite", [0], open_apply=False)  # nothing may be applied
+    t = transport(c, 0, max_in_flight=2, stop_timeout_s=30.0)
+    root = c.nodes[0].proc
+    os.kill(root.pid, signal.SIGSTOP)
+    try:
+        for p in ps[:2]:
+            t.send("ab1", p)  # admitted: the window has room for two
+        start = time.monotonic()
+        t.abandon("ab1")
+        summary = t.stop_and_wait("ab1")
+        took = time.monotonic() - start
+        with pytest.raises(TransportStoppedError):
+            t.send("ab1", ps[-1])
+    finally:
+        os.kill(root.pid, signal.SIGCONT)
+        t.close()
+    assert took < 5.0, took
+    assert summary.payloads_sent == 2
+    assert summary.payloads_acknowledged == 0
+    assert summary.errors, summary
+    stop_everywhere(cluster, "ab1")
 
 
 # ------------------------------------------------------------------------------ relay killed
