@@ -71,7 +71,8 @@ def encode_positions(positions: npt.NDArray[np.int64], numel: int) -> EncodedLoc
     first, last = int(positions[0]), int(positions[-1])
     if first < 0 or last >= numel:
         raise LocationError(f"locations [{first}, {last}] outside a tensor of {numel} elements")
-    if last - first + 1 == count and _strictly_increasing(positions):
+    if last - first + 1 == count:
+        _require_strictly_increasing(positions)
         return encode_run(first)  # strictly increasing over this span: contiguous
     kernels = _gap_kernels()
     if kernels is None:
@@ -87,10 +88,9 @@ def encode_positions(positions: npt.NDArray[np.int64], numel: int) -> EncodedLoc
     return EncodedLocations(LocKind.GAPS, first, w, gaps)
 
 
-def _strictly_increasing(positions: npt.NDArray[np.int64]) -> bool:
+def _require_strictly_increasing(positions: npt.NDArray[np.int64]) -> None:
     if positions.size > 1 and not bool(np.all(positions[1:] > positions[:-1])):
         raise LocationError("locations must be strictly increasing")
-    return True
 
 
 def _encode_gaps_numpy(positions: npt.NDArray[np.int64]) -> EncodedLocations:
