@@ -146,6 +146,11 @@ class Cluster:
         if not db.exists():
             return 0
         with contextlib.closing(sqlite3.connect(db, timeout=10)) as con:
+            schema = con.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'commit_records'"
+            ).fetchone()
+            if schema is None:  # the coordinator created the file and not yet its tables
+                return 0
             row = con.execute(
                 "SELECT version FROM commit_records WHERE policy = ?", ("failover",)
             ).fetchone()
