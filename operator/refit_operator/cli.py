@@ -4,11 +4,26 @@ them, so `kuberefit --help` and the operator image work without torch, vllm or z
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
 from refit_operator import __version__
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _config_file_option(help_text: str) -> Callable[[F], F]:
+    """`--config FILE` (required, must exist), passed to the command as `config_path`."""
+    return click.option(
+        "--config",
+        "config_path",
+        required=True,
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help=help_text,
+    )
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -100,12 +115,8 @@ def demo(
 
 
 @main.command()
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSON file with a CoordinatorServiceConfig (refit_operator.coordinator_service).",
+@_config_file_option(
+    "JSON file with a CoordinatorServiceConfig (refit_operator.coordinator_service)."
 )
 def coordinator(config_path: Path) -> None:
     """Run one policy's coordinator as a process (local mode with separate processes).
@@ -391,13 +402,7 @@ def receiver() -> None:
 
 
 @receiver.command("serve")
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="ReceiverConfig as JSON (see docs/transports.md).",
-)
+@_config_file_option("ReceiverConfig as JSON (see docs/transports.md).")
 def receiver_serve(config_path: Path) -> None:
     """Run one receiver node (HTTP control plane, relay-tree node, S3 downloads) until SIGTERM."""
     from refit_sidecar.receiver.__main__ import main as serve
@@ -411,13 +416,7 @@ def producer() -> None:
 
 
 @producer.command("serve")
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="ProducerProcessConfig as JSON (see docs/trainer.md).",
-)
+@_config_file_option("ProducerProcessConfig as JSON (see docs/trainer.md).")
 def producer_serve(config_path: Path) -> None:
     """Run one trainer sidecar (baseline, candidate inbox, producer pipeline) until SIGTERM."""
     from refit_sidecar.producer_main import main as serve

@@ -91,10 +91,9 @@ class SendWindow:
 
     def stop_and_drain(self, attempt: str, deadline: float) -> AttemptSends:
         """No more sends; wait until nothing is in flight or `deadline` (then `in_flight > 0`)."""
-        with self.lock:
-            st = self._attempts.setdefault(attempt, AttemptSends())
-            st.stopped = True
-            self.lock.notify_all()
+        with self.lock:  # a re-entrant Condition: `stop` takes the same lock
+            self.stop(attempt)
+            st = self._attempts[attempt]
             while st.in_flight and time.monotonic() < deadline:
                 self.lock.wait(min(0.5, max(deadline - time.monotonic(), 0.0)))
             return st
