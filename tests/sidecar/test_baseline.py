@@ -156,6 +156,51 @@ def test_discard_leaves_bits_and_commit_writes_exactly_the_new_bits(
     assert list(tmp_path.rglob("chunk-*.bin")) == []
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_delta_buffers_are_reused_after_discard_and_commit(reuse: bool) -> None:
+    """The next compare writes into the last delta's buffers (config on) and every delta still
+    reproduces its target exactly; with the option off, nothing is shared."""
+    v0 = _export(n=6)
+    v1 = _update(v0, seed=1)
+    v2 = _update(v1, seed=2)
+    cfg = BaselineConfig(export_chunk_bytes=900, in_memory=True, reuse_delta_buffers=reuse)
+    b = SourceBaseline(producer=0, producers=1, config=cfg)
+    b.load_initial(chunk_export(v0, 900))
+    try:
+
+        def compare(attempt: str, export) -> list:
+            return [i for c in chunk_export(export, 900) for i in b.compare_chunk(attempt, c).items]
+
+        def reproduces(items: list, start, target) -> None:
+            state = {n: t.clone() for n, t in start}
+            for item in items:
+                apply_item_(state[item.meta.name], item)
+            for name, t in target:
+                assert np.array_equal(_bits(state[name]), _bits(t)), name
+
+        first = compare("a1", v1)
+        values = [i.values.numpy().copy() for i in first]
+        b.discard("a1")
+        second = compare("a2", v1)  # same export, same counts: fits the recycled buffers
+        shared = [
+            np.shares_memory(x.values.numpy(), y.values.numpy())
+            for x, y in zip(first, second, strict=True)
+        ]
+        assert all(shared) if reuse else not any(shared)
+        for item, before in zip(second, values, strict=True):
+            assert np.array_equal(item.values.numpy(), before)
+        reproduces(second, v0, v1)
+        b.commit("a2").result()
+        third = compare("a3", v2)  # after the commit wrote a2's bits from those buffers
+        reproduces(third, v1, v2)
+        b.commit("a3").result()
+        after = _all_bits([b], v0)
+        for name, t in v2:
+            assert np.array_equal(after[name], _bits(t))
+    finally:
+        b.close()
+
+
 def test_overwrite_rebuild_reproduces_new_bits_without_export(tmp_path: Path) -> None:
     v0 = _export()
     v1 = _update(v0, seed=2)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refit_sidecar.bitdiff import (
+    NO_BUFFERS,
     NP_INT_VIEW,
     UnsupportedDtypeError,
     changed_locations,
@@ -146,3 +147,54 @@ def test_sliced_parallel_diff_equals_whole_tensor_diff(
     assert np.array_equal(sliced.locations, whole.locations)
     assert np.array_equal(sliced.new_bits, whole.new_bits)
     assert np.array_equal(sliced.xor_bits, whole.xor_bits)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    width=st.sampled_from([1, 2, 4, 8]),
+    n=st.integers(0, 3000),
+    rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=5),
+    offset=st.integers(0, 1 << 40),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_recycled_output_buffers_give_the_fresh_result(
+    width: int, n: int, rates: list[float], offset: int, seed: int
+) -> None:
+    """A sequence of diffs, each written into the previous result's buffers: every result is the
+    element-wise reference (positions counted from `offset`), and a result that fits well within
+    the previous buffers is written in place."""
+    rng = np.random.default_rng(seed)
+    dtype = NP_INT_VIEW[width]
+    old = rng.integers(0, 256, size=n * width, dtype=np.uint8).view(dtype)
+    buffers = NO_BUFFERS
+    for rate in rates:
+        new = old.copy()
+        new.view(np.uint8)[rng.random(n * width) < rate] ^= np.uint8(0x41)
+        diff = diff_bits(old, new, offset=offset, reuse=buffers)
+        expected = np.flatnonzero(old != new)
+        assert np.array_equal(diff.locations, expected + offset)
+        assert np.array_equal(diff.new_bits, new[expected])
+        assert np.array_equal(diff.xor_bits, old[expected] ^ new[expected])
+        assert diff.new_bits.dtype == dtype
+        assert diff.locations.dtype == np.int64
+        assert diff.buffers is not None
+        if diff.count + 512 <= buffers.capacity:
+            assert diff.buffers is buffers
+            assert diff.count == 0 or np.shares_memory(diff.locations, buffers.locations)
+        fresh = diff_bits(old, new, offset=offset)
+        assert fresh.buffers is None
+        assert np.array_equal(fresh.locations, diff.locations)
+        buffers = diff.buffers
+
+
+@pytest.mark.parametrize("kernel", [diff_bits, diff_bits_numpy])
+def test_offset_shifts_positions_only(kernel: Any) -> None:
+    rng = np.random.default_rng(3)
+    old = rng.integers(0, 1 << 16, size=1001, dtype=np.uint16).view(np.int16)
+    new = old.copy()
+    new[[0, 5, 500, 1000]] ^= 3
+    shifted = kernel(old, new, offset=(1 << 33) + 7)
+    assert shifted.locations.tolist() == [(1 << 33) + 7 + i for i in (0, 5, 500, 1000)]
+    assert np.array_equal(shifted.xor_bits, kernel(old, new).xor_bits)
+    with pytest.raises(ValueError, match="offset"):
+        diff_bits(old, new, offset=-1)

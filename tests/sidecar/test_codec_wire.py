@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -39,6 +40,7 @@ from refit_sidecar.codec import (
     encode_payload,
     seal_body,
 )
+from refit_sidecar.codec.wire import _ScratchPool
 
 HEADER = PayloadHeader(1, "att", 2, 9, 4)
 BODY_HEAD = struct.Struct("<4sHIQQIBBH")
@@ -407,3 +409,46 @@ def test_arbitrary_bytes_raise_only_typed_errors(blob: bytes) -> None:
     for data in (blob, VALID[:30] + blob):
         with pytest.raises(CodecError):
             decode_payload(data)
+
+
+def test_scratch_pool_hands_out_distinct_buffers_and_keeps_only_small_ones() -> None:
+    pool = _ScratchPool(keep=2, max_bytes=1000)
+    with pool.borrow(100) as a, pool.borrow(100) as b:
+        assert a.size == b.size == 100
+        assert not np.shares_memory(a, b)
+        a[:] = 1
+        b[:] = 2
+        assert (a == 1).all()
+    with pool.borrow(50) as c:  # a returned buffer is reused
+        assert c.size == 50
+        assert np.shares_memory(c, a) or np.shares_memory(c, b)
+    with pool.borrow(5000) as big:  # over max_bytes: its own buffer, not kept afterwards
+        assert big.size == 5000
+    assert not any(np.shares_memory(big, kept) for kept in pool._free)
+    assert len(pool._free) == 2
+
+
+def test_concurrent_encodes_each_get_their_own_raw_body() -> None:
+    """Encoders on several threads (the pipeline seals payloads side by side) assemble their
+    raw bodies in the shared scratch pool: every payload still decodes to its own items."""
+    gen = torch.Generator().manual_seed(5)
+
+    def items(k: int) -> list[Item]:
+        values = torch.randint(-(2**15), 2**15, (3000 + k,), generator=gen, dtype=torch.int16)
+        meta = TensorMeta(f"t{k}", (100_000,), torch.bfloat16)
+        return [Item(meta, Op.XOR, None, torch.arange(0, 3 * values.numel(), 3), values)]
+
+    work = [items(k) for k in range(16)]
+
+    def encode_and_check(k: int) -> bool:
+        payload = encode_payload(PayloadHeader(1, "att", 0, k, k), work[k])
+        [decoded] = decode_payload(payload.body, expected_digest=payload.digest).items
+        original = work[k][0]
+        return (
+            decoded.meta == original.meta
+            and torch.equal(decoded.values, original.values)
+            and torch.equal(decoded.locations, original.locations)
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(encode_and_check, list(range(16)) * 4))

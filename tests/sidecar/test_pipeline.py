@@ -302,19 +302,24 @@ def test_failing_export_and_compress_surface_with_their_stage(
         raise OSError("trainer went away")
 
     with pytest.raises(PipelineError) as info:
-        ProducerPipeline(b, FakeMemoryTransport()).run("a1", broken_export())
+        ProducerPipeline(b, FakeMemoryTransport()).run("a0", broken_export())
     assert info.value.stage == "intake"
     assert isinstance(info.value.__cause__, OSError)
-    b.discard("a1")
+    b.discard("a0")
 
     def broken_encode(*args: object, **kwargs: object) -> EncodedPayload:
         raise MemoryError("no room")
 
     monkeypatch.setattr("refit_sidecar.pipeline.producer.encode_payload", broken_encode)
-    with pytest.raises(PipelineError) as info:
-        ProducerPipeline(b, FakeMemoryTransport()).run("a2", chunk_export(v1, LIMIT))
-    assert info.value.stage == "compress"
-    assert isinstance(info.value.__cause__, MemoryError)
+    for workers in (1, 2):  # sealed inline, and on the sealing threads
+        cfg = PipelineConfig(compare_workers=workers)
+        with pytest.raises(PipelineError) as info:
+            ProducerPipeline(b, FakeMemoryTransport(), cfg).run(
+                f"a{workers}", chunk_export(v1, LIMIT)
+            )
+        assert info.value.stage == "compress"
+        assert isinstance(info.value.__cause__, MemoryError)
+        b.discard(f"a{workers}")
 
 
 def test_blocked_send_does_not_hold_up_the_error_beyond_the_grace_period() -> None:

@@ -24,7 +24,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from refit_sidecar.baseline.chunks import ExportChunk, owner_of, plan_chunks
 from refit_sidecar.baseline.storage import ChunkStore
-from refit_sidecar.bitdiff import BitDiff, bits_numpy, diff_bits, gather_slices, submit_slices
+from refit_sidecar.bitdiff import (
+    NO_BUFFERS,
+    BitDiff,
+    DiffBuffers,
+    bits_numpy,
+    diff_bits,
+    gather_slices,
+    submit_slices,
+)
 from refit_sidecar.codec import dtypes
 from refit_sidecar.codec.records import (
     Item,
@@ -57,6 +65,12 @@ class BaselineConfig(BaseModel):
         "same on every producer because ownership depends on it.",
     )
     commit_workers: int = Field(default=2, ge=1, description="Threads applying a commit.")
+    reuse_delta_buffers: bool = Field(
+        default=True,
+        description="Keep a committed or discarded delta's buffers (about 12 bytes per changed "
+        "BF16 element, plus 1/8 spare) and compare the next export into them, instead of "
+        "fresh memory whose page faults cost about a sixth of the encode time.",
+    )
 
 
 class BaselineError(RuntimeError):
@@ -112,6 +126,10 @@ class SourceBaseline:
         self._lock = threading.Lock()
         self._attempt: str | None = None
         self._pending: dict[int, tuple[PendingTensor, ...]] = {}
+        # Output buffers of the pending delta's compares, and those free for the next compare
+        # (by chunk, then tensor name): see BaselineConfig.reuse_delta_buffers.
+        self._buffers: dict[int, dict[str, DiffBuffers]] = {}
+        self._spare: dict[int, dict[str, DiffBuffers]] = {}
         self._in_progress: set[int] = set()
         self._commits: dict[int, Future[None]] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -234,17 +252,23 @@ class SourceBaseline:
         self._reserve(attempt, chunk.index)
         try:
             self._wait_commit(chunk.index)
+            with self._lock:  # after the commit: it frees the buffers of the last delta
+                spare = self._spare.pop(chunk.index, {})
             store = self._stores[chunk.index]
             items: list[Item] = []
             pending: list[PendingTensor] = []
+            used: dict[str, DiffBuffers] = {}
             total = 0
+            reuse = [spare.get(m.name, NO_BUFFERS) if self._recycle else None for m in metas]
             started = [
-                self._start_diff(store.views[name], bits_numpy(t.cpu()), pool)
-                for name, t in chunk.tensors
+                self._start_diff(store.views[meta.name], bits_numpy(t.cpu()), pool, buffers)
+                for meta, (_, t), buffers in zip(metas, chunk.tensors, reuse, strict=True)
             ]
-            for meta, parts in zip(metas, started, strict=True):
+            for meta, parts, buffers in zip(metas, started, reuse, strict=True):
                 total += meta.numel
-                diff = gather_slices(parts)
+                diff = gather_slices(parts, reuse=buffers)
+                if diff.buffers is not None:
+                    used[meta.name] = diff.buffers
                 item = item_from_diff(meta, diff, choose_op(meta.name, mode, xor_incompatible))
                 if item is not None:
                     items.append(item)
@@ -258,18 +282,26 @@ class SourceBaseline:
             if self._attempt != attempt:
                 raise PendingStateError(f"attempt {attempt} was discarded during compare")
             self._pending[chunk.index] = tuple(pending)
+            self._buffers[chunk.index] = used
         changed = sum(p.locations.size for p in pending)
         return ChunkDelta(chunk.index, chunk.nbytes, total, changed, tuple(items))
 
+    @property
+    def _recycle(self) -> bool:
+        return self.config.reuse_delta_buffers
+
     @staticmethod
     def _start_diff(
-        old: npt.NDArray[Any], new: npt.NDArray[Any], pool: Executor | None
+        old: npt.NDArray[Any],
+        new: npt.NDArray[Any],
+        pool: Executor | None,
+        reuse: DiffBuffers | None,
     ) -> list[tuple[int, Future[BitDiff]]]:
         if pool is None:
             done: Future[BitDiff] = Future()
-            done.set_result(diff_bits(old, new))
+            done.set_result(diff_bits(old, new, reuse=reuse))
             return [(0, done)]
-        return submit_slices(old, new, pool)
+        return submit_slices(old, new, pool, reuse=reuse)
 
     def _reserve(self, attempt: str, index: int) -> None:
         with self._lock:
@@ -330,6 +362,7 @@ class SourceBaseline:
         with self._lock:
             self._check_complete(attempt)
             pending, self._pending, self._attempt = self._pending, {}, None
+            buffers, self._buffers = self._buffers, {}
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
                     self.config.commit_workers, thread_name_prefix="baseline-commit"
@@ -337,26 +370,38 @@ class SourceBaseline:
             futures: list[Future[None]] = []
             for i, tensors in pending.items():
                 if tensors:
-                    fut = self._executor.submit(self._apply, self._stores[i], tensors)
+                    fut = self._executor.submit(self._apply, i, tensors, buffers.pop(i, {}))
                     self._commits[i] = fut
                     futures.append(fut)
+            self._spare.update(buffers)  # chunks without changes: nothing reads them
         log.info("baseline.commit", attempt=attempt, chunks=len(futures))
         return _gather(futures)
 
-    def _apply(self, store: ChunkStore, tensors: Sequence[PendingTensor]) -> None:
+    def _apply(
+        self, index: int, tensors: Sequence[PendingTensor], buffers: dict[str, DiffBuffers]
+    ) -> None:
+        store = self._stores[index]
         try:
             for p in tensors:
                 store.views[p.meta.name][p.locations] = p.new_bits
         except BaseException as exc:
             self._poisoned = exc
             raise
+        with self._lock:  # written: the delta's buffers are free for the next compare
+            self._spare[index] = buffers
 
     def discard(self, attempt: str) -> None:
-        """Forget `attempt`'s pending delta; the committed bits stay as they are."""
+        """Forget `attempt`'s pending delta; the committed bits stay as they are.
+
+        Call it only once nothing reads the attempt's items any more (its pipeline returned):
+        the next compare writes into the same buffers.
+        """
         with self._lock:
             if self._attempt == attempt:
                 self._attempt = None
                 self._pending = {}
+                self._spare.update(self._buffers)
+                self._buffers = {}
 
     def _wait_commit(self, index: int) -> None:
         fut = self._commits.get(index)
@@ -379,6 +424,8 @@ class SourceBaseline:
         for store in self._stores.values():
             store.close()
         self._stores.clear()
+        self._buffers.clear()
+        self._spare.clear()
         if self._dir is not None:
             for leftover in self._dir.glob("chunk-*.bin"):
                 leftover.unlink(missing_ok=True)

@@ -10,10 +10,12 @@ before allocating, and raises a `CodecError` subclass for anything malformed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,7 +228,7 @@ def encode_payload(
             + name
         )
     attempt = header.attempt.encode()
-    parts: list[bytes | memoryview] = [
+    parts: list[bytes] = [
         _BODY_HEAD.pack(
             BODY_MAGIC,
             len(attempt),
@@ -247,22 +249,35 @@ def encode_payload(
         _GROUP.pack(c, int(shuffled and dtypes.width(dtypes.CODE_DTYPES[c]) > 1), val_counts[c])
         for c in val_keys
     ]
-    parts += rows
-    size = sum(len(p) for p in parts)
-    parts.append(bytes(-size % _ALIGN))
-    for w in loc_keys:
-        parts.append(_pack_group(loc_parts[w], cfg.shuffle).data)
-    for c in val_keys:
-        parts.append(_pack_group(val_parts[c], cfg.shuffle).data)
-    return seal_body(header, parts, level=cfg.zstd_level, threads=cfg.zstd_threads or 0)
+    head = b"".join(parts + rows)
+    groups = [loc_parts[w] for w in loc_keys] + [val_parts[c] for c in val_keys]
+    sizes = [_padded(sum(a.size for a in g) * g[0].dtype.itemsize) for g in groups]
+    raw_len = _padded(len(head)) + sum(sizes)
+    # The raw body is assembled in one reused buffer and compressed in one call: fresh memory
+    # for it would cost a page fault per 4 KiB, and streaming zstd part by part is slower.
+    with _SCRATCH.borrow(raw_len) as raw:
+        raw[: len(head)] = np.frombuffer(head, np.uint8)
+        off = len(head)
+        raw[off : _padded(off)] = 0
+        off = _padded(off)
+        for arrays, size in zip(groups, sizes, strict=True):
+            _pack_group(arrays, cfg.shuffle, raw[off : off + size])
+            off += size
+        return _seal(header, raw.data, level=cfg.zstd_level, threads=cfg.zstd_threads or 0)
 
 
-def _pack_group(arrays: list[npt.NDArray[np.generic]], planes: bool) -> npt.NDArray[np.uint8]:
-    """Concatenate a group's arrays (byte-plane shuffled if asked), padded to 8 bytes."""
+def _padded(n: int) -> int:
+    return n + (-n % _ALIGN)
+
+
+def _pack_group(
+    arrays: list[npt.NDArray[np.generic]], planes: bool, out: npt.NDArray[np.uint8]
+) -> None:
+    """Write a group's arrays into `out` (byte-plane shuffled if asked), zero-padded."""
     width = arrays[0].dtype.itemsize
     total = sum(a.size for a in arrays)
     nbytes = total * width
-    out = np.zeros(nbytes + (-nbytes % _ALIGN), dtype=np.uint8)
+    out[nbytes:] = 0
     if planes and width > 1:
         grid = out[:nbytes].reshape(width, total)
         off = 0
@@ -277,7 +292,36 @@ def _pack_group(arrays: list[npt.NDArray[np.generic]], planes: bool) -> npt.NDAr
             n = a.size * width
             out[off : off + n] = np.ascontiguousarray(a).view(np.uint8)
             off += n
-    return out
+
+
+class _ScratchPool:
+    """Raw-body buffers kept for reuse: at most `keep` of them, each at most `max_bytes`
+    (larger bodies, e.g. a dense overwrite bucket, get a buffer of their own)."""
+
+    def __init__(self, keep: int, max_bytes: int) -> None:
+        self._free: list[npt.NDArray[np.uint8]] = []
+        self._lock = threading.Lock()
+        self._keep = keep
+        self._max_bytes = max_bytes
+
+    @contextlib.contextmanager
+    def borrow(self, nbytes: int) -> Iterator[npt.NDArray[np.uint8]]:
+        with self._lock:  # the smallest that fits (the list is sorted by size)
+            i = next((i for i, b in enumerate(self._free) if b.size >= nbytes), None)
+            buf = self._free.pop(i) if i is not None else np.empty(nbytes, np.uint8)
+        try:
+            yield buf[:nbytes]
+        finally:
+            if buf.size <= self._max_bytes:
+                with self._lock:
+                    self._free.append(buf)
+                    self._free.sort(key=lambda b: b.size)
+                    del self._free[: max(len(self._free) - self._keep, 0)]  # keep the largest
+
+
+#: Two buffers (one per concurrent encoder) of at most 128 MiB: a 512 MiB bucket at a few
+#: percent of changes has a raw body of ~50 MB.
+_SCRATCH = _ScratchPool(keep=2, max_bytes=128 << 20)
 
 
 def seal_body(
@@ -289,14 +333,16 @@ def seal_body(
 ) -> EncodedPayload:
     """Compress raw body bytes (given in parts) and frame them with the preamble and digest.
 
-    `encode_payload` uses this; tests use it to wrap deliberately malformed bodies in a valid
-    frame so that the body parser itself gets fuzzed.
+    Tests use it to wrap deliberately malformed bodies in a valid frame so that the body parser
+    itself gets fuzzed.
     """
-    raw_len = sum(memoryview(p).nbytes for p in raw_parts)
-    cobj = zstandard.ZstdCompressor(level=level, threads=threads).compressobj(size=raw_len)
-    chunks = [cobj.compress(p) for p in raw_parts]
-    chunks.append(cobj.flush())
-    comp = b"".join(chunks)
+    raw = b"".join(memoryview(p).cast("B") for p in raw_parts)
+    return _seal(header, memoryview(raw), level=level, threads=threads)
+
+
+def _seal(header: PayloadHeader, raw: memoryview, *, level: int, threads: int) -> EncodedPayload:
+    raw_len = raw.nbytes
+    comp = zstandard.ZstdCompressor(level=level, threads=threads).compress(raw)
     digest = hashlib.blake2b(comp, digest_size=DIGEST_SIZE).digest()
     attempt = header.attempt.encode()
     pre = _PRE_ID.pack(MAGIC, header.codec_version) + _PRE_REST.pack(

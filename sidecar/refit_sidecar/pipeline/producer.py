@@ -1,7 +1,9 @@
-"""The streaming producer pipeline: intake -> compare (parallel) -> coalesce -> zstd -> send.
+"""The streaming producer pipeline: intake -> compare -> coalesce -> seal (zstd) -> send.
 
 Every stage is a thread joined to the next by a bounded queue, so payload N is on the wire while
 later chunks are compared, and a slow transport stalls the export instead of piling up memory.
+With `compare_workers` > 1, chunks are compared and payloads sealed on that many threads; the
+payloads still leave in order.
 The heavy work (integer-view compare, gathers, byte shuffles, zstd, BLAKE2b) runs in numpy,
 zstd and hashlib kernels that release the GIL. The first error in any stage, the export or the
 transport cancels the rest and is raised to the caller as `PipelineError` with its cause.
@@ -25,6 +27,7 @@ from refit_sidecar.codec.records import Mode
 from refit_sidecar.codec.wire import (
     CODEC_VERSION,
     CodecConfig,
+    EncodedPayload,
     PayloadHeader,
     PreparedItem,
     encode_payload,
@@ -162,6 +165,10 @@ class ProducerPipeline:
         executor = ThreadPoolExecutor(cfg.compare_workers, thread_name_prefix="refit-chunk")
         slices = ThreadPoolExecutor(cfg.compare_workers, thread_name_prefix="refit-compare")
         slice_pool = slices if cfg.compare_workers > 1 else None
+        # Several threads also seal payloads side by side (sent in order): otherwise the last
+        # buckets' byte shuffles and digests run on one thread after the compares are done.
+        sealer = ThreadPoolExecutor(cfg.compare_workers, thread_name_prefix="refit-seal")
+        seal_pool = sealer if cfg.compare_workers > 1 else None
         held = _Gauge(metrics)
 
         def timed_work(item: T) -> tuple[ChunkDelta, list[PreparedItem]]:
@@ -174,7 +181,7 @@ class ProducerPipeline:
         stages = {
             "intake": lambda: self._intake(run, source, executor, timed_work, chunk_q, held),
             "coalesce": lambda: self._coalesce(run, chunk_q, bucket_q, held),
-            "compress": lambda: self._compress(run, attempt, codec, bucket_q, payload_q),
+            "compress": lambda: self._compress(run, attempt, codec, bucket_q, payload_q, seal_pool),
             "send": lambda: self._send(run, attempt, payload_q),
         }
         threads = {
@@ -188,6 +195,7 @@ class ProducerPipeline:
         stuck = self._join(run, threads)
         executor.shutdown(wait=True, cancel_futures=True)  # compares are finite
         slices.shutdown(wait=True, cancel_futures=True)
+        sealer.shutdown(wait=True, cancel_futures=True)
         metrics.wall_s = time.perf_counter() - t0
         if run.error is not None:
             stage, exc = run.error
@@ -271,23 +279,39 @@ class ProducerPipeline:
         codec: CodecConfig,
         bucket_q: queue.Queue[Any],
         payload_q: queue.Queue[Any],
+        pool: Executor | None,
     ) -> None:
+        def seal(header: PayloadHeader, bucket: Bucket) -> EncodedPayload:
+            t0 = time.perf_counter()
+            payload = encode_payload(header, bucket.items, config=codec)
+            run.metrics.add_time("compress", time.perf_counter() - t0)
+            return payload
+
         payload_id = 0
         while (bucket := run.get(bucket_q)) is not _END:
             assert isinstance(bucket, Bucket)
-            t0 = time.perf_counter()
             header = PayloadHeader(
                 CODEC_VERSION, attempt, self.baseline.producer, payload_id, payload_id
             )
-            payload = encode_payload(header, bucket.items, config=codec)
-            run.metrics.add_time("compress", time.perf_counter() - t0)
             payload_id += 1
-            run.put(payload_q, payload)
+            # In order on the queue; with a pool, as futures the send stage waits for.
+            run.put(
+                payload_q,
+                seal(header, bucket) if pool is None else pool.submit(seal, header, bucket),
+            )
         run.put(payload_q, _END)
 
     def _send(self, run: _Run, attempt: str, payload_q: queue.Queue[Any]) -> None:
         m = run.metrics
         while (payload := run.get(payload_q)) is not _END:
+            if isinstance(payload, Future):
+                try:
+                    payload = run.result(payload)
+                except _CancelledError:
+                    raise
+                except BaseException as exc:
+                    run.fail("compress", exc)
+                    raise _CancelledError from exc
             t0 = time.perf_counter()
             self.transport.send(attempt, payload)
             m.add_time("send", time.perf_counter() - t0)
