@@ -9,6 +9,7 @@ Kubernetes store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +52,8 @@ class SqliteCommitStore:
         self.path = Path(path)
         self.policy = policy
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as db:
+        # `with connection` only ends a transaction; closing() also releases the file handle.
+        with contextlib.closing(self._connect()) as db:
             db.execute(_SCHEMA)
 
     def _connect(self) -> sqlite3.Connection:

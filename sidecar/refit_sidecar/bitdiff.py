@@ -98,7 +98,7 @@ def _check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DiffBuffers:
     """Output arrays `diff_bits` can write a result into (unsigned lanes of the element width).
 
@@ -262,7 +262,8 @@ def _join(pieces: Pieces, dtype: np.dtype[Any], reuse: DiffBuffers | None) -> Bi
     if reuse is not None and reuse.capacity >= total and reuse.new_bits.dtype == lanes:
         out = reuse
     else:
-        out = DiffBuffers.allocate(total + (total >> _HEADROOM_SHIFT if reuse else 0), lanes)
+        spare = total >> _HEADROOM_SHIFT if reuse is not None else 0
+        out = DiffBuffers.allocate(total + spare, lanes)
     for i, dst in enumerate((out.locations, out.new_bits, out.xor_bits)):
         np.concatenate([p[i].view(dst.dtype) for p in pieces], out=dst[:total])
     return _result(out, total, dtype, reuse is not None)
