@@ -19,7 +19,7 @@ import functools
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import numpy.typing as npt
@@ -205,9 +205,7 @@ def _diff_compiled(
     new_w = new_c[:head].view(_WORD)
     lanes = _UINT_VIEW[old.dtype.itemsize]  # the kernel writes unsigned lanes
     recycle = reuse is not None
-    given = (
-        reuse if reuse is not None and reuse.capacity and reuse.new_bits.dtype == lanes else None
-    )
+    given = reuse if _fits(reuse, lanes, 1) else None
     filled: list[tuple[DiffBuffers, int]] = []
     bufs = given
     word = 0
@@ -259,7 +257,7 @@ def _join(pieces: Pieces, dtype: np.dtype[Any], reuse: DiffBuffers | None) -> Bi
     if total == 0:
         empty = _empty(dtype)
         return BitDiff(empty.locations, empty.new_bits, empty.xor_bits, reuse)
-    if reuse is not None and reuse.capacity >= total and reuse.new_bits.dtype == lanes:
+    if _fits(reuse, lanes, total):
         out = reuse
     else:
         spare = total >> _HEADROOM_SHIFT if reuse is not None else 0
@@ -267,6 +265,11 @@ def _join(pieces: Pieces, dtype: np.dtype[Any], reuse: DiffBuffers | None) -> Bi
     for i, dst in enumerate((out.locations, out.new_bits, out.xor_bits)):
         np.concatenate([p[i].view(dst.dtype) for p in pieces], out=dst[:total])
     return _result(out, total, dtype, reuse is not None)
+
+
+def _fits(reuse: DiffBuffers | None, lanes: np.dtype[Any], n: int) -> TypeGuard[DiffBuffers]:
+    """Whether `reuse` can hold `n` elements of `lanes`."""
+    return reuse is not None and reuse.capacity >= n and reuse.new_bits.dtype == lanes
 
 
 def _result(out: DiffBuffers, total: int, dtype: np.dtype[Any], recycle: bool) -> BitDiff:

@@ -259,7 +259,8 @@ class SourceBaseline:
             pending: list[PendingTensor] = []
             used: dict[str, DiffBuffers] = {}
             total = 0
-            reuse = [spare.get(m.name, NO_BUFFERS) if self._recycle else None for m in metas]
+            recycle = self.config.reuse_delta_buffers
+            reuse = [spare.get(m.name, NO_BUFFERS) if recycle else None for m in metas]
             started = [
                 self._start_diff(store.views[meta.name], bits_numpy(t.cpu()), pool, buffers)
                 for meta, (_, t), buffers in zip(metas, chunk.tensors, reuse, strict=True)
@@ -285,10 +286,6 @@ class SourceBaseline:
             self._buffers[chunk.index] = used
         changed = sum(p.locations.size for p in pending)
         return ChunkDelta(chunk.index, chunk.nbytes, total, changed, tuple(items))
-
-    @property
-    def _recycle(self) -> bool:
-        return self.config.reuse_delta_buffers
 
     @staticmethod
     def _start_diff(

@@ -204,15 +204,11 @@ def _one_rate(
     payloads = sink.count
     v_plain = encode(2, codec=CodecConfig(shuffle=False)).nbytes
 
-    def bare() -> None:
-        for a, b in zip(olds, news, strict=True):
+    def bare(part: tuple[list[Any], list[Any]] = (olds, news)) -> None:
+        for a, b in zip(*part, strict=True):
             np.not_equal(a, b)
 
     halves = [(olds[i::2], news[i::2]) for i in range(2)]  # ~equal bytes: alternate tensors
-
-    def bare_half(part: tuple[list[Any], list[Any]]) -> None:
-        for a, b in zip(*part, strict=True):
-            np.not_equal(a, b)
 
     # Best of `repeats`, the four measurements taken in turn: a shared VM's speed drifts, and a
     # ratio of two figures measured minutes apart would mostly measure the drift.
@@ -225,7 +221,7 @@ def _one_rate(
             with _on_cpus(2) as two:
                 if two:
                     enc2_s = min(enc2_s, _timed(lambda: encode(2)))
-                    bare2_s = min(bare2_s, _timed(lambda: list(pool.map(bare_half, halves))))
+                    bare2_s = min(bare2_s, _timed(lambda: list(pool.map(bare, halves))))
     bare_gbps, gbps1, gbps2 = h / bare_s / 1e9, h / enc1_s / 1e9, h / enc2_s / 1e9
     out = {
         "changed": changed,

@@ -100,6 +100,16 @@ class _Run:
             if done:
                 return fut.result()
 
+    def outcome(self, fut: Future[T], stage: str) -> T:
+        """`result`, with a failure of the work recorded as `stage`'s (then cancelling the run)."""
+        try:
+            return self.result(fut)
+        except _CancelledError:
+            raise
+        except BaseException as exc:
+            self.fail(stage, exc)
+            raise _CancelledError from exc
+
 
 class ProducerPipeline:
     """Streams one producer's deltas of an attempt to a transport."""
@@ -248,13 +258,7 @@ class ProducerPipeline:
         bucketer = Bucketer(self.config.bucket_bytes)
         m = run.metrics
         while (fut := run.get(chunk_q)) is not _END:
-            try:
-                delta, prepared = run.result(fut)
-            except _CancelledError:
-                raise
-            except BaseException as exc:
-                run.fail("compare", exc)
-                raise _CancelledError from exc
+            delta, prepared = run.outcome(fut, "compare")
             held.dec()
             t0 = time.perf_counter()
             with m.lock:
@@ -305,13 +309,7 @@ class ProducerPipeline:
         m = run.metrics
         while (payload := run.get(payload_q)) is not _END:
             if isinstance(payload, Future):
-                try:
-                    payload = run.result(payload)
-                except _CancelledError:
-                    raise
-                except BaseException as exc:
-                    run.fail("compress", exc)
-                    raise _CancelledError from exc
+                payload = run.outcome(payload, "compress")
             t0 = time.perf_counter()
             self.transport.send(attempt, payload)
             m.add_time("send", time.perf_counter() - t0)
