@@ -55,6 +55,9 @@ def test_run_codec_bench_reports_the_documented_keys(tmp_path: Path) -> None:
             "encode_gbps_1t",
             "encode_gbps_2t",
             "encode_over_bare_compare",
+            "scaling_2t_over_1t",
+            "bare_scaling_2t_over_1t",
+            "kernel_scaling_2t_over_1t",
         ):
             assert key in row
         assert 0 < row["v_payload_over_H"] < 1
