@@ -233,7 +233,6 @@ def _one_rate(
                     enc2_s = min(enc2_s, _timed(lambda: encode(2)))
                     kern2_s = min(kern2_s, _timed(lambda: list(pool.map(kernel, halves))))
                     bare2_s = min(bare2_s, _timed(lambda: list(pool.map(bare, halves))))
-    del recycled[:]
     bare_gbps, gbps1, gbps2 = h / bare_s / 1e9, h / enc1_s / 1e9, h / enc2_s / 1e9
     out = {
         "changed": changed,
