@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -291,3 +293,26 @@ def test_the_next_compare_waits_for_an_inflight_commit() -> None:
         assert commit.exception() is None
     finally:
         b.close()
+
+
+def test_a_baseline_never_closed_deletes_its_files_when_python_exits(tmp_path: Path) -> None:
+    # A real interpreter that loads a file-backed baseline and exits without `close`.
+    script = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from refit_sidecar.baseline import BaselineConfig, SourceBaseline, chunk_export\n"
+        "export = [(f't{i}', torch.arange(4096, dtype=torch.int32)) for i in range(4)]\n"
+        "cfg = BaselineConfig(directory=Path(sys.argv[1]), export_chunk_bytes=1 << 14)\n"
+        "b = SourceBaseline(producer=0, producers=1, config=cfg)\n"
+        "b.load_initial(chunk_export(export, 1 << 14))\n"
+        "print(len(list(Path(sys.argv[1]).rglob('chunk-*.bin'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert int(out.stdout.strip().splitlines()[-1]) == 4  # the files existed while it ran
+    assert list(tmp_path.iterdir()) == []

@@ -9,8 +9,10 @@ the pending delta. An overwrite retry is rebuilt from the pending delta, without
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -123,6 +125,7 @@ class SourceBaseline:
         self._plan: list[tuple[TensorMeta, ...]] | None = None
         self._stores: dict[int, ChunkStore] = {}
         self._dir: Path | None = None
+        self._remove_dir: weakref.finalize[Any, Any] | None = None
         self._lock = threading.Lock()
         self._attempt: str | None = None
         self._pending: dict[int, tuple[PendingTensor, ...]] = {}
@@ -184,6 +187,10 @@ class SourceBaseline:
                 root.mkdir(parents=True, exist_ok=True)
             prefix = f"kuberefit-baseline-p{self.producer}-"
             self._dir = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+            # The directory is ours alone: a baseline that is never closed (its owner failed
+            # before `close`, a script) still deletes it when collected or when Python exits,
+            # instead of leaving a checkpoint's worth of files behind.
+            self._remove_dir = weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         return self._dir / f"chunk-{index:06d}.bin"
 
     # ------------------------------------------------------------------------------- inspection
@@ -423,10 +430,9 @@ class SourceBaseline:
         self._stores.clear()
         self._buffers.clear()
         self._spare.clear()
-        if self._dir is not None:
-            for leftover in self._dir.glob("chunk-*.bin"):
-                leftover.unlink(missing_ok=True)
-            self._dir.rmdir()
+        if self._remove_dir is not None:
+            self._remove_dir()
+            self._remove_dir = None
             self._dir = None
 
 
