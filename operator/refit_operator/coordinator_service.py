@@ -21,12 +21,13 @@ import aiohttp
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from refit_operator.commit_store import CommitRecord
+from refit_operator.commit_store.sqlite import SqliteCommitStore
 from refit_operator.coordinator import Coordinator, CoordinatorConfig, TransitionResult
 from refit_operator.http_membership import HttpMembership, NodeEndpoint
-from refit_operator.ports import EndpointError, TransitionProgress
+from refit_operator.ports import TransitionProgress
 from refit_operator.producer_client import HttpProducerClient
-from refit_operator.sqlite_store import SqliteCommitStore
+from refit_protocol.commit import CommitRecord
+from refit_protocol.errors import EndpointError
 
 log = structlog.get_logger("kuberefit.coordinator_service")
 

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 import aiohttp
 import structlog
 
-from refit_operator.api import PrewarmRequest, RestoreRequest, TensorMetaModel
 from refit_operator.checkpoint_meta import read_metas
-from refit_operator.commit_store import CommitRecord
-from refit_operator.ports import EndpointError, ReceiverClient
-from refit_sidecar.receiver.client import ReceiverHttpClient
+from refit_operator.ports import ReceiverClient
+from refit_operator.receiver_client import ReceiverHttpClient
+from refit_protocol.commit import CommitRecord
+from refit_protocol.errors import EndpointError
+from refit_protocol.receiver_api import PrewarmRequest, RestoreRequest
+from refit_protocol.tensors import TensorMetaModel
 
 log = structlog.get_logger("kuberefit.membership")
 

@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from refit_operator.api import (
+from refit_protocol.commit import AttemptMode, CommitRecord
+from refit_protocol.producer_api import AttemptPlan, SentReport
+from refit_protocol.receiver_api import (
     FlushRequest,
     FlushResponse,
     GateRequest,
@@ -21,37 +23,6 @@ from refit_operator.api import (
     RelayFlushResponse,
     StopResponse,
 )
-from refit_operator.commit_store import AttemptMode, CommitRecord
-
-
-class EndpointError(RuntimeError):
-    """A sidecar could not be reached or answered with an error (the attempt fails)."""
-
-
-@dataclass(frozen=True)
-class AttemptPlan:
-    """Everything a producer needs to stream one attempt."""
-
-    attempt: str
-    from_version: int
-    target_version: int
-    baseline_id: str
-    mode: AttemptMode
-    xor_incompatible: frozenset[str]
-    receivers: tuple[str, ...]
-    relay_tree: tuple[str, ...] = ()  # relay endpoints in tree order (ZeroMQ transport)
-
-
-@dataclass(frozen=True)
-class SentReport:
-    """A producer's totals for one attempt, reported when its stream ended."""
-
-    producer: int
-    payloads: int
-    wire_bytes: int = 0
-    changed_elements: int = 0
-    total_elements: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 class ProducerClient(Protocol):

@@ -8,15 +8,15 @@ from typing import Any, TypeVar
 import aiohttp
 from pydantic import BaseModel
 
-from refit_operator.commit_store import CommitRecord
-from refit_operator.ports import AttemptPlan, EndpointError, SentReport
-from refit_operator.producer_api import (
+from refit_protocol.commit import CommitRecord
+from refit_protocol.errors import EndpointError
+from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
-    AttemptPlanModel,
+    AttemptPlan,
     BaselineUpdateRequest,
     ProducerAttemptRequest,
     ProducerStatus,
-    SentReportModel,
+    SentReport,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -72,13 +72,12 @@ class HttpProducerClient:
         return await self._call("GET", "/status", None, ProducerStatus)
 
     async def start(self, plan: AttemptPlan) -> None:
-        await self._call("POST", "/start", AttemptPlanModel.of(plan), _Ack)
+        await self._call("POST", "/start", plan, _Ack)
 
     async def wait_sent(self, attempt: str) -> SentReport:
-        model = await self._call(
-            "POST", "/wait-sent", ProducerAttemptRequest(attempt=attempt), SentReportModel
+        return await self._call(
+            "POST", "/wait-sent", ProducerAttemptRequest(attempt=attempt), SentReport
         )
-        return model.report()
 
     async def stop_and_wait(self, attempt: str) -> None:
         await self._call("POST", "/stop", ProducerAttemptRequest(attempt=attempt), _Ack)

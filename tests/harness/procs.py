@@ -1,6 +1,6 @@
 """The harness uses the product's process supervisor (the local mode starts its parts with it)."""
 
-from refit_sidecar.local.procs import (
+from refit_tools.local.procs import (
     ComponentError,
     ManagedProcess,
     free_port,

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import urllib3
 from pydantic import BaseModel
 
-from refit_operator.api import (
+from refit_protocol.receiver_api import (
     API_PREFIX,
     AttemptRequest,
     CommitNotice,
@@ -30,8 +30,8 @@ from refit_operator.api import (
     RelayFlushRequest,
     RelayFlushResponse,
     StopResponse,
-    TensorMetaModel,
 )
+from refit_protocol.tensors import TensorMetaModel
 from tests.harness.procs import ManagedProcess, free_ports
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,10 +15,10 @@ import pytest
 from refit_operator.commit_store import (
     ActiveAttempt,
     CommitConflictError,
-    CommitRecord,
     CommitRefusedError,
     CommitStore,
 )
+from refit_protocol.commit import CommitRecord
 
 K0 = CommitRecord(0, "b0")
 K1 = CommitRecord(1, "b1")

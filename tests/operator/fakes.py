@@ -9,7 +9,11 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from refit_operator.api import (
+from refit_operator.ports import ReceiverClient, TransitionProgress
+from refit_protocol.commit import CommitRecord
+from refit_protocol.errors import EndpointError
+from refit_protocol.producer_api import AttemptPlan, SentReport
+from refit_protocol.receiver_api import (
     FlushRequest,
     FlushResponse,
     GateRequest,
@@ -19,14 +23,6 @@ from refit_operator.api import (
     RelayFlushRequest,
     RelayFlushResponse,
     StopResponse,
-)
-from refit_operator.commit_store import CommitRecord
-from refit_operator.ports import (
-    AttemptPlan,
-    EndpointError,
-    ReceiverClient,
-    SentReport,
-    TransitionProgress,
 )
 
 
@@ -166,7 +162,11 @@ class FakeProducer:
                 self.kill_on_stall.dead = True
             await asyncio.Event().wait()
         return SentReport(
-            self.producer, payloads=3, wire_bytes=3000, changed_elements=10, total_elements=1000
+            producer=self.producer,
+            payloads=3,
+            wire_bytes=3000,
+            changed_elements=10,
+            total_elements=1000,
         )
 
     async def stop_and_wait(self, attempt: str) -> None:

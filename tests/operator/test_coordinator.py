@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from refit_operator.commit_store import ActiveAttempt, CommitRecord, CommitUnknownError
+from refit_operator.commit_store import ActiveAttempt, CommitUnknownError
+from refit_operator.commit_store.sqlite import SqliteCommitStore
 from refit_operator.coordinator import Coordinator, CoordinatorConfig
-from refit_operator.sqlite_store import SqliteCommitStore
+from refit_protocol.commit import CommitRecord
 from tests.operator.fakes import FakeMembership, FakeProducer, FakeReceiver, RecordingSink
 
 K0 = CommitRecord(0, "b0")

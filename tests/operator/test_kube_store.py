@@ -7,7 +7,7 @@ import uuid
 import pytest
 from kubernetes import client
 
-from refit_operator.kube_store import KubernetesCommitStore
+from refit_operator.commit_store.kube import KubernetesCommitStore
 from tests.harness.kube import KubeCluster
 from tests.operator.commit_store_contract import CommitStoreContract, StoreFactory
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from refit_operator.sqlite_store import SqliteCommitStore
+from refit_operator.commit_store.sqlite import SqliteCommitStore
 from tests.operator.commit_store_contract import CommitStoreContract, StoreFactory
 
 

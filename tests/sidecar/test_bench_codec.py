@@ -7,9 +7,9 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from refit_operator.cli import main
-from refit_sidecar.bench.codec import format_report, run_codec_bench, table2
-from refit_sidecar.bench.synthetic import (
+from refit_protocol.cli import build
+from refit_tools.bench.codec import format_report, run_codec_bench, table2
+from refit_tools.bench.synthetic import (
     ModelShape,
     checkpoint_layout,
     count_changed,
@@ -67,7 +67,7 @@ def test_run_codec_bench_reports_the_documented_keys(tmp_path: Path) -> None:
 
 
 def test_cli_has_the_bench_codec_command() -> None:
-    out = CliRunner().invoke(main, ["bench", "codec", "--help"])
+    out = CliRunner().invoke(build(), ["bench", "codec", "--help"])
     assert out.exit_code == 0
     assert "--quick" in out.output
     assert "--json" in out.output

@@ -10,13 +10,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from refit_operator.commit_store import CommitRecord
-from refit_operator.ports import AttemptPlan, EndpointError
 from refit_operator.producer_client import HttpProducerClient
+from refit_protocol.commit import CommitRecord
+from refit_protocol.errors import EndpointError
+from refit_protocol.producer_api import AttemptPlan
 from refit_sidecar.baseline.chunks import chunk_export
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
-from refit_sidecar.producer_http import create_producer_app
-from refit_sidecar.producer_service import ProducerService
+from refit_sidecar.producer.http import create_producer_app
+from refit_sidecar.producer.service import ProducerService
 from tests.sidecar.test_producer_service import RecordingTransportFake, bump, state
 
 TOKEN = "s3cret-token"
@@ -45,7 +46,14 @@ async def test_attempt_over_http(served) -> None:  # type: ignore[no-untyped-def
     service.stage_candidate(1, lambda: list(chunk_export(v1.items(), 20000)))
     async with aiohttp.ClientSession() as session:
         client = HttpProducerClient(0, url, token=TOKEN, session=session)
-        plan = AttemptPlan("a1", 0, 1, "g1", "mixed", frozenset(), ("r0",))
+        plan = AttemptPlan(
+            attempt="a1",
+            from_version=0,
+            target_version=1,
+            baseline_id="g1",
+            mode="mixed",
+            receivers=("r0",),
+        )
         await client.start(plan)
         sent = await client.wait_sent("a1")
         assert sent.payloads > 0

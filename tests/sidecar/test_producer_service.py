@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_operator.commit_store import CommitRecord
-from refit_operator.ports import AttemptPlan, EndpointError
+from refit_protocol.commit import CommitRecord
+from refit_protocol.errors import EndpointError
+from refit_protocol.producer_api import AttemptPlan
 from refit_sidecar.baseline.chunks import ExportChunk, chunk_export
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.bitdiff import int_view
 from refit_sidecar.codec import EncodedPayload, Op, apply_item_, decode_payload
-from refit_sidecar.producer_service import ProducerService
+from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.transport.base import TransportSummary
 
 
@@ -62,7 +63,14 @@ def bump(s: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
 
 
 def plan(attempt: str, mode: str) -> AttemptPlan:
-    return AttemptPlan(attempt, 0, 1, "g1", mode, frozenset(), ("r0",))  # type: ignore[arg-type]
+    return AttemptPlan(
+        attempt=attempt,
+        from_version=0,
+        target_version=1,
+        baseline_id="g1",
+        mode=mode,  # type: ignore[arg-type]
+        receivers=("r0",),
+    )
 
 
 @pytest.fixture
@@ -149,4 +157,8 @@ async def test_transport_failure_surfaces(service) -> None:  # type: ignore[no-u
     with pytest.raises(EndpointError, match="link down"):
         await svc.wait_sent("a1")
     with pytest.raises(EndpointError, match="no candidate"):
-        await svc.start(AttemptPlan("a9", 1, 2, "g", "mixed", frozenset(), ()))
+        await svc.start(
+            AttemptPlan(
+                attempt="a9", from_version=1, target_version=2, baseline_id="g", mode="mixed"
+            )
+        )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from refit_sidecar.vllm.engine import greedy_tokens, shutdown_llm, start_llm
+from refit_tools.vllm_engine import greedy_tokens, shutdown_llm, start_llm
 
 PROMPTS = [[1, 5, 9, 33], [1, 7, 7, 7, 100], [1, 400, 3, 2, 17, 250]]
 

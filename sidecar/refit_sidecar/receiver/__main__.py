@@ -6,7 +6,7 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from refit_operator.logs import configure_logging
+from refit_protocol.logs import configure_logging
 from refit_sidecar.receiver.config import load_config
 from refit_sidecar.receiver.node import ReceiverNode
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from refit_sidecar.transport.relay import RelayConfig
+from refit_sidecar.transport.relay.node import RelayConfig
 from refit_sidecar.transport.s3 import S3Config
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 import torch
 
-from refit_operator.api import (
+from refit_protocol.receiver_api import (
     CommitNotice,
     FlushRequest,
     FlushResponse,
@@ -41,7 +41,7 @@ from refit_operator.api import (
 from refit_sidecar.codec.errors import CodecError, DigestMismatch, HeaderMismatch
 from refit_sidecar.codec.records import Op, TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload, decode_payload, peek_header
-from refit_sidecar.receiver.applier import Applier
+from refit_sidecar.receiver.appliers.base import Applier
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.errors import (
     BadRequestError,
@@ -60,8 +60,8 @@ from refit_sidecar.receiver.state import (
     Phase,
 )
 from refit_sidecar.transport.errors import PayloadRejectedError
-from refit_sidecar.transport.frames import AckStatus, FrameMeta, body_digest
-from refit_sidecar.transport.relay import RelayServer, Verdict
+from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta, body_digest
+from refit_sidecar.transport.relay.node import RelayServer, Verdict
 from refit_sidecar.transport.s3 import S3Fetcher
 
 log = structlog.get_logger("kuberefit.receiver")

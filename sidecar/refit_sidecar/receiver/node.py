@@ -9,13 +9,13 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from refit_sidecar.receiver.applier import Applier, InProcessApplier, load_object
+from refit_protocol.auth import endpoint_host, require_token_or_loopback, resolve_token
+from refit_sidecar.receiver.appliers.base import Applier, InProcessApplier, load_object
 from refit_sidecar.receiver.config import ApplierConfig, ReceiverConfig
 from refit_sidecar.receiver.core import ReceiverCore
 from refit_sidecar.receiver.metrics import ReceiverMetrics
 from refit_sidecar.receiver.service import create_app
-from refit_sidecar.transport.auth import endpoint_host, require_token_or_loopback, resolve_token
-from refit_sidecar.transport.relay import RelayServer
+from refit_sidecar.transport.relay.node import RelayServer
 from refit_sidecar.transport.s3 import S3Fetcher
 
 log = structlog.get_logger("kuberefit.receiver")
@@ -24,7 +24,7 @@ log = structlog.get_logger("kuberefit.receiver")
 def build_applier(cfg: ApplierConfig) -> Applier:
     """The configured applier (factories are named in trusted config, never in requests)."""
     if cfg.kind == "vllm":
-        from refit_sidecar.receiver.vllm_applier import VllmHttpApplier
+        from refit_sidecar.receiver.appliers.vllm_http import VllmHttpApplier
 
         return VllmHttpApplier(cfg)
     if not cfg.factory:

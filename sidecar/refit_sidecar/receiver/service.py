@@ -1,8 +1,8 @@
 """The receiver's HTTP control plane (aiohttp): one app per node, bearer-token authenticated.
 
-Every body is one of the pydantic models of `refit_operator.api`; a malformed body is a 400 that
-changes nothing. Calls that may block (prepare joins a replaced attempt's apply, flush waits for
-the queue, prewarm runs the loader) run on a dedicated thread pool so the event loop keeps
+Every body is one of the pydantic models of `refit_protocol.receiver_api`; a malformed body is
+a 400 that changes nothing. Calls that may block (prepare joins a replaced attempt's apply, flush
+waits for the queue, prewarm runs the loader) run on a dedicated thread pool so the event loop keeps
 serving manifests and status. `/healthz` is open (liveness probes carry no token and learn
 nothing); `/metrics` requires the token like everything else (Prometheus scrape configs send it
 with `authorization: {credentials_file: ...}`).
@@ -21,7 +21,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from refit_operator.api import (
+from refit_protocol.auth import bearer_ok
+from refit_protocol.receiver_api import (
     API_PREFIX,
     AttemptRequest,
     CommitNotice,
@@ -37,8 +38,7 @@ from refit_operator.api import (
 )
 from refit_sidecar.receiver.core import ReceiverCore
 from refit_sidecar.receiver.errors import ReceiverError
-from refit_sidecar.transport.auth import bearer_ok
-from refit_sidecar.transport.frames import AckStatus
+from refit_sidecar.transport.relay.frames import AckStatus
 
 log = structlog.get_logger("kuberefit.receiver.http")
 M = TypeVar("M", bound=BaseModel)

@@ -17,9 +17,9 @@ import collections
 import enum
 from dataclasses import dataclass, field
 
-from refit_operator.api import ManifestEntry, PrepareRequest
-from refit_sidecar.receiver.applier import StagedPayload
-from refit_sidecar.transport.frames import FrameMeta
+from refit_protocol.receiver_api import ManifestEntry, PrepareRequest
+from refit_sidecar.receiver.appliers.base import StagedPayload
+from refit_sidecar.transport.relay.frames import FrameMeta
 
 
 class Phase(enum.StrEnum):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from refit_operator.producer_api import TensorMetaModel
+from refit_protocol.tensors import TensorMetaModel
 from refit_sidecar.codec import dtypes
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.trainer.errors import CandidateMismatchError

@@ -33,7 +33,8 @@ from typing import TypeVar
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from refit_operator.producer_api import (
+from refit_protocol.auth import resolve_token
+from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
     BaselineManifest,
     CandidateAbortRequest,
@@ -58,7 +59,6 @@ from refit_sidecar.trainer.errors import (
 )
 from refit_sidecar.trainer.export import CanonicalSource, plan_owned
 from refit_sidecar.trainer.manifest import from_wire, require_same_layout, to_wire
-from refit_sidecar.transport.auth import resolve_token
 
 log = structlog.get_logger("kuberefit.publisher")
 M = TypeVar("M", bound=BaseModel)

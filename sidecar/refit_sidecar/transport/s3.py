@@ -25,7 +25,7 @@ import structlog
 import urllib3
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from refit_operator.api import API_PREFIX, ManifestEntry, StreamEnd
+from refit_protocol.receiver_api import API_PREFIX, ManifestEntry, StreamEnd
 from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.transport.base import TransportSummary
 from refit_sidecar.transport.errors import (

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from refit_sidecar.bench.refit import union_seconds
+from refit_tools.bench.refit import union_seconds
 
-CLI = [sys.executable, "-m", "refit_operator.cli", "bench", "refit"]
+CLI = [sys.executable, "-m", "refit_protocol.cli", "bench", "refit"]
 ROW_KEYS = {
     "latency_s",
     "v_payload_bytes",

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from refit_operator.api import TensorMetaModel
+from refit_protocol.tensors import TensorMetaModel
 from refit_sidecar.codec.records import Item, Op, TensorMeta, diff_item
 from refit_sidecar.codec.wire import CODEC_VERSION, EncodedPayload, PayloadHeader, encode_payload
 from refit_sidecar.fingerprint import module_fingerprint
-from refit_sidecar.receiver.applier import ApplyReport, InProcessApplier, StagedPayload
+from refit_sidecar.receiver.appliers.base import ApplyReport, InProcessApplier, StagedPayload
 
 
 def canonical(seed: int, tensors: int = 8, numel: int = 4096) -> dict[str, torch.Tensor]:

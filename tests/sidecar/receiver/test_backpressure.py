@@ -11,10 +11,10 @@ import psutil
 import torch
 from pydantic import SecretStr
 
-from refit_operator.api import PrepareRequest
+from refit_protocol.receiver_api import PrepareRequest
 from refit_sidecar.codec.records import TensorMeta
-from refit_sidecar.transport.client import RelayClientConfig
-from refit_sidecar.transport.zmq_relay import ZmqRelayTransport, ZmqTransportConfig
+from refit_sidecar.transport.relay.dealer import RelayClientConfig
+from refit_sidecar.transport.relay.transport import ZmqRelayTransport, ZmqTransportConfig
 from tests.harness.receivers import start_cluster
 from tests.sidecar.receiver.models import canonical, metas, overwrite_payload, read_applied
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_operator.api import (
+from refit_protocol.receiver_api import (
     CommitNotice,
     FlushRequest,
     GateRequest,
@@ -26,7 +26,7 @@ from refit_sidecar.fingerprint import module_fingerprint
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.core import ReceiverCore
 from refit_sidecar.receiver.errors import ReceiverError
-from refit_sidecar.transport.frames import AckStatus, FrameMeta
+from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta
 from tests.sidecar.receiver.models import (
     RecordingApplier,
     TinyModel,

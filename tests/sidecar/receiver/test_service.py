@@ -10,15 +10,15 @@ import aiohttp
 import pytest
 from pydantic import SecretStr
 
-from refit_operator.api import (
+from refit_operator.receiver_client import ReceiverHttpClient, ReceiverHttpError
+from refit_protocol.errors import EndpointError
+from refit_protocol.receiver_api import (
     FlushRequest,
     GateRequest,
     ManifestEntry,
     PrepareRequest,
     PrewarmRequest,
 )
-from refit_operator.ports import EndpointError
-from refit_sidecar.receiver.client import ReceiverHttpClient, ReceiverHttpError
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode
 from tests.sidecar.receiver.models import RecordingApplier, TinyModel, canonical, metas

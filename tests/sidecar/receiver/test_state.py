@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refit_operator.api import PrepareRequest
+from refit_protocol.receiver_api import PrepareRequest
 from refit_sidecar.receiver.state import AttemptState, PayloadIdent
 
 

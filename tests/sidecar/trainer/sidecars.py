@@ -13,14 +13,14 @@ from pathlib import Path
 
 from aiohttp import web
 
-from refit_operator.commit_store import CommitRecord
-from refit_operator.ports import AttemptPlan, SentReport
+from refit_protocol.commit import CommitRecord
+from refit_protocol.producer_api import AttemptPlan, SentReport
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.codec import EncodedPayload
-from refit_sidecar.producer_http import create_producer_app
-from refit_sidecar.producer_service import ProducerService
+from refit_sidecar.producer.http import create_producer_app
+from refit_sidecar.producer.service import ProducerService
+from refit_sidecar.producer.staging import StagingConfig
 from refit_sidecar.trainer.publisher import PublisherConfig
-from refit_sidecar.trainer.staging import StagingConfig
 from tests.sidecar.test_producer_service import RecordingTransportFake
 
 TOKEN = "trainer-test-token"
@@ -120,7 +120,13 @@ async def run_transition(
         await asyncio.sleep(0.02)
     attempt = f"a-v{version}"
     plan = AttemptPlan(
-        attempt, version - 1, version, f"g{version}", "mixed", xor_incompatible, ("r0",)
+        attempt=attempt,
+        from_version=version - 1,
+        target_version=version,
+        baseline_id=f"g{version}",
+        mode="mixed",
+        xor_incompatible=xor_incompatible,
+        receivers=("r0",),
     )
     for s in sidecars:
         await s.service.start(plan)

@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from refit_sidecar.bitdiff import int_view
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
-from refit_sidecar.vllm.engine import shutdown_llm, start_llm
 from refit_sidecar.vllm.worker_extension import metas_to_wire
+from refit_tools.vllm_engine import shutdown_llm, start_llm
 from tests.harness.bridge import run_ranks
 from tests.sidecar.trainer.sidecars import TOKEN, Sidecar, run_transition, serve_sidecars
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from refit_operator.producer_api import (
+from refit_protocol.producer_api import (
     CandidateChunkAck,
     CandidateChunkRequest,
     CandidateStaged,

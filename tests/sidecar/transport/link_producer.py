@@ -12,8 +12,8 @@ from pydantic import SecretStr
 
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import EncodedPayload
-from refit_sidecar.transport.client import RelayClientConfig
-from refit_sidecar.transport.zmq_relay import ZmqRelayTransport, ZmqTransportConfig
+from refit_sidecar.transport.relay.dealer import RelayClientConfig
+from refit_sidecar.transport.relay.transport import ZmqRelayTransport, ZmqTransportConfig
 from tests.sidecar.receiver.models import canonical, overwrite_payload
 
 

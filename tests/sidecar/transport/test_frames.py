@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from refit_protocol.auth import is_loopback_host, require_token_or_loopback, tokens_equal
 from refit_sidecar.codec.errors import BadMagic, DigestMismatch, HeaderMismatch
-from refit_sidecar.transport.auth import is_loopback_host, require_token_or_loopback, tokens_equal
-from refit_sidecar.transport.frames import FrameMeta, parse_meta, verify_body
+from refit_sidecar.transport.relay.frames import FrameMeta, parse_meta, verify_body
 from tests.sidecar.receiver.models import canonical, payloads, perturb
 
 

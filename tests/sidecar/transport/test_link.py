@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from refit_operator.api import PrepareRequest
+from refit_protocol.receiver_api import PrepareRequest
 from tests.harness.netns import create_link
 from tests.harness.receivers import REPO, start_cluster
 from tests.sidecar.receiver.models import canonical, fingerprint, metas, read_applied

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from refit_operator.api import ManifestEntry, PrepareRequest
+from refit_protocol.receiver_api import ManifestEntry, PrepareRequest
 from refit_sidecar.transport.s3 import (
     MIB,
     S3Config,

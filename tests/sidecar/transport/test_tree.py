@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refit_sidecar.transport import tree
+from refit_sidecar.transport.relay import tree
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 33])

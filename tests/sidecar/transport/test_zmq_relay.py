@@ -16,18 +16,18 @@ import torch
 import urllib3
 from pydantic import SecretStr
 
-from refit_operator.api import PrepareRequest
+from refit_protocol.receiver_api import PrepareRequest
 from refit_sidecar.codec.records import Op
 from refit_sidecar.codec.wire import EncodedPayload
-from refit_sidecar.transport.client import RelayClient, RelayClientConfig
 from refit_sidecar.transport.errors import (
     AttemptObsoleteError,
     DeliveryTimeoutError,
     PayloadRejectedError,
     TransportStoppedError,
 )
-from refit_sidecar.transport.frames import AckStatus, FrameMeta
-from refit_sidecar.transport.zmq_relay import ZmqRelayTransport, ZmqTransportConfig
+from refit_sidecar.transport.relay.dealer import RelayClient, RelayClientConfig
+from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta
+from refit_sidecar.transport.relay.transport import ZmqRelayTransport, ZmqTransportConfig
 from tests.harness.receivers import Cluster, NodeProc, start_cluster
 from tests.sidecar.receiver.models import (
     canonical,

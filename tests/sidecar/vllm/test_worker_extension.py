@@ -25,8 +25,8 @@ from refit_sidecar.codec import (
     encode_payload,
 )
 from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
-from refit_sidecar.vllm.engine import greedy_tokens, shutdown_llm, start_llm
 from refit_sidecar.vllm.worker_extension import metas_to_wire
+from refit_tools.vllm_engine import greedy_tokens, shutdown_llm, start_llm
 
 PROMPTS = [[1, 5, 9, 33], [1, 7, 7, 7, 100], [1, 400, 3, 2, 17, 250]]
 

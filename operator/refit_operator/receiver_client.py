@@ -1,0 +1,146 @@
+"""An asyncio HTTP client of one receiver node (no torch, no zmq: usable by the operator).
+
+It implements the coordinator's `ReceiverClient` port plus the producer-facing calls. Non-2xx
+answers raise `ReceiverHttpError` (an `EndpointError`) carrying the status and the JSON error.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import aiohttp
+from pydantic import BaseModel
+
+from refit_protocol.errors import EndpointError
+from refit_protocol.receiver_api import (
+    API_PREFIX,
+    AttemptRequest,
+    CommitNotice,
+    FlushRequest,
+    FlushResponse,
+    GateRequest,
+    ManifestEntry,
+    ManifestResponse,
+    PrepareRequest,
+    PrepareResponse,
+    PrewarmRequest,
+    PrewarmResponse,
+    ReceiverStatus,
+    RelayFlushRequest,
+    RelayFlushResponse,
+    RestoreRequest,
+    StopResponse,
+    StreamEnd,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ReceiverHttpError(EndpointError):
+    def __init__(self, node: str, path: str, status: int, body: dict[str, Any]) -> None:
+        self.status = status
+        self.body = body
+        self.reason = str(body.get("status", ""))
+        super().__init__(f"{node}{path}: HTTP {status}: {body.get('error', body)}")
+
+
+class ReceiverHttpClient:
+    """Calls one node's service. Share one `aiohttp.ClientSession` between many clients."""
+
+    def __init__(
+        self,
+        node: str,
+        base_url: str,
+        *,
+        token: str | None,
+        session: aiohttp.ClientSession,
+        timeout_s: float = 900.0,
+    ) -> None:
+        self.node = node
+        self.base_url = base_url.rstrip("/")
+        self._session = session
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None,
+        out: type[M],
+        ok: tuple[int, ...] = (200,),
+    ) -> M:
+        data = body.model_dump_json().encode() if body is not None else None
+        headers = dict(self._headers)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            async with self._session.request(
+                method, self.base_url + path, data=data, headers=headers, timeout=self._timeout
+            ) as resp:
+                raw = await resp.read()
+                if resp.status not in ok:
+                    try:
+                        parsed = json.loads(raw)
+                    except ValueError:
+                        parsed = {"error": raw[:300].decode(errors="replace")}
+                    raise ReceiverHttpError(self.node, path, resp.status, parsed)
+                return out.model_validate_json(raw)
+        except aiohttp.ClientError as exc:
+            raise EndpointError(f"{self.node}{path}: {type(exc).__name__}: {exc}") from exc
+
+    # -- coordinator port -------------------------------------------------------------------------
+    async def status(self) -> ReceiverStatus:
+        return await self._call("GET", f"{API_PREFIX}/status", None, ReceiverStatus)
+
+    async def prepare(self, req: PrepareRequest) -> PrepareResponse:
+        return await self._call("POST", f"{API_PREFIX}/prepare", req, PrepareResponse)
+
+    async def gate(self, req: GateRequest) -> None:
+        await self._call("POST", f"{API_PREFIX}/gate", req, ReceiverStatus)
+
+    async def open_apply(self, attempt: str) -> None:
+        await self._call(
+            "POST", f"{API_PREFIX}/open-apply", AttemptRequest(attempt=attempt), ReceiverStatus
+        )
+
+    async def relay_flush(self, req: RelayFlushRequest) -> RelayFlushResponse:
+        return await self._call("POST", f"{API_PREFIX}/relay-flush", req, RelayFlushResponse)
+
+    async def flush(self, req: FlushRequest) -> FlushResponse:
+        return await self._call("POST", f"{API_PREFIX}/flush", req, FlushResponse)
+
+    async def stop(self, attempt: str) -> StopResponse:
+        return await self._call(
+            "POST", f"{API_PREFIX}/stop", AttemptRequest(attempt=attempt), StopResponse
+        )
+
+    async def cleanup(self, attempt: str) -> None:
+        await self._call(
+            "POST", f"{API_PREFIX}/cleanup", AttemptRequest(attempt=attempt), ReceiverStatus
+        )
+
+    async def commit_notice(self, attempt: str, version: int, *, dense: bool = False) -> None:
+        await self._call(
+            "POST",
+            f"{API_PREFIX}/commit",
+            CommitNotice(attempt=attempt, version=version, dense=dense),
+            ReceiverStatus,
+        )
+
+    # -- others -----------------------------------------------------------------------------------
+    async def prewarm(self, req: PrewarmRequest) -> PrewarmResponse:
+        return await self._call("POST", f"{API_PREFIX}/prewarm", req, PrewarmResponse)
+
+    async def restore(self, req: RestoreRequest) -> PrewarmResponse:
+        """Dense restore to the committed version, then prewarm (see `RestoreRequest`)."""
+        return await self._call("POST", f"{API_PREFIX}/restore", req, PrewarmResponse)
+
+    async def manifest(self, entry: ManifestEntry) -> ManifestResponse:
+        return await self._call(
+            "POST", f"{API_PREFIX}/manifest", entry, ManifestResponse, ok=(200, 202)
+        )
+
+    async def stream_end(self, req: StreamEnd) -> ManifestResponse:
+        return await self._call("POST", f"{API_PREFIX}/stream-end", req, ManifestResponse)

@@ -1,0 +1,75 @@
+"""The `kuberefit` command: it only joins the click group each installed package contributes.
+
+Packages register their group under the `kuberefit.commands` entry point (pyproject.toml):
+the control plane (`refit_operator.cli`), the sidecars (`refit_sidecar.cli`) and the tools
+(`refit_tools.cli`: demo and benches). An image that installs only some of them (the operator
+image has no sidecar and no tools) lists only their commands. Every group imports its heavy
+dependencies inside its commands, so `kuberefit --help` needs none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from refit_protocol import __version__
+
+ENTRY_POINT_GROUP = "kuberefit.commands"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def config_file_option(help_text: str) -> Callable[[F], F]:
+    """`--config FILE` (required, must exist), passed to the command as `config_path`."""
+    return click.option(
+        "--config",
+        "config_path",
+        required=True,
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help=help_text,
+    )
+
+
+def _load(ep: EntryPoint) -> click.Group | None:
+    """The group behind `ep`, or None when its package is not installed in this image."""
+    package = ep.value.split(":", 1)[0].split(".", 1)[0]
+    try:
+        group = ep.load()
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and exc.name.split(".", 1)[0] == package:
+            return None
+        raise
+    if not isinstance(group, click.Group):
+        raise TypeError(f"entry point {ep.name} = {ep.value} is not a click group")
+    return group
+
+
+def build() -> click.Group:
+    """The top-level group with the commands of every installed package."""
+
+    @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+    @click.version_option(__version__, prog_name="kuberefit")
+    def main() -> None:
+        """KubeRefit: bit-exact sparse refit of RL policy weights from trainers to vLLM."""
+
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        group = _load(ep)
+        if group is None:
+            continue
+        for name, command in group.commands.items():
+            if name in main.commands:
+                raise RuntimeError(f"command {name!r} is contributed twice (by {ep.name})")
+            main.add_command(command, name)
+    return main
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    build()(args=argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The producer's control plane: messages between the coordinator, a trainer sidecar's producer
+and the trainer process's publisher (JSON over HTTP).
+
+`AttemptPlan` and `SentReport` are used as they are on both sides of the wire: the coordinator
+builds a plan, the producer service receives the same model; there is no in-memory twin.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+from refit_protocol.commit import AttemptMode, CommitRecord
+from refit_protocol.tensors import TensorMetaModel
+
+PRODUCER_PREFIX = "/v1/producer"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AttemptPlan(_Msg):
+    """Everything a producer needs to stream one attempt."""
+
+    attempt: str
+    from_version: int = Field(ge=0)
+    target_version: int = Field(ge=1)
+    baseline_id: str
+    mode: AttemptMode
+    xor_incompatible: frozenset[str] = frozenset()
+    receivers: tuple[str, ...] = ()
+    relay_tree: tuple[str, ...] = Field(
+        default=(), description="Relay endpoints in tree order (ZeroMQ transport)."
+    )
+
+    @field_serializer("xor_incompatible")
+    def _sorted(self, names: frozenset[str]) -> list[str]:
+        return sorted(names)
+
+
+class SentReport(_Msg):
+    """A producer's totals for one attempt, reported when its stream ended."""
+
+    producer: int = Field(ge=0)
+    payloads: int = Field(ge=0)
+    wire_bytes: int = 0
+    changed_elements: int = 0
+    total_elements: int = 0
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class BaselineUpdateRequest(_Msg):
+    attempt: str
+    version: int = Field(ge=0)
+    baseline_id: str
+
+    def record(self) -> CommitRecord:
+        return CommitRecord(self.version, self.baseline_id)
+
+
+class ProducerAttemptRequest(_Msg):
+    attempt: str
+
+
+class ProducerStatus(_Msg):
+    producer: int
+    committed_version: int
+    committed_baseline: str
+    candidate_version: int | None = None
+    pending_attempt: str | None = None
+    # What the trainer's publisher needs to plan and check an export (None/False: an older
+    # sidecar, or a baseline that is not initialized yet).
+    producers: int | None = None
+    export_chunk_bytes: int | None = None
+    baseline_ready: bool = False
+    baseline_fingerprint: str | None = None
+
+
+# -- candidate staging: the trainer process hands its export of a version to its sidecar -------
+
+#: "initial": the first export (becomes the baseline; version = the committed one);
+#: "next": the candidate of committed + 1 (compared with the baseline by the next transition).
+StagePurpose = Literal["initial", "next"]
+
+
+class CandidateChunkRequest(_Msg):
+    """One owned export chunk, written by the trainer as `file` in the sidecar's inbox."""
+
+    version: int = Field(ge=0)
+    purpose: StagePurpose = "next"
+    index: int = Field(ge=0)
+    file: str = Field(min_length=1, max_length=255)
+    names: list[str] = Field(min_length=1, description="The chunk's tensors, in export order.")
+
+
+class CandidateChunkAck(_Msg):
+    index: int
+    nbytes: int
+
+
+class CandidateStageRequest(_Msg):
+    """Every chunk was sent: check the whole export and stage it (or build the baseline)."""
+
+    version: int = Field(ge=0)
+    purpose: StagePurpose = "next"
+    manifest: list[TensorMetaModel] = Field(description="Every tensor, in export order.")
+    chunks: list[int] = Field(description="Indices of the owned chunks that were sent.")
+
+
+class CandidateStaged(_Msg):
+    version: int
+    purpose: StagePurpose
+    producer: int
+    chunks: int
+    nbytes: int
+    fingerprint: str | None = None  # digest of the owned tensors (initial exports only)
+
+
+class BaselineManifest(_Msg):
+    """The baseline's export layout, so a trainer can check its export before sending it."""
+
+    version: int
+    tensors: list[TensorMetaModel]
+
+
+class CandidateAbortRequest(_Msg):
+    version: int = Field(ge=0)

@@ -1,0 +1,192 @@
+"""The receiver's control plane: messages between the coordinator and a rollout node (JSON/HTTP).
+
+One definition shared by both sides: the coordinator (operator image, no torch) sends these and
+the receiver service validates them with the same models. Payload bytes never appear here, only
+identifiers, counts and digests; the S3 transport's manifest pointers (`ManifestEntry`,
+`StreamEnd`) travel on the same plane, from producers to receivers.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from refit_protocol.commit import AttemptMode
+from refit_protocol.tensors import TensorMetaModel
+
+API_PREFIX = "/v1"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------------------- receiver service
+class PrewarmRequest(_Msg):
+    metas: list[TensorMetaModel]
+
+
+class RestoreRequest(_Msg):
+    """Dense restore of a new or restarted receiver to the committed version (a joining node).
+
+    `source` is the committed version's checkpoint (a directory of safetensors files the
+    node's runtime can read); the node loads it through its runtime's own loader, prewarms
+    with `metas` and then holds `version`."""
+
+    version: int = Field(ge=0)
+    source: str = Field(min_length=1)
+    metas: list[TensorMetaModel]
+
+
+class RankPrewarm(_Msg):
+    rank: int
+    skipped: list[str] = Field(default_factory=list)
+    xor_incompatible: dict[str, str] = Field(default_factory=dict)
+    unsupported: dict[str, str] = Field(default_factory=dict)
+    scratch_bytes: int = 0
+
+
+class PrewarmResponse(_Msg):
+    node: str
+    ranks: list[RankPrewarm]
+
+    @property
+    def xor_incompatible(self) -> set[str]:
+        return {n for r in self.ranks for n in r.xor_incompatible}
+
+    @property
+    def unsupported(self) -> dict[str, str]:
+        return {n: e for r in self.ranks for n, e in r.unsupported.items()}
+
+
+class PrepareRequest(_Msg):
+    """Bind a fresh attempt; replaces (obsoletes) any earlier attempt on this receiver."""
+
+    attempt: str
+    from_version: int = Field(ge=0)
+    target_version: int = Field(ge=1)
+    mode: AttemptMode
+    sync: bool = True  # sync RL: apply during delivery after open_apply; async: stage first
+    producers: list[int]
+    coordinator: str = ""
+    # Additions of the delivery layer (defaults keep older callers valid):
+    check_samples: int = Field(
+        default=0, ge=-1, description="Post-apply checks per payload: 0 off, N samples, -1 all."
+    )
+    relay_tree: list[str] = Field(
+        default_factory=list,
+        description="ZeroMQ endpoints of every relay node in tree order for this attempt "
+        "(empty: the receiver's configured order). Membership changes only between attempts.",
+    )
+
+
+class PrepareResponse(_Msg):
+    node: str
+    accepted: bool
+    reason: str = ""
+    held_version: int | None = None  # version whose bits the receiver holds, if clean
+
+
+class AttemptRequest(_Msg):
+    """open-apply, stop, cleanup, status filters: an attempt id only."""
+
+    attempt: str
+
+
+class ManifestEntry(_Msg):
+    """S3: a pointer to one payload object (the body never passes through HTTP)."""
+
+    attempt: str
+    producer: int
+    payload_id: int
+    order: int
+    bucket: str
+    key: str
+    digest: str  # hex BLAKE2b-128 of the compressed body
+    size: int = Field(ge=0)
+
+
+class ManifestResponse(_Msg):
+    """How a receiver took a manifest entry: staged (202), duplicate (200), wait (429)."""
+
+    node: str
+    status: str
+    error: str = ""
+
+
+class StreamEnd(_Msg):
+    """A producer finished its stream of `attempt` with `total` payloads (orders 0..total-1)."""
+
+    attempt: str
+    producer: int = Field(ge=0)
+    total: int = Field(ge=0)
+
+
+class RelayFlushRequest(_Msg):
+    attempt: str
+    expected: dict[int, int]  # producer -> payloads it reported sent
+    timeout_s: float | None = Field(default=None, gt=0, description="None: receiver default.")
+
+
+class RelayFlushResponse(_Msg):
+    node: str
+    attempt: str
+    ok: bool
+    staged: int
+    errors: list[str] = Field(default_factory=list)
+
+
+class FlushRequest(_Msg):
+    attempt: str
+    expected: dict[int, int]  # producer -> payload count
+    check_samples: int = 0
+    timeout_s: float | None = Field(default=None, gt=0, description="None: receiver default.")
+
+
+class FlushResponse(_Msg):
+    """The completion ACK: everything expected arrived, was applied and the device synced."""
+
+    node: str
+    attempt: str
+    ok: bool
+    applied: int
+    staged: int
+    checks: int = 0
+    errors: list[str] = Field(default_factory=list)
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class StopResponse(_Msg):
+    node: str
+    attempt: str
+    drained: bool
+    errors: list[str] = Field(default_factory=list)
+
+
+class GateRequest(_Msg):
+    attempt: str
+    closed: bool  # True: wait for in-flight requests, then hold new ones; False: reopen
+
+
+class CommitNotice(_Msg):
+    """The commit record now names `version` for `attempt`: held bits are that version."""
+
+    attempt: str
+    version: int
+    dense: bool = False  # a dense restore wrote every bit of `version` (no attempt involved)
+
+
+class ReceiverStatus(_Msg):
+    node: str
+    held_version: int | None
+    attempt: str | None
+    phase: str
+    staged: int = 0
+    applied: int = 0
+    gate_closed: bool = False
+    errors: list[str] = Field(default_factory=list)
+    dirty: bool = False  # partial writes since held_version: only overwrite attempts admissible
+    # The version the node held before those partial writes (an overwrite attempt from it
+    # repairs the node in place); equal to held_version when not dirty.
+    base_version: int | None = None
+    prewarmed: bool = False  # classified its loaders for the current metadata (prewarm/restore)
+    dropped: int = 0  # payloads of obsolete attempts dropped since start

@@ -1,0 +1,150 @@
+"""The producer's HTTP control plane (aiohttp, bearer token): what the coordinator calls, and
+the candidate endpoints the trainer's publisher calls to hand over its exports.
+
+Refusals carry `{"error": message, "code": code}`; the codes of the trainer handoff are the
+`refit_sidecar.trainer.errors` classes, so the publisher raises the same typed error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from refit_protocol.auth import bearer_ok
+from refit_protocol.errors import EndpointError
+from refit_protocol.producer_api import (
+    PRODUCER_PREFIX,
+    AttemptPlan,
+    BaselineManifest,
+    BaselineUpdateRequest,
+    CandidateAbortRequest,
+    CandidateChunkRequest,
+    CandidateStageRequest,
+    ProducerAttemptRequest,
+    ProducerStatus,
+)
+from refit_sidecar.baseline.source import BaselineError, ExportMismatchError
+from refit_sidecar.producer.service import ProducerService
+from refit_sidecar.trainer.errors import CandidateMismatchError, StagingError, StagingStateError
+from refit_sidecar.trainer.manifest import to_wire
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Largest request body (a stage request carries the manifest of the whole export).
+MAX_REQUEST_BYTES = 256 << 20
+_OK = {"ok": True}
+
+
+def create_producer_app(service: ProducerService, *, token: str | None) -> web.Application:
+    """Routes under /v1/producer; /healthz is open, everything else needs the token."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path != "/healthz" and not bearer_ok(
+            token, request.headers.get("Authorization", "")
+        ):
+            return web.json_response({"error": "missing or invalid bearer token"}, status=401)
+        try:
+            return await handler(request)
+        except ValidationError as exc:
+            return web.json_response(
+                {"error": f"invalid request: {exc.error_count()} errors"}, status=400
+            )
+        except StagingError as exc:
+            return _refusal(exc)
+        except ExportMismatchError as exc:
+            return _refusal(CandidateMismatchError(str(exc)))
+        except BaselineError as exc:
+            return _refusal(StagingStateError(str(exc)))
+        except (EndpointError, ValueError) as exc:
+            return web.json_response({"error": str(exc)}, status=409)
+
+    async def status(_: web.Request) -> web.Response:
+        b = service.baseline
+        body = ProducerStatus(
+            producer=service.producer,
+            committed_version=service.committed.version,
+            committed_baseline=service.committed.baseline_id,
+            candidate_version=service.candidate_version,
+            pending_attempt=b.pending_attempt,
+            producers=b.producers,
+            export_chunk_bytes=b.config.export_chunk_bytes,
+            baseline_ready=service.baseline_ready,
+            baseline_fingerprint=service.baseline_fingerprint,
+        )
+        return web.json_response(body.model_dump())
+
+    async def baseline_manifest(_: web.Request) -> web.Response:
+        if not service.baseline_ready:
+            raise StagingStateError(f"producer {service.producer} has no baseline yet")
+        body = BaselineManifest(
+            version=service.committed.version,
+            tensors=to_wire(list(service.baseline.metadata.values())),
+        )
+        return web.json_response(body.model_dump())
+
+    async def candidate_chunk(request: web.Request) -> web.Response:
+        req = CandidateChunkRequest.model_validate_json(await request.read())
+        ack = await asyncio.to_thread(service.ingest_chunk, req)
+        return web.json_response(ack.model_dump())
+
+    async def candidate_stage(request: web.Request) -> web.Response:
+        req = CandidateStageRequest.model_validate_json(await request.read())
+        staged = await asyncio.to_thread(service.stage, req)
+        return web.json_response(staged.model_dump())
+
+    async def candidate_abort(request: web.Request) -> web.Response:
+        req = CandidateAbortRequest.model_validate_json(await request.read())
+        await asyncio.to_thread(service.abort_staging, req.version)
+        return web.json_response(_OK)
+
+    async def start(request: web.Request) -> web.Response:
+        plan = AttemptPlan.model_validate_json(await request.read())
+        await service.start(plan)
+        return web.json_response(_OK)
+
+    async def wait_sent(request: web.Request) -> web.Response:
+        req = ProducerAttemptRequest.model_validate_json(await request.read())
+        report = await service.wait_sent(req.attempt)
+        return web.json_response(report.model_dump())
+
+    async def stop(request: web.Request) -> web.Response:
+        req = ProducerAttemptRequest.model_validate_json(await request.read())
+        await service.stop_and_wait(req.attempt)
+        return web.json_response(_OK)
+
+    async def cleanup(request: web.Request) -> web.Response:
+        req = ProducerAttemptRequest.model_validate_json(await request.read())
+        await service.cleanup(req.attempt)
+        return web.json_response(_OK)
+
+    async def update_baseline(request: web.Request) -> web.Response:
+        req = BaselineUpdateRequest.model_validate_json(await request.read())
+        await service.update_baseline(req.attempt, req.record())
+        return web.json_response(_OK)
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response(_OK)
+
+    # A candidate's manifest names every tensor of the export (~100 bytes each): allow large
+    # models' manifests, well above aiohttp's 1 MiB default.
+    app = web.Application(middlewares=[guard], client_max_size=MAX_REQUEST_BYTES)
+    p = PRODUCER_PREFIX
+    app.router.add_get(f"{p}/status", status)
+    app.router.add_post(f"{p}/start", start)
+    app.router.add_post(f"{p}/wait-sent", wait_sent)
+    app.router.add_post(f"{p}/stop", stop)
+    app.router.add_post(f"{p}/cleanup", cleanup)
+    app.router.add_post(f"{p}/update-baseline", update_baseline)
+    app.router.add_get(f"{p}/baseline/manifest", baseline_manifest)
+    app.router.add_post(f"{p}/candidate/chunk", candidate_chunk)
+    app.router.add_post(f"{p}/candidate", candidate_stage)
+    app.router.add_post(f"{p}/candidate/abort", candidate_abort)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+def _refusal(exc: StagingError) -> web.Response:
+    return web.json_response({"error": str(exc), "code": exc.code}, status=exc.http_status)

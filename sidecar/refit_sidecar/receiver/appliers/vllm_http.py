@@ -1,0 +1,140 @@
+"""Apply through a vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1 and
+`--worker-extension-cls refit_sidecar.vllm.worker_extension.RefitWorkerExtension`.
+
+Every call is `POST /collective_rpc` with JSON arguments (tensors cannot travel there): prewarm
+sends canonical metadata as lists; each payload is written once to a file on the shared-memory
+volume and applied with `refit_apply(path, check_samples)` on every worker. The request gate is
+vLLM's own `/pause` (mode=wait: in-flight requests finish first) and `/resume`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import urllib3
+
+from refit_protocol.receiver_api import RankPrewarm
+from refit_sidecar.codec.records import TensorMeta
+from refit_sidecar.codec.wire import DecodedPayload
+from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
+from refit_sidecar.receiver.config import ApplierConfig
+
+
+class VllmRpcError(RuntimeError):
+    """The vLLM server refused or failed a call; the message carries its answer."""
+
+
+class VllmHttpApplier:
+    def __init__(self, config: ApplierConfig) -> None:
+        self.config = config
+        self.base = config.vllm_url.rstrip("/")
+        self.shm_dir = config.shm_dir
+        self.shm_dir.mkdir(parents=True, exist_ok=True)
+        self._http = urllib3.PoolManager(maxsize=4, retries=False)
+        key = config.vllm_api_key.get_secret_value() if config.vllm_api_key else ""
+        self._headers = {"Content-Type": "application/json"}
+        if key:
+            self._headers["Authorization"] = f"Bearer {key}"
+
+    # -- HTTP --------------------------------------------------------------------------------------
+    def _post(self, path: str, body: dict[str, Any] | None = None, **query: str) -> Any:
+        url = self.base + path
+        if query:
+            url += "?" + "&".join(f"{k}={v}" for k, v in query.items())
+        resp = self._http.request(
+            "POST",
+            url,
+            body=json.dumps(body or {}).encode(),
+            headers=self._headers,
+            timeout=urllib3.Timeout(total=self.config.rpc_timeout_s),
+        )
+        if resp.status != 200:
+            raise VllmRpcError(f"{path}: HTTP {resp.status}: {resp.data[:500]!r}")
+        return json.loads(resp.data) if resp.data else None
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        out = self._post(
+            "/collective_rpc",
+            {"method": method, "args": list(args), "timeout": self.config.rpc_timeout_s},
+        )
+        results = out.get("results") if isinstance(out, dict) else None
+        if not isinstance(results, list):
+            raise VllmRpcError(f"{method}: unexpected answer {out!r}")
+        return results
+
+    # -- Applier -----------------------------------------------------------------------------------
+    def prewarm(self, metas: Mapping[str, TensorMeta]) -> list[RankPrewarm]:
+        wire = [
+            [m.name, list(m.shape), str(m.dtype).removeprefix("torch.")] for m in metas.values()
+        ]
+        ranks = []
+        for i, r in enumerate(self._rpc("refit_prewarm", wire)):
+            if not isinstance(r, dict):
+                raise VllmRpcError(f"refit_prewarm: rank {i} answered {r!r}")
+            ranks.append(
+                RankPrewarm(
+                    rank=int(r.get("rank", i)),
+                    skipped=list(r.get("skipped", [])),
+                    xor_incompatible=dict(r.get("xor_incompatible", {})),
+                    unsupported=dict(r.get("unsupported", {})),
+                    scratch_bytes=int(r.get("scratch_bytes", 0)),
+                )
+            )
+        return ranks
+
+    def stage(self, body: bytes | memoryview, decoded: DecodedPayload) -> StagedPayload:
+        h = decoded.header
+        tag = hashlib.blake2b(h.attempt.encode(), digest_size=8).hexdigest()
+        path = self.shm_dir / f"{tag}-{h.producer}-{h.payload_id}.krp"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "wb") as fh:
+            fh.write(body)
+        tmp.replace(path)
+        return StagedPayload(h, memoryview(body).nbytes, path=path)
+
+    def apply(self, batch: Sequence[StagedPayload], check_samples: int) -> ApplyReport:
+        t0 = time.perf_counter()
+        report = ApplyReport()
+        for staged in batch:
+            assert staged.path is not None
+            results = self._rpc("refit_apply", str(staged.path), check_samples)
+            report.payloads += 1
+            for r in results:
+                if not isinstance(r, dict):
+                    raise VllmRpcError(f"refit_apply: a rank answered {r!r}")
+                report.per_rank.append(r)
+            first = results[0] if results else {}
+            report.items += int(first.get("items", 0))
+            report.values += int(first.get("values", 0))
+            report.checks += sum(int(r.get("checks", 0)) for r in results)
+            self.discard(staged)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def discard(self, staged: StagedPayload) -> None:
+        if staged.path is not None:
+            staged.path.unlink(missing_ok=True)
+            staged.path = None
+
+    def sync(self) -> None:
+        """refit_apply synchronizes the device before it returns: nothing left to wait for."""
+
+    def gate(self, closed: bool) -> None:
+        if closed:
+            self._post("/pause", mode=self.config.pause_mode)
+        else:
+            self._post("/resume")
+
+    def restore(self, source: str) -> set[str]:
+        """The workers read the checkpoint themselves (`refit_dense_load`, vLLM's loader);
+        a name counts as loaded only if every rank loaded it."""
+        per_rank = [set(names) for names in self._rpc("refit_dense_load", source)]
+        return set.intersection(*per_rank) if per_rank else set()
+
+    def close(self) -> None:
+        self._http.clear()

@@ -1,0 +1,366 @@
+"""A relay-tree node: a ROUTER that validates, deduplicates, stages and forwards payloads.
+
+Per DATA frame (paper §7.1, NeMo RL guide "Transport and apply"): authenticate the token in the
+metadata (unauthenticated or malformed frames are dropped and counted, never answered), ask the
+sink whether the attempt is current and the id new, verify identity and BLAKE2b-128 digest, let
+the sink register the payload and submit its local staging, submit at most two child forwards
+(the balanced binary tree of `tree.py`) to per-child bounded DEALER clients, then answer with the
+staged ACK. The sink is the receiver core; this module knows nothing about applying.
+
+`drain(attempt)` is the relay-flush barrier: it waits until every forward of the attempt has been
+acknowledged by the child or has failed (a dead child fails within its retry budget).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import structlog
+import zmq
+from prometheus_client import CollectorRegistry, Counter
+from pydantic import BaseModel, ConfigDict, Field
+
+from refit_protocol.auth import tokens_equal
+from refit_sidecar.codec.errors import CodecError
+from refit_sidecar.transport.relay import tree
+from refit_sidecar.transport.relay.dealer import RelayClient, RelayClientConfig
+from refit_sidecar.transport.relay.frames import (
+    ACK,
+    DATA,
+    END,
+    PROBE,
+    AckMeta,
+    AckStatus,
+    FrameMeta,
+    parse_meta,
+    verify_body,
+)
+
+log = structlog.get_logger("kuberefit.relay")
+
+Verdict = tuple[AckStatus, str]
+
+
+class RelayConfig(BaseModel):
+    """One node's place in the relay tree."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bind: str = Field(description="ZeroMQ endpoint the ROUTER binds, e.g. tcp://0.0.0.0:5701.")
+    advertise: str | None = Field(
+        default=None,
+        description="How the other nodes and producers reach this relay (its entry in `nodes`); "
+        "defaults to `bind`.",
+    )
+    nodes: list[str] = Field(
+        default_factory=list,
+        description="Every relay endpoint in tree order (a prepare's relay_tree overrides it).",
+    )
+    forward: RelayClientConfig = Field(
+        default_factory=RelayClientConfig, description="Window and retries of child forwards."
+    )
+    max_payload_bytes: int = Field(
+        default=8 << 30, gt=0, description="Largest frame accepted (ZeroMQ MAXMSGSIZE)."
+    )
+
+    @property
+    def endpoint(self) -> str:
+        return self.advertise or self.bind
+
+
+class RelaySink(Protocol):
+    """What a relay needs from the node's receiver (implemented by `ReceiverCore`)."""
+
+    node: str
+
+    def relay_tree(self, attempt: str) -> list[str]:
+        """Relay endpoints in tree order for `attempt` (empty: not known)."""
+        ...
+
+    def relay_check(self, meta: FrameMeta, *, probe: bool) -> Verdict | None:
+        """Cheap pre-check; None means "new and admissible now" (READY for a probe)."""
+        ...
+
+    def relay_stage(
+        self, meta: FrameMeta, body: memoryview, keep: object, children: int
+    ) -> Verdict:
+        """Register the verified payload and submit its local staging (atomic re-check)."""
+        ...
+
+    def relay_release(self, meta: FrameMeta, error: str | None) -> None:
+        """One child forward of a staged payload finished (error: it failed)."""
+        ...
+
+    def relay_end(self, meta: FrameMeta) -> Verdict:
+        """A producer's stream-end mark."""
+        ...
+
+    def relay_fail(self, attempt: str, reason: str) -> None:
+        """A frame failed a check: the attempt fails on this node."""
+        ...
+
+
+class RelayMetrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        reg = registry if registry is not None else CollectorRegistry()
+        self.frames = Counter(
+            "kuberefit_relay_frames",
+            "Frames handled, by kind and answer.",
+            ["kind", "status"],
+            registry=reg,
+        )
+        self.dropped = Counter(
+            "kuberefit_relay_frames_dropped",
+            "Frames dropped without an answer (unauthenticated, malformed).",
+            ["reason"],
+            registry=reg,
+        )
+        self.bytes = Counter(
+            "kuberefit_relay_payload_bytes", "Payload bytes received in DATA frames.", registry=reg
+        )
+        self.forwards = Counter(
+            "kuberefit_relay_forwards", "Child forwards by result.", ["result"], registry=reg
+        )
+
+
+class RelayServer:
+    """The ROUTER of one node plus its child forwarders."""
+
+    def __init__(
+        self,
+        config: RelayConfig,
+        sink: RelaySink,
+        *,
+        token: str | None,
+        registry: CollectorRegistry | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.sink = sink
+        self._token = token or ""
+        self._ctx = context or zmq.Context.instance()
+        self.metrics = RelayMetrics(registry)
+        self._clients: dict[str, RelayClient] = {}
+        self._cond = threading.Condition()
+        self._pending: collections.Counter[str] = collections.Counter()
+        self._errors: dict[str, list[str]] = collections.defaultdict(list)
+        self._dead: dict[str, set[str]] = collections.defaultdict(set)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.bound: str = ""
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> RelayServer:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload_bytes + (1 << 16))
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.bind(self.config.bind)
+        self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._run, name="relay-router", daemon=True)
+        self._thread.start()
+        log.info("relay.listening", node=self.sink.node, bind=self.bound)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        for client in list(self._clients.values()):
+            client.close()
+        self._clients.clear()
+
+    # -- barrier and abort ------------------------------------------------------------------------
+    def drain(self, attempt: str, timeout: float) -> list[str]:
+        """Wait until no forward of `attempt` is pending; the forwarding errors seen."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._pending[attempt] > 0 and time.monotonic() < deadline:
+                self._cond.wait(min(0.2, max(deadline - time.monotonic(), 0.0)))
+            errors = list(self._errors.get(attempt, []))
+            if self._pending[attempt] > 0:
+                errors.append(
+                    f"{self._pending[attempt]} forwards still pending after {timeout:.1f}s"
+                )
+        return errors
+
+    def abort(self, attempt: str) -> None:
+        """Stop forwarding `attempt` (its pending forwards fail and are released)."""
+        for client in list(self._clients.values()):
+            client.abort(attempt, "attempt stopped on the relay")
+
+    def forget(self, attempt: str) -> None:
+        with self._cond:
+            self._pending.pop(attempt, None)
+            self._errors.pop(attempt, None)
+            self._dead.pop(attempt, None)
+
+    # -- the ROUTER loop --------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(100):
+                    continue
+                while True:
+                    try:
+                        frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._handle(frames)
+                    except Exception:  # pragma: no cover - never let one frame kill the relay
+                        log.exception("relay.frame_failed", node=self.sink.node)
+        finally:
+            self._sock.close(linger=0)
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 3:
+            self.metrics.dropped.labels("malformed").inc()
+            return
+        ident, kind = frames[0].bytes, frames[1].bytes
+        meta = parse_meta(frames[2].buffer)
+        if meta is None or kind not in (DATA, PROBE, END):
+            self.metrics.dropped.labels("malformed").inc()
+            return
+        if not tokens_equal(self._token, meta.token):
+            self.metrics.dropped.labels("unauthenticated").inc()
+            log.warning("relay.unauthenticated_frame", node=self.sink.node, attempt=meta.attempt)
+            return
+        if (kind == DATA) != (len(frames) == 4) or len(frames) > 4:
+            self.metrics.dropped.labels("malformed").inc()
+            return
+        if kind == PROBE:
+            verdict = self.sink.relay_check(meta, probe=True) or (AckStatus.READY, "")
+        elif kind == END:
+            verdict = self._end(meta)
+        else:
+            verdict = self._data(meta, frames[3])
+        self.metrics.frames.labels(kind.decode(), verdict[0].value).inc()
+        self._reply(ident, "END" if kind == END else "DATA", meta, verdict)
+
+    def _data(self, meta: FrameMeta, frame: zmq.Frame) -> Verdict:
+        pre = self.sink.relay_check(meta, probe=False)
+        if pre is not None:
+            return pre
+        kids = self._children(meta)
+        if kids is None:
+            return (
+                AckStatus.REJECTED,
+                f"{self.config.endpoint} is not in the attempt's relay tree",
+            )
+        body = frame.buffer
+        self.metrics.bytes.inc(body.nbytes)
+        try:
+            verify_body(meta, body)
+        except CodecError as exc:
+            reason = f"payload {meta.producer}/{meta.payload_id}: {type(exc).__name__}: {exc}"
+            self.sink.relay_fail(meta.attempt, reason)
+            return (AckStatus.REJECTED, reason)
+        verdict = self.sink.relay_stage(meta, body, frame, len(kids))
+        if verdict[0] is AckStatus.STAGED:
+            root = meta.root if meta.root is not None else self._index(meta.attempt)
+            fwd = meta.model_copy(update={"root": root, "token": ""})
+            for child in kids:
+                self._forward(child, fwd, frame)
+        return verdict
+
+    def _end(self, meta: FrameMeta) -> Verdict:
+        verdict = self.sink.relay_end(meta)
+        if verdict[0] in (AckStatus.STAGED, AckStatus.DUPLICATE):
+            kids = self._children(meta) or []
+            root = meta.root if meta.root is not None else self._index(meta.attempt)
+            fwd = meta.model_copy(update={"root": root, "token": ""})
+            for child in kids:
+                self._forward(child, fwd, None)
+        return verdict
+
+    def _index(self, attempt: str) -> int | None:
+        nodes = self.sink.relay_tree(attempt)
+        try:
+            return nodes.index(self.config.endpoint)
+        except ValueError:
+            return None
+
+    def _children(self, meta: FrameMeta) -> list[str] | None:
+        nodes = self.sink.relay_tree(meta.attempt)
+        index = self._index(meta.attempt)
+        if index is None:
+            return None
+        root = meta.root if meta.root is not None else index
+        if root >= len(nodes):
+            return None
+        return [nodes[i] for i in tree.children(index, root, len(nodes))]
+
+    def _client(self, endpoint: str) -> RelayClient:
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = RelayClient(
+                endpoint,
+                token=self._token,
+                config=self.config.forward,
+                context=self._ctx,
+                name=f"forward->{endpoint}",
+            )
+            self._clients[endpoint] = client
+        return client
+
+    def _forward(self, child: str, meta: FrameMeta, body: zmq.Frame | None) -> None:
+        attempt = meta.attempt
+        with self._cond:
+            dead = child in self._dead[attempt]
+            if not dead:
+                self._pending[attempt] += 1
+        if dead:
+            self.metrics.forwards.labels("skipped").inc()
+            if body is not None:
+                self.sink.relay_release(meta, f"child {child} already failed")
+            return
+        client = self._client(child)
+        fut = client.submit_data(meta, body) if body is not None else client.submit_end(meta)
+        fut.add_done_callback(lambda f: self._forwarded(child, meta, body is not None, f))
+
+    def _forwarded(self, child: str, meta: FrameMeta, data: bool, fut: Future[AckStatus]) -> None:
+        exc = fut.exception()
+        error = None if exc is None else f"forward to {child}: {type(exc).__name__}: {exc}"
+        with self._cond:
+            if meta.attempt not in self._pending:  # forgotten (replaced) attempt: no bookkeeping
+                error = None
+            else:
+                self._pending[meta.attempt] -= 1
+            first = error is not None and child not in self._dead[meta.attempt]
+            if first:
+                self._dead[meta.attempt].add(child)
+                self._errors[meta.attempt].append(str(error))
+            self._cond.notify_all()
+        if first:
+            # One payload gave up on this child: fail its other pending forwards now instead of
+            # letting each wait out its own retries (relay flush reports the error either way).
+            self._client(child).abort(meta.attempt, f"child {child} failed")
+        self.metrics.forwards.labels("ok" if error is None else "failed").inc()
+        if error is not None:
+            log.warning("relay.forward_failed", node=self.sink.node, child=child, error=error)
+        if data:
+            self.sink.relay_release(meta, error)
+
+    def _reply(self, ident: bytes, kind: str, meta: FrameMeta, verdict: Verdict) -> None:
+        ack = AckMeta(
+            kind="END" if kind == "END" else "DATA",
+            attempt=meta.attempt,
+            producer=meta.producer,
+            payload_id=meta.payload_id,
+            digest=meta.digest,
+            status=verdict[0],
+            error=verdict[1],
+            node=self.sink.node,
+            token=self._token,
+        )
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send_multipart([ident, ACK, ack.model_dump_json().encode()])

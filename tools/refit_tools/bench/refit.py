@@ -1,0 +1,674 @@
+"""`kuberefit bench refit`: end-to-end refit latency over a shaped link vs. the full checkpoint.
+
+Two emulated clusters (network namespaces) are joined by a `tc tbf` link. In the trainer
+namespace one producer process holds a synthetic canonical BF16 checkpoint as its file-backed
+source baseline; in the rollout namespace `nodes` receiver processes each hold the checkpoint in
+a serving layout and apply payloads in process. Payloads cross the shaped link once, to the root
+of the real ZeroMQ relay tree, which forwards them inside the rollout namespace. This process
+runs the real `Coordinator` (Algorithm B.2) with the SQLite commit store; it reaches the
+producer and receivers over unshaped control veths and never touches payload bytes.
+
+For each element change rate it injects a change (untimed), runs one transition and reports:
+
+- `latency_s`: the paper's timed window (Appendix C): t0 = the producer begins delta
+  construction (its `start` call), t1 = it finished the baseline update after the joint commit;
+  change injection, the receivers' bit verification and the gate reopening lie outside;
+- `v_payload_bytes`: wire bytes of the attempt's payloads (V_payload; crosses the link once);
+- `full_reference_s`: the transport-only full-checkpoint reference, measured in the same run:
+  H bytes of overwrite payloads sent by the same producer through the same transport and link
+  to the same nodes, from the first send until the last node's relay flush (every payload
+  arrived everywhere); nodes stage but never apply it;
+- `speedup` = full_reference_s / latency_s;
+- `transport_share`: the paper's transport lower bound over the latency: the union of the
+  payloads' transport intervals (submission to the send window until the root relay's queueing
+  ACK), clipped to [t0, t1], divided by t1 - t0. (`link_busy_share`, also reported: bytes the
+  tbf qdisc sent during the transition divided by the link rate, over the latency.)
+- `finalization_s`: from the coordinator receiving every receiver's completion ACK to t1 (the
+  compare-and-set commit plus the producer's baseline update).
+
+After every transition each receiver's canonical tensors must equal the candidate's bits (BLAKE2b
+digests of the stored bits) and so must the producer's baseline; otherwise the bench fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import aiohttp
+import structlog
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from refit_operator.commit_store.sqlite import SqliteCommitStore
+from refit_operator.coordinator import Coordinator, CoordinatorConfig
+from refit_operator.ports import ReceiverClient, TransitionProgress
+from refit_operator.producer_client import HttpProducerClient
+from refit_operator.receiver_client import ReceiverHttpClient
+from refit_protocol.commit import CommitRecord
+from refit_protocol.errors import EndpointError
+from refit_protocol.receiver_api import PrewarmRequest
+from refit_sidecar.pipeline.config import PipelineConfig
+from refit_sidecar.transport.relay.dealer import RelayClientConfig
+from refit_sidecar.transport.relay.transport import ZmqTransportConfig
+from refit_tools.bench.netns import Link, create_link, require_netns_tools
+from refit_tools.bench.nodes import BenchNodes
+from refit_tools.bench.plot import refit_svg
+from refit_tools.bench.refit_producer import INITIAL, ProducerProcessConfig
+from refit_tools.bench.refit_receiver import read_digest
+from refit_tools.bench.refit_workload import MIB, Workload, reference_plan
+from refit_tools.local.procs import ManagedProcess, free_port, log_tail
+
+log = structlog.get_logger("kuberefit.bench.refit")
+Say = Callable[[str], None]
+
+
+def _default_results_dir() -> Path:
+    """bench/results of this source checkout, else of the current directory."""
+    checkout = Path(__file__).resolve().parents[3]
+    return (checkout if (checkout / "bench").is_dir() else Path.cwd()) / "bench" / "results"
+
+
+#: Definitions written into every result file, so a number never travels without its meaning.
+DEFINITIONS = {
+    "latency_s": "timed window t1 - t0: t0 = producer begins delta construction (first start "
+    "of the version), t1 = producer finished its baseline update after the joint commit "
+    "(paper Appendix C); excludes change injection, verification and gate reopening",
+    "v_payload_bytes": "wire bytes of the committed attempt's payloads (V_payload)",
+    "full_reference_s": "transport-only full-checkpoint reference: H bytes of overwrite payloads "
+    "through the same producer transport, link and relay tree, first send until the last "
+    "node's relay flush; measured in this run",
+    "speedup": "full_reference_s / latency_s",
+    "transport_share": "union of the payloads' transport intervals (send-window admission to "
+    "the root relay's queueing ACK) clipped to [t0, t1], over t1 - t0 (paper §8.7)",
+    "link_busy_share": "bytes the tbf qdisc sent during the transition / link rate, over latency_s",
+    "finalization_s": "every receiver's completion ACK reached the coordinator .. t1 "
+    "(compare-and-set commit + baseline update)",
+}
+
+
+class RefitBenchError(RuntimeError):
+    """The bench could not produce a trustworthy measurement (the message says why)."""
+
+
+class RefitBenchConfig(BaseModel):
+    """Settings of `kuberefit bench refit`; defaults are the full run (`quick()`: < 3 min)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    checkpoint_bytes: int = Field(
+        default=512 * MIB, ge=MIB, description="Lower bound on H (whole layers are added)."
+    )
+    link_mbit: float = Field(
+        default=100.0, gt=0, description="Rate of the tbf-shaped trainer -> rollout link."
+    )
+    nodes: int = Field(default=3, ge=1, le=16, description="Rollout nodes (relay tree size).")
+    rates: tuple[float, ...] = Field(
+        default=(0.01, 0.03, 0.05), min_length=1, description="Element change rates measured."
+    )
+    warmup: int = Field(
+        default=1, ge=0, description="Untimed 1% transitions first (connections, page cache)."
+    )
+    repeats: int = Field(
+        default=3, ge=1, description="Timed transitions per rate (means are reported)."
+    )
+    chunk_bytes: int = Field(
+        default=32 * MIB,
+        ge=1,
+        description="Export chunk limit. The product's 256 MiB suits checkpoints 100-1000x "
+        "larger; 32 MiB keeps ~20 pipeline units per attempt at H = 512 MiB.",
+    )
+    bucket_bytes: int = Field(
+        default=32 * MIB,
+        ge=1,
+        description="Bucket target (payload granularity); the product's 512 MiB would make the "
+        "whole 512 MiB checkpoint one payload, serializing compare and transport.",
+    )
+    compare_workers: int = Field(default=2, ge=1, description="Producer compare threads.")
+    reference_payload_bytes: int = Field(
+        default=16 * MIB, ge=1 << 16, description="Payload size of the full-checkpoint reference."
+    )
+    seed: int = Field(default=0, ge=0, description="Seed of the checkpoint and the changes.")
+    workdir: Path | None = Field(
+        default=None,
+        description="Each run uses a fresh subdirectory of it for the baseline, configs and logs "
+        "(kept); default: a temp dir, removed at the end.",
+    )
+    keep_workdir: bool = Field(default=False, description="Keep the temp work directory.")
+    results_dir: Path | None = Field(
+        default_factory=_default_results_dir,
+        description="Where the JSON and SVG go (None: do not write them).",
+    )
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> RefitBenchConfig:
+        """The `--quick` preset: a 128 MiB checkpoint (H = 148.5 MiB), 2 nodes."""
+        return cls.model_validate({"checkpoint_bytes": 128 * MIB, "nodes": 2} | overrides)
+
+
+# --------------------------------------------------------------------------------------- ports
+class BenchMembership:
+    """The coordinator's Membership port for the bench's fixed nodes (no joins, no restores)."""
+
+    def __init__(self, nodes: BenchNodes, clients: Sequence[ReceiverHttpClient]) -> None:
+        self.nodes = nodes
+        self.clients = list(clients)
+        self.index = {c.node: i for i, c in enumerate(clients)}
+
+    async def receivers(self) -> list[ReceiverClient]:
+        return [c for i, c in enumerate(self.clients) if self.nodes.alive(i)]
+
+    async def confirmed_dead(self, node: str) -> bool:
+        return not self.nodes.alive(self.index[node])
+
+    async def restore(self, receiver: ReceiverClient, record: CommitRecord) -> None:
+        raise EndpointError(
+            f"{receiver.node} does not hold committed v{record.version}; bench nodes are never "
+            "restored (a failed transition left it behind)"
+        )
+
+    async def relay_tree(self, nodes: Sequence[str]) -> list[str]:
+        return [self.nodes.relays[self.index[n]] for n in nodes]
+
+
+class PhaseClock:
+    """Progress sink: notes when each version's flush ACKs were in (phase "Committing")."""
+
+    def __init__(self) -> None:
+        self.committing: dict[int, float] = {}
+        self.phases: list[str] = []
+
+    async def update(self, progress: TransitionProgress) -> None:
+        if progress.phase == "Committing":
+            self.committing[progress.to_version] = time.monotonic()
+        self.phases.append(progress.phase)
+
+
+class ProducerBenchClient:
+    """Client of the producer process's /v1/bench routes."""
+
+    def __init__(self, base_url: str, token: str, session: aiohttp.ClientSession) -> None:
+        self.base_url = base_url
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.session = session
+
+    async def call(self, route: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        async with self.session.post(
+            f"{self.base_url}/v1/bench/{route}",
+            json=body,
+            headers=self.headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            data: dict[str, Any] = await resp.json(content_type=None)
+            if resp.status != 200:
+                raise RefitBenchError(f"producer /v1/bench/{route}: HTTP {resp.status}: {data}")
+            return data
+
+
+# ------------------------------------------------------------------------------------ measuring
+def union_seconds(spans: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of `spans` clipped to [lo, hi] (overlaps counted once)."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in spans if min(b, hi) > max(a, lo))
+    total, end = 0.0, lo
+    for a, b in clipped:
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+@dataclass
+class _Run:
+    """Everything the driver holds while the processes run."""
+
+    cfg: RefitBenchConfig
+    workload: Workload
+    link: Link
+    nodes: BenchNodes
+    workdir: Path
+    producer_url: str
+    token: str
+    say: Say
+    version: int = 0
+    incompatible: frozenset[str] = frozenset()
+    clock: PhaseClock = field(default_factory=PhaseClock)
+
+
+class _Driver:
+    def __init__(self, run: _Run, session: aiohttp.ClientSession) -> None:
+        self.run = run
+        timeout = 3 * run.workload.nbytes / run.link.rate_bytes_s + 600
+        self.clients = [
+            ReceiverHttpClient(name, url, token=run.nodes.token, session=session, timeout_s=timeout)
+            for name, url in zip(run.nodes.names, run.nodes.http, strict=True)
+        ]
+        self.producer = HttpProducerClient(
+            0, run.producer_url, token=run.token, session=session, timeout_s=timeout
+        )
+        self.bench = ProducerBenchClient(run.producer_url, run.token, session)
+        self.timeout = timeout
+        self.coordinator: Coordinator | None = None
+
+    async def setup(self) -> None:
+        run = self.run
+        req = PrewarmRequest(metas=run.workload.meta_models())
+        answers = await asyncio.gather(*(c.prewarm(req) for c in self.clients))
+        unsupported = {n for a in answers for n in a.unsupported}
+        if unsupported:
+            raise RefitBenchError(f"receivers cannot apply {sorted(unsupported)[:5]}")
+        run.incompatible = frozenset(n for a in answers for n in a.xor_incompatible)
+        store = SqliteCommitStore(run.workdir / "commit.db", "bench")
+        await store.initialize(INITIAL)
+        self.coordinator = Coordinator(
+            "bench",
+            store,
+            [self.producer],
+            BenchMembership(run.nodes, self.clients),
+            run.clock,
+            CoordinatorConfig(
+                sync=True,
+                relay_tree=True,
+                control_timeout_s=self.timeout,
+                flush_timeout_s=self.timeout,
+                commit_timeout_s=self.timeout,
+                max_attempts=1,  # a retry would time something else than a refit
+            ),
+            name="bench-coordinator",
+        )
+        await self.coordinator.start()
+
+    async def transition(self, rate: float, seed: int) -> dict[str, Any]:
+        """Inject a change at `rate`, run one transition, measure it and verify every bit."""
+        run, coordinator = self.run, self.coordinator
+        assert coordinator is not None
+        version = run.version + 1
+        staged = await self.bench.call(
+            "stage", {"version": version, "rate": rate, "seed": seed}, self.timeout
+        )
+        digests = [run.workdir / f"{n}.digest.json" for n in run.nodes.names]
+        reopens = [read_digest(p)[0] for p in digests]
+        link_bytes = run.link.shaped_bytes()
+        log.info("bench.transition", version=version, rate=rate)
+        result = await coordinator.run_transition(run.incompatible)
+        link_bytes = run.link.shaped_bytes() - link_bytes
+        if result.outcome != "committed":
+            run.nodes.check_alive()
+            raise RefitBenchError(f"v{version}: transition {result.outcome}: {result.message}")
+        run.version = version
+        t = await self.bench.call("timings", {"version": version}, self.timeout)
+        check = await self.bench.call("verify", {"version": version}, self.timeout)
+        t0, t1 = float(t["t_start"]), float(t["t_baseline"])
+        latency = t1 - t0
+        spans = [(float(a), float(b)) for a, b, _size, _ok in t["intervals"]]
+        transport = union_seconds(spans, t0, t1)
+        got = [read_digest(p) for p in digests]
+        stale = [n for n, (r, _), r0 in zip(run.nodes.names, got, reopens, strict=True) if r <= r0]
+        wrong = [n for n, (_, d) in zip(run.nodes.names, got, strict=True) if d != check["target"]]
+        if stale or wrong or check["baseline"] != check["target"]:
+            raise RefitBenchError(
+                f"v{version} is NOT bit-exact: receivers with other bits {wrong}, without a "
+                f"fresh digest {stale}, baseline equal to target: "
+                f"{check['baseline'] == check['target']}"
+            )
+        progress = result.progress
+        assert progress is not None
+        link_busy = link_bytes / run.link.rate_bytes_s
+        flushed = run.clock.committing[version]
+        first = min((a for a, _ in spans), default=t0)
+        last = max((b for _, b in spans), default=t0)
+        return {
+            "latency_s": latency,
+            "v_payload_bytes": progress.wire_bytes,
+            "transport_share": transport / latency,
+            "finalization_s": t1 - flushed,
+            "transport_union_s": transport,
+            # where the window goes: t0 .. first payload submitted .. last root ACK ..
+            # every receiver's completion ACK (flushed) .. t1
+            "startup_s": first - t0,
+            "transport_span_s": last - first,
+            "drain_s": flushed - last,
+            "link_bytes": link_bytes,
+            "link_busy_share": link_busy / latency,
+            "payloads": progress.payloads,
+            "changed_elements": int(staged["changed_elements"]),
+            "changed_fraction": progress.changed_elements / max(progress.total_elements, 1),
+            "attempts": result.attempts,
+            "modes": list(result.modes),
+            "pipeline": t["pipeline"],
+            "coordinator_latency_s": result.latency_s,
+            "bit_exact": True,
+        }
+
+    async def reference(self) -> dict[str, Any]:
+        """The transport-only full-checkpoint reference (see the module docstring)."""
+        run = self.run
+        attempt = f"bench-full-{uuid.uuid4().hex[:8]}"
+        size = run.cfg.reference_payload_bytes
+        count = len(reference_plan(run.workload.metas(), size))
+        loop = asyncio.get_running_loop()
+        sent: dict[str, Any] = {}
+
+        def send() -> float:
+            body = {"attempt": attempt, "relay_root": run.nodes.relays[0], "payload_bytes": size}
+            call = self.bench.call("reference", body, self.timeout)
+            sent.update(asyncio.run_coroutine_threadsafe(call, loop).result())
+            if sent["errors"] or sent["acknowledged"] != count:
+                raise RefitBenchError(f"full-checkpoint reference: {sent}")
+            return float(sent["t_start"])
+
+        link_bytes = run.link.shaped_bytes()
+        seconds = await asyncio.to_thread(
+            run.nodes.deliver,
+            attempt,
+            {0: count},
+            send,
+            held_version=run.version,
+            timeout_s=self.timeout,
+        )
+        link_bytes = run.link.shaped_bytes() - link_bytes
+        return {
+            "seconds": seconds,
+            "wire_bytes": sent["wire_bytes"],
+            "payloads": count,
+            "root_acked_s": sent["t_acked"] - sent["t_start"],
+            "link_bytes": link_bytes,
+            "nominal_s": run.workload.nbytes / run.link.rate_bytes_s,
+        }
+
+
+async def _measure(run: _Run) -> dict[str, Any]:
+    cfg, say = run.cfg, run.say
+    load_before = os.getloadavg()
+    async with aiohttp.ClientSession() as session:
+        driver = _Driver(run, session)
+        await driver.setup()
+        warm = []
+        for i in range(cfg.warmup):
+            say(f"[bench refit] warm-up transition {i + 1}/{cfg.warmup} (1%, not reported)")
+            warm.append(await driver.transition(0.01, seed=10_000 + i))
+        say(
+            f"[bench refit] full-checkpoint reference: {run.workload.nbytes / MIB:.1f} MiB to "
+            f"{cfg.nodes} nodes over {cfg.link_mbit:g} Mbit/s "
+            f"(~{run.workload.nbytes / run.link.rate_bytes_s:.0f} s at the nominal rate)"
+        )
+        reference = await driver.reference()
+        say(f"[bench refit]   {reference['seconds']:.2f} s")
+        rates: dict[str, Any] = {}
+        for k, rate in enumerate(cfg.rates):
+            runs = []
+            for r in range(cfg.repeats):
+                row = await driver.transition(rate, seed=1 + 100 * k + r)
+                row["speedup"] = reference["seconds"] / row["latency_s"]
+                runs.append(row)
+                say(
+                    f"[bench refit] {rate:.0%} #{r + 1}: latency {row['latency_s']:.2f} s, "
+                    f"V_payload {row['v_payload_bytes'] / MIB:.2f} MiB, speedup "
+                    f"{row['speedup']:.1f}x, transport share {row['transport_share']:.0%}, "
+                    f"finalization {row['finalization_s']:.3f} s, bit-exact"
+                )
+            rates[format(rate, "g")] = _summarize(runs, reference["seconds"])
+        return {
+            "full_reference": reference,
+            "rates": rates,
+            "warmup": warm,
+            "load_avg_before": load_before,
+        }
+
+
+def _summarize(runs: list[dict[str, Any]], reference_s: float) -> dict[str, Any]:
+    """Means over the repeats; speedup from the mean latency; every run kept."""
+    keys = (
+        *("latency_s", "v_payload_bytes", "transport_share", "finalization_s"),
+        *("transport_union_s", "link_busy_share", "link_bytes", "changed_fraction"),
+        *("startup_s", "transport_span_s", "drain_s"),
+    )
+    out: dict[str, Any] = {k: statistics.fmean(float(r[k]) for r in runs) for k in keys}
+    out["v_payload_bytes"] = round(out["v_payload_bytes"])
+    out["link_bytes"] = round(out["link_bytes"])
+    out["full_reference_s"] = reference_s
+    out["speedup"] = reference_s / out["latency_s"]
+    out["bit_exact"] = all(r["bit_exact"] for r in runs)
+    out["runs"] = runs
+    return out
+
+
+# ------------------------------------------------------------------------------------- processes
+def _start_producer(
+    cfg: RefitBenchConfig, workload: Workload, link: Link, nodes: BenchNodes, workdir: Path
+) -> tuple[ManagedProcess, str, str]:
+    """Launch the producer in the trainer namespace (one token for every endpoint, as in the
+    local mode: the relay frames carry it too)."""
+    token = nodes.token
+    nodes_relay_root = nodes.relays[0]
+    port = free_port()
+    rate = link.rate_bytes_s
+    transport = ZmqTransportConfig(
+        root=nodes_relay_root,
+        # ACK deadlines sized for the emulated link: a payload may queue behind another.
+        stop_timeout_s=60 + 8 * max(cfg.reference_payload_bytes, cfg.bucket_bytes) / rate,
+        client=RelayClientConfig(min_bandwidth_bytes_s=rate / 4),
+    )
+    config = ProducerProcessConfig(
+        port=port,
+        token=SecretStr(token),
+        workdir=workdir,
+        workload=workload,
+        relay_root=nodes_relay_root,
+        export_chunk_bytes=cfg.chunk_bytes,
+        pipeline=PipelineConfig(bucket_bytes=cfg.bucket_bytes, compare_workers=cfg.compare_workers),
+        transport=transport,
+    )
+    path = workdir / "producer.json"
+    data = json.loads(config.model_dump_json())
+    data["token"] = token
+    path.write_text(json.dumps(data))
+    path.chmod(0o600)
+    argv = [sys.executable, "-m", "refit_tools.bench.refit_producer", "--config", str(path)]
+    proc = ManagedProcess(
+        "producer",
+        link.wrap(link.trainer_ns, argv),
+        workdir / "producer.log",
+        env=dict(os.environ, KUBEREFIT_LOG_LEVEL="WARNING"),
+    )
+    return proc.launch(), f"http://{link.trainer_control_ip}:{port}", token
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so namespaces and processes are cleaned up either way."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print) -> dict[str, Any]:
+    """Run the benchmark; returns the result (also written under `results_dir`)."""
+    cfg = config or RefitBenchConfig()
+    require_netns_tools()
+    workload = Workload(checkpoint_bytes=cfg.checkpoint_bytes, seed=cfg.seed)
+    own = cfg.workdir is None
+    started = datetime.now(UTC)
+    if cfg.workdir is None:
+        workdir = Path(tempfile.mkdtemp(prefix="kuberefit-bench-refit-"))
+    else:  # never reuse a commit database or digests of an earlier run
+        cfg.workdir.mkdir(parents=True, exist_ok=True)
+        prefix = started.strftime("run-%Y%m%dT%H%M%S-")
+        workdir = Path(tempfile.mkdtemp(prefix=prefix, dir=cfg.workdir))
+    procs: list[ManagedProcess] = []
+    link: Link | None = None
+    nodes: BenchNodes | None = None
+    try:
+        with _sigterm_interrupts():
+            link = create_link(cfg.link_mbit, trainer_control=True)
+            say(
+                f"[bench refit] H = {workload.nbytes / MIB:.1f} MiB ({len(workload.layout())} "
+                f"tensors); link {cfg.link_mbit:g} Mbit/s tbf between namespaces "
+                f"{link.trainer_ns} -> {link.rollout_ns}; starting 1 producer and {cfg.nodes} "
+                f"receiver nodes (workdir {workdir})"
+            )
+            nodes = BenchNodes(
+                cfg.nodes,
+                workdir,
+                applier=lambda i: {
+                    "kind": "factory",
+                    "factory": "refit_tools.bench.refit_receiver:bench_applier",
+                    "options": {
+                        "digest_path": str(workdir / f"bench{i}.digest.json"),
+                        "workload": workload.model_dump(),
+                    },
+                },
+                relay_host=link.rollout_ip,
+                http_bind="0.0.0.0",  # noqa: S104 - inside the rollout namespace only
+                ctl_host=link.control_ip,
+                wrap=partial(link.wrap, link.rollout_ns),
+                start_timeout_s=600,
+            )
+            producer, producer_url, token = _start_producer(cfg, workload, link, nodes, workdir)
+            procs.append(producer)
+            nodes.start()  # boots while the producer builds its baseline
+            producer.wait_ready(partial(_healthy, producer_url), timeout=600)
+            run = _Run(cfg, workload, link, nodes, workdir, producer_url, token, say)
+            measured = asyncio.run(_measure(run))
+    except Exception as exc:
+        tails = "\n".join(
+            f"--- {p.name} ({p.log_path.name}):\n{log_tail(p.log_path, 15)}"
+            for p in [*procs, *(nodes.procs if nodes else [])]
+        )
+        raise RefitBenchError(f"{exc}\n{tails}") from exc
+    finally:
+        if nodes is not None:
+            nodes.close()
+        for p in procs:
+            p.stop()
+        if link is not None:
+            link.close()
+        if own and not cfg.keep_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    result = _result(cfg, workload, started, measured)
+    if cfg.results_dir is not None:
+        result["files"] = [str(p) for p in write_results(result, cfg.results_dir, started)]
+    return result
+
+
+def _healthy(url: str) -> bool:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/healthz", timeout=2) as resp:  # noqa: S310 - our veth
+        return bool(resp.status == 200)
+
+
+def _result(
+    cfg: RefitBenchConfig, workload: Workload, started: datetime, measured: dict[str, Any]
+) -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {
+        "benchmark": "refit",
+        "started": started.isoformat(timespec="seconds"),
+        "link_mbit": cfg.link_mbit,
+        "checkpoint_bytes": workload.nbytes,
+        "tensors": len(workload.layout()),
+        "nodes": cfg.nodes,
+        "rates": measured["rates"],
+        "full_reference": measured["full_reference"],
+        "warmup": measured["warmup"],
+        "settings": json.loads(
+            cfg.model_dump_json(exclude={"workdir", "keep_workdir", "results_dir"})
+        ),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_avg_before": measured["load_avg_before"],
+            "load_avg_after": os.getloadavg(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+        "definitions": DEFINITIONS,
+    }
+    at3 = out["rates"].get("0.03")
+    if at3 is not None:
+        out["targets_at_3pct"] = {
+            "speedup": at3["speedup"],
+            "speedup_target_20x": at3["speedup"] >= 20,
+            "speedup_goal_25x": at3["speedup"] >= 25,
+            "transport_share": at3["transport_share"],
+            "transport_share_target_80pct": at3["transport_share"] >= 0.8,
+        }
+    return out
+
+
+def write_results(result: dict[str, Any], directory: Path, when: datetime) -> list[Path]:
+    """`refit-<UTC time>.{json,svg}` plus `refit-latest.{json,svg}` copies."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = when.strftime("%Y%m%dT%H%M%SZ")
+    body = json.dumps(result, indent=2, sort_keys=True) + "\n"
+    svg = refit_svg(result)
+    paths = []
+    for name, text in ((f"refit-{stamp}.json", body), (f"refit-{stamp}.svg", svg)):
+        paths.append(directory / name)
+        paths[-1].write_text(text)
+    for src in list(paths):
+        latest = directory / ("refit-latest" + src.suffix)
+        tmp = latest.with_suffix(latest.suffix + ".tmp")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, latest)
+        paths.append(latest)
+    return paths
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """A table for the terminal."""
+    ref = result["full_reference"]
+    lines = [
+        f"H = {result['checkpoint_bytes'] / MIB:.1f} MiB, {result['nodes']} nodes, link "
+        f"{result['link_mbit']:g} Mbit/s; full-checkpoint reference {ref['seconds']:.2f} s "
+        f"(nominal {ref['nominal_s']:.2f} s)",
+        "",
+        f"{'rate':>5} {'latency s':>10} {'V_payload MiB':>14} {'speedup':>8} "
+        f"{'transport':>10} {'link busy':>10} {'final. s':>9} {'bit-exact':>9}",
+    ]
+    for key, r in result["rates"].items():
+        lines.append(
+            f"{float(key):>5.0%} {r['latency_s']:>10.2f} {r['v_payload_bytes'] / MIB:>14.2f} "
+            f"{r['speedup']:>7.1f}x {r['transport_share']:>10.0%} {r['link_busy_share']:>10.0%} "
+            f"{r['finalization_s']:>9.3f} {'yes' if r['bit_exact'] else 'NO':>9}"
+        )
+    targets = result.get("targets_at_3pct")
+    if targets:
+        lines += [
+            "",
+            f"at 3%: speedup {targets['speedup']:.1f}x (target 20x: "
+            f"{'met' if targets['speedup_target_20x'] else 'missed'}, goal 25x: "
+            f"{'met' if targets['speedup_goal_25x'] else 'missed'}); transport share "
+            f"{targets['transport_share']:.0%} (target 80%: "
+            f"{'met' if targets['transport_share_target_80pct'] else 'missed'})",
+        ]
+    if result.get("files"):
+        lines.append("results: " + ", ".join(result["files"]))
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""`kuberefit bench transport`: relay-tree throughput and per-payload overhead on loopback, and
+S3 upload/download throughput against a given S3 endpoint (docs/performance.md "Transport").
+
+Receiver nodes run as real processes (`python -m refit_sidecar.receiver`) in async mode, so a
+relay flush measures delivery only: receive, digest check, dedup, staging, forwarding. Their
+applier is `DiscardApplier` (benchmark only: it writes nothing, so apply cost is not measured
+here; `kuberefit bench apply` measures that).
+"""
+
+from __future__ import annotations
+
+import secrets
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import SecretStr
+
+from refit_protocol.receiver_api import PrewarmRequest, RankPrewarm
+from refit_protocol.tensors import TensorMetaModel
+from refit_sidecar.codec.records import Item, Op, TensorMeta
+from refit_sidecar.codec.wire import (
+    CODEC_VERSION,
+    DecodedPayload,
+    EncodedPayload,
+    PayloadHeader,
+    encode_payload,
+)
+from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
+from refit_sidecar.transport.relay.dealer import RelayClientConfig
+from refit_sidecar.transport.relay.transport import ZmqRelayTransport, ZmqTransportConfig
+from refit_sidecar.transport.s3 import S3Config, S3Fetcher, make_client, upload_payload
+from refit_tools.bench.nodes import BenchNodes
+
+MIB = 1 << 20
+Say = Callable[[str], None]
+
+
+class DiscardApplier:
+    """Benchmark only: accepts every payload and writes nothing."""
+
+    def prewarm(self, metas: Mapping[str, TensorMeta]) -> list[RankPrewarm]:
+        return [RankPrewarm(rank=0)]
+
+    def stage(self, body: bytes | memoryview, decoded: DecodedPayload) -> StagedPayload:
+        return StagedPayload(decoded.header, 0)
+
+    def apply(self, batch: Sequence[StagedPayload], check_samples: int) -> ApplyReport:
+        return ApplyReport(payloads=len(batch))
+
+    def discard(self, staged: StagedPayload) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def gate(self, closed: bool) -> None:
+        pass
+
+    def restore(self, source: str) -> set[str]:
+        return set()
+
+    def close(self) -> None:
+        pass
+
+
+def discard_applier() -> DiscardApplier:
+    return DiscardApplier()
+
+
+def synthetic_payloads(
+    attempt: str, count: int, size: int, seed: int = 0
+) -> tuple[list[EncodedPayload], list[TensorMetaModel]]:
+    """`count` incompressible payloads of about `size` bytes (one overwrite item each)."""
+    numel = max(size // 4, 1)
+    g = torch.Generator().manual_seed(seed)
+    out, metas = [], []
+    for i in range(count):
+        meta = TensorMeta(f"bench.{i}", (numel,), torch.float32)
+        values = torch.randint(-(2**31), 2**31 - 1, (numel,), generator=g, dtype=torch.int32)
+        header = PayloadHeader(CODEC_VERSION, attempt, 0, i, i)
+        out.append(encode_payload(header, [Item(meta, Op.OVERWRITE, 0, None, values)]))
+        metas.append(TensorMetaModel(name=meta.name, shape=(numel,), dtype="float32"))
+    return out, metas
+
+
+def _nodes(n: int, workdir: Path) -> BenchNodes:
+    """Receiver node processes on loopback whose applier discards everything."""
+    return BenchNodes(
+        n, workdir, applier=lambda _i: {"kind": "factory", "factory": f"{__name__}:discard_applier"}
+    ).start()
+
+
+def _relay_round(
+    nodes: BenchNodes, attempt: str, ps: list[EncodedPayload], metas: list[TensorMetaModel]
+) -> float:
+    """Seconds from the first send to a successful relay flush on every node."""
+    nodes.each(lambda u: nodes.post(u, "/prewarm", PrewarmRequest(metas=metas)))
+    t = ZmqRelayTransport(
+        ZmqTransportConfig(
+            root=nodes.relays[0], token=SecretStr(nodes.token), client=RelayClientConfig()
+        )
+    )
+
+    def send() -> float:
+        t0 = time.monotonic()
+        for p in ps:
+            t.send(attempt, p)
+        t.stop_and_wait(attempt)
+        return t0
+
+    try:
+        return nodes.deliver(attempt, {0: len(ps)}, send, timeout_s=300)
+    finally:
+        t.close()
+
+
+def run_relay_bench(
+    *,
+    nodes: int = 7,
+    payloads: int = 16,
+    payload_mib: int = 16,
+    small: int = 200,
+    workdir: Path | None = None,
+    say: Say = print,
+) -> dict[str, Any]:
+    """Relay-tree delivery to `nodes` processes on loopback."""
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="kuberefit-bench-"))
+    say(f"starting {nodes} receiver nodes ...")
+    cluster = _nodes(nodes, workdir)
+    try:
+        big, big_metas = synthetic_payloads("bench-big", payloads, payload_mib * MIB)
+        volume = sum(p.size for p in big)
+        say(f"relay tree: {payloads} x {payload_mib} MiB to {nodes} nodes ...")
+        t_big = _relay_round(cluster, "bench-big", big, big_metas)
+        tiny, tiny_metas = synthetic_payloads("bench-small", small, 1024)
+        say(f"relay tree: {small} payloads of 1 KiB ...")
+        t_small = _relay_round(cluster, "bench-small", tiny, tiny_metas)
+    finally:
+        cluster.close()
+    return {
+        "nodes": nodes,
+        "payloads": payloads,
+        "payload_mib": payload_mib,
+        "v_payload_bytes": volume,
+        "delivery_s": t_big,
+        "unique_gb_s": volume / t_big / 1e9,
+        "delivered_gb_s": nodes * volume / t_big / 1e9,
+        "small_payloads": small,
+        "per_payload_ms": 1000 * t_small / small,
+    }
+
+
+def run_s3_bench(
+    cfg: S3Config, *, payloads: int = 8, payload_mib: int = 64, say: Say = print
+) -> dict[str, Any]:
+    """Upload then download `payloads` objects with this module's client code."""
+    client = make_client(cfg)
+    ps, _ = synthetic_payloads("bench-s3", payloads, payload_mib * MIB)
+    keys = [f"{cfg.prefix}/bench-s3/{secrets.token_hex(4)}-{i}.krp" for i in range(payloads)]
+    volume = sum(p.size for p in ps)
+    say(f"S3: uploading {payloads} x {payload_mib} MiB ...")
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(2) as ex:  # the transport's default max_in_flight
+        list(
+            ex.map(
+                lambda kp: upload_payload(client, cfg, kp[0], kp[1].body),
+                zip(keys, ps, strict=True),
+            )
+        )
+    t_up = time.perf_counter() - t0
+    fetcher = S3Fetcher(cfg, client)
+    say("S3: downloading ...")
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(4) as ex:  # the receiver's default download_workers
+        list(
+            ex.map(
+                lambda kp: fetcher.fetch(cfg.bucket, kp[0], kp[1].size), zip(keys, ps, strict=True)
+            )
+        )
+    t_down = time.perf_counter() - t0
+    for k in keys:
+        client.delete_object(Bucket=cfg.bucket, Key=k)
+    return {
+        "s3_payloads": payloads,
+        "s3_payload_mib": payload_mib,
+        "upload_gb_s": volume / t_up / 1e9,
+        "download_gb_s": volume / t_down / 1e9,
+        "multipart": any(p.size > cfg.multipart_threshold for p in ps),
+    }
+
+
+def format_report(result: Mapping[str, Any]) -> str:
+    lines = []
+    if "delivery_s" in result:
+        lines.append(
+            f"relay tree, {result['nodes']} nodes on loopback: V_payload "
+            f"{result['v_payload_bytes'] / MIB:.0f} MiB in {result['delivery_s']:.2f}s = "
+            f"{result['unique_gb_s']:.3f} GB/s unique, {result['delivered_gb_s']:.3f} GB/s "
+            f"delivered; per-payload overhead {result['per_payload_ms']:.2f} ms"
+        )
+    if "upload_gb_s" in result:
+        lines.append(
+            f"S3: {result['s3_payloads']} x {result['s3_payload_mib']} MiB, upload "
+            f"{result['upload_gb_s']:.3f} GB/s, download {result['download_gb_s']:.3f} GB/s"
+        )
+    return "\n".join(lines)

