@@ -26,15 +26,8 @@ import numpy.typing as npt
 import torch
 
 from refit_sidecar import compiled
+from refit_sidecar.bits import NP_INT_VIEW, UnsupportedDtypeError, bits_numpy, int_view
 
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-#: numpy dtype of the same-width integer view, by element width in bytes.
-NP_INT_VIEW: dict[int, np.dtype[np.generic]] = {
-    1: np.dtype(np.uint8),
-    2: np.dtype(np.int16),
-    4: np.dtype(np.int32),
-    8: np.dtype(np.int64),
-}
 _UINT_VIEW = {w: np.dtype(f"<u{w}") for w in (1, 2, 4, 8)}
 _WORD = np.dtype(np.uint64)
 #: Words per block of the numpy fallback: 2 x 512 KiB of input and a 64 Ki-entry mask stay in
@@ -53,27 +46,6 @@ _HEADROOM_SHIFT = 3
 #: Slice size for spreading one large tensor over compare threads. Large enough that only big
 #: tensors (embeddings) are sliced: joining slice results costs a copy of the output.
 DEFAULT_SLICE_BYTES = 64 << 20
-
-
-class UnsupportedDtypeError(TypeError):
-    """The dtype has no same-width integer view (e.g. complex or sub-byte types)."""
-
-
-def int_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat view of `t`'s stored bits as integers of the same width (no copy if contiguous)."""
-    width = t.element_size()
-    target = _INT_VIEW.get(width)
-    if target is None or t.is_complex():
-        raise UnsupportedDtypeError(f"no integer view for {t.dtype}")
-    flat = t.contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
-    return flat.view(target)
-
-
-def bits_numpy(t: torch.Tensor) -> npt.NDArray[np.generic]:
-    """`int_view(t)` as a numpy array sharing memory (CPU tensors only)."""
-    return int_view(t.detach()).cpu().numpy()
 
 
 def changed_mask(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

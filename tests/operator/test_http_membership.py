@@ -18,8 +18,8 @@ from refit_operator.checkpoint_meta import CheckpointMetaError, read_metas
 from refit_operator.http_membership import HttpMembership, NodeEndpoint
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
-from refit_sidecar.bitdiff import bits_numpy
-from refit_sidecar.receiver.appliers.base import InProcessApplier
+from refit_sidecar.bits import bits_numpy
+from refit_sidecar.receiver.appliers.inprocess import InProcessApplier
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode
 from tests.sidecar.receiver.models import TinyModel, canonical, metas

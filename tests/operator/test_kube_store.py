@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
 import uuid
+from typing import Any
 
 import pytest
 from kubernetes import client
 
-from refit_operator.commit_store.kube import KubernetesCommitStore
+from refit_operator.commit_store import ActiveAttempt, CommitRefusedError
+from refit_operator.commit_store.kube import GROUP, PLURAL, VERSION, KubernetesCommitStore
+from refit_protocol.commit import CommitRecord
 from tests.harness.kube import KubeCluster
 from tests.operator.commit_store_contract import CommitStoreContract, StoreFactory
 
@@ -23,3 +27,75 @@ def make_store(refit_crds: KubeCluster) -> StoreFactory:
 
 class TestKubernetesCommitStore(CommitStoreContract):
     pass
+
+
+@pytest.fixture
+def store(refit_crds: KubeCluster) -> KubernetesCommitStore:
+    api = client.CustomObjectsApi(refit_crds.api_client())
+    return KubernetesCommitStore(api, "default", f"policy-{uuid.uuid4().hex[:8]}")
+
+
+def status(store: KubernetesCommitStore) -> dict[str, Any]:
+    obj = store.api.get_namespaced_custom_object_status(
+        GROUP, VERSION, store.namespace, PLURAL, store.policy
+    )
+    return dict(obj["status"])
+
+
+async def test_status_layout_is_unchanged(store: KubernetesCommitStore) -> None:
+    """The status holds what earlier releases wrote, so existing PolicyVersions stay valid."""
+    await store.initialize(CommitRecord(0, "b0"))
+    assert status(store) == {"version": 0, "baselineId": "b0", "epoch": 0}
+    epoch = await store.acquire("c1")
+    await store.prepare(epoch, ActiveAttempt("a1", 1, "b1", "mixed", 1_900_000_000.25))
+    await store.commit(epoch, "a1", CommitRecord(0, "b0"), CommitRecord(1, "b1"), time.time())
+    await store.abort("alice")
+    assert status(store) == {
+        "version": 1,
+        "baselineId": "b1",
+        "epoch": 1,
+        "coordinator": "c1",
+        "activeAttempt": {
+            "id": "a1",
+            "targetVersion": 1,
+            "baselineId": "b1",
+            "mode": "mixed",
+            "deadline": "2030-03-17T17:46:40.250000+00:00",
+            "obsolete": True,
+        },
+        "abortedBy": "alice",
+    }
+    await store.clear_abort()
+    assert status(store)["abortedBy"] is None
+
+
+async def test_unchanged_fields_keep_their_stored_form(store: KubernetesCommitStore) -> None:
+    """A deadline written in another valid form (here with Z) is not re-rendered by a change."""
+    await store.initialize(CommitRecord(0, "b0"))
+    epoch = await store.acquire("c1")
+    obj = store.api.get_namespaced_custom_object_status(
+        GROUP, VERSION, store.namespace, PLURAL, store.policy
+    )
+    obj["status"]["activeAttempt"] = {
+        "id": "a1",
+        "targetVersion": 1,
+        "baselineId": "b1",
+        "mode": "mixed",
+        "deadline": "2030-03-17T17:46:40.25Z",
+        "obsolete": False,
+    }
+    store.api.replace_namespaced_custom_object_status(
+        GROUP, VERSION, store.namespace, PLURAL, store.policy, obj
+    )
+    active = (await store.read()).active
+    assert active is not None
+    assert active.deadline == 1_900_000_000.25
+    await store.mark_obsolete(epoch, "a1")
+    assert status(store)["activeAttempt"] == {**obj["status"]["activeAttempt"], "obsolete": True}
+
+
+async def test_missing_record_is_refused(store: KubernetesCommitStore) -> None:
+    with pytest.raises(CommitRefusedError):  # no PolicyVersion at all (404)
+        await store.read()
+    with pytest.raises(CommitRefusedError):
+        await store.acquire("c1")

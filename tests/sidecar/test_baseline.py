@@ -21,7 +21,7 @@ from refit_sidecar.baseline import (
     chunk_export,
     plan_chunks,
 )
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from refit_sidecar.codec import Mode, Op, TensorMeta, apply_item_
 
 

@@ -13,8 +13,6 @@ from hypothesis import strategies as st
 
 from refit_sidecar.bitdiff import (
     NO_BUFFERS,
-    NP_INT_VIEW,
-    UnsupportedDtypeError,
     changed_locations,
     changed_mask,
     diff_bits,
@@ -22,6 +20,7 @@ from refit_sidecar.bitdiff import (
     diff_bits_parallel,
     kernel_name,
 )
+from refit_sidecar.bits import NP_INT_VIEW, UnsupportedDtypeError
 
 
 @settings(max_examples=120, deadline=None)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from refit_sidecar.codec import (
     CodecConfig,
     Item,

@@ -22,7 +22,7 @@ from refit_sidecar.baseline import (
     SourceBaseline,
     chunk_export,
 )
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from refit_sidecar.codec import (
     EncodedPayload,
     Item,

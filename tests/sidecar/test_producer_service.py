@@ -15,7 +15,7 @@ from refit_protocol.errors import EndpointError
 from refit_protocol.producer_api import AttemptPlan
 from refit_sidecar.baseline.chunks import ExportChunk, chunk_export
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from refit_sidecar.codec import EncodedPayload, Op, apply_item_, decode_payload
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.transport.base import TransportSummary

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from tests.harness.bridge import run_export
 
 

@@ -115,7 +115,7 @@ async def _run(
     from refit_sidecar.producer.service import ProducerService
     from refit_sidecar.trainer.synthetic import SyntheticTrainer
     from refit_sidecar.transport.base import Transport
-    from refit_sidecar.transport.relay.transport import ZmqRelayTransport, ZmqTransportConfig
+    from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
     from refit_sidecar.transport.s3 import S3Config, S3Transport, S3TransportConfig
     from refit_tools.local.membership import LocalMembership
     from refit_tools.local.nodes import LocalNode
@@ -155,7 +155,7 @@ async def _run(
 
     nodes = [LocalNode(f"node{i}", root, token) for i in range(n_nodes)]
     reference = LocalNode("reference", root, token)
-    transports: dict[str, ZmqRelayTransport | S3Transport] = {}
+    transports: dict[str, RelayTransport | S3Transport] = {}
     s3_server: S3Server | None = None
     s3_receiver: dict[str, Any] | None = None
     s3_cfg: S3Config | None = None
@@ -217,8 +217,10 @@ async def _run(
                     return transports[key]
                 root_ep = plan.relay_tree[0]
                 if root_ep not in transports:
-                    transports[root_ep] = ZmqRelayTransport(
-                        ZmqTransportConfig(root=root_ep, token=token, producer=0, stop_timeout_s=10)
+                    transports[root_ep] = RelayTransport(
+                        RelayTransportConfig(
+                            root=root_ep, token=token, producer=0, stop_timeout_s=10
+                        )
                     )
                 return transports[root_ep]
 

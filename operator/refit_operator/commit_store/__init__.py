@@ -10,7 +10,10 @@ compare-and-set, so a write by a newer coordinator or attempt makes an older one
   is refused (`CommitRefusedError`: the outcome is a confirmed failure, the record is unchanged);
 - a commit whose expected record no longer matches raises `CommitConflictError`.
 
-Implementations: `SqliteCommitStore` (local mode) and the Kubernetes store (PolicyVersion
+These rules are written once, as pure functions over `StoreState` in `commit_store.rules`.
+The implementations only translate `StoreState` to and from their representation and run each
+rule inside one compare-and-set step: `SqliteCommitStore` (`sqlite.py`, local mode: one row per
+policy, `BEGIN IMMEDIATE` transaction) and `KubernetesCommitStore` (`kube.py`: PolicyVersion
 status, resourceVersion CAS). Both pass tests/operator/commit_store_contract.py.
 """
 

@@ -1,9 +1,10 @@
 """`CommitStore` on a PolicyVersion's status: the commit record lives in the cluster.
 
-Every change reads the object, checks the contract's conditions on what it read, and writes
-the status back with that read's `metadata.resourceVersion`; the apiserver answers 409 if
-anything else wrote in between, and the change is re-evaluated on a fresh read. So the
-conditions always hold against the latest record, exactly as in one SQLite transaction.
+Every operation reads the object, applies the operation's rule (`commit_store.rules`, shared
+with the SQLite store) to the state its status holds, and writes the status back with that
+read's `metadata.resourceVersion`; the apiserver answers 409 if anything else wrote in between,
+and the rule is re-applied on a fresh read. So the conditions always hold against the latest
+record, exactly as in one SQLite transaction.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from refit_operator.commit_store import (
     ActiveAttempt,
@@ -19,11 +20,11 @@ from refit_operator.commit_store import (
     CommitRefusedError,
     CommitUnknownError,
     StoreState,
+    rules,
 )
 from refit_protocol.commit import CommitRecord
 
 GROUP, VERSION, PLURAL = "refit.kuberefit.io", "v1alpha1", "policyversions"
-T = TypeVar("T")
 _CAS_TRIES = 16
 
 
@@ -33,6 +34,77 @@ def _ts(seconds: float) -> str:
 
 def _seconds(stamp: str) -> float:
     return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+#: Status fields a fresh record leaves out, and what their absence reads as.
+_ABSENT: dict[str, Any] = {"coordinator": "", "activeAttempt": None, "abortedBy": None}
+
+
+def _load(status: dict[str, Any]) -> StoreState | None:
+    """The state a PolicyVersion status holds; None before `initialize` wrote a record."""
+    if "version" not in status:
+        return None
+    a = status.get("activeAttempt")
+    active = None
+    if a:
+        active = ActiveAttempt(
+            attempt=a["id"],
+            target_version=int(a["targetVersion"]),
+            baseline_id=a["baselineId"],
+            mode=a["mode"],
+            deadline=_seconds(a["deadline"]),
+            obsolete=bool(a.get("obsolete", False)),
+        )
+    return StoreState(
+        record=CommitRecord(int(status["version"]), status.get("baselineId", "")),
+        epoch=int(status.get("epoch", 0)),
+        coordinator=status.get("coordinator", _ABSENT["coordinator"]),
+        active=active,
+        aborted_by=status.get("abortedBy", _ABSENT["abortedBy"]),
+    )
+
+
+def _fields(state: StoreState) -> dict[str, Any]:
+    """The status fields that hold `state` (the names of the PolicyVersion CRD)."""
+    a = state.active
+    attempt = None
+    if a is not None:
+        attempt = {
+            "id": a.attempt,
+            "targetVersion": a.target_version,
+            "baselineId": a.baseline_id,
+            "mode": a.mode,
+            "deadline": _ts(a.deadline),
+            "obsolete": a.obsolete,
+        }
+    return {
+        "version": state.record.version,
+        "baselineId": state.record.baseline_id,
+        "epoch": state.epoch,
+        "coordinator": state.coordinator,
+        "activeAttempt": attempt,
+        "abortedBy": state.aborted_by,
+    }
+
+
+def _dump(status: dict[str, Any], before: StoreState | None, after: StoreState) -> dict[str, Any]:
+    """`status` with the fields in which `after` differs from `before` rewritten.
+
+    Everything else keeps its stored form (a deadline is not re-rendered), and a field a fresh
+    record leaves out stays out while it holds what its absence reads as.
+    """
+    old = {} if before is None else _fields(before)
+    out = dict(status)
+    for key, value in _fields(after).items():
+        if key in old and old[key] == value:
+            continue
+        if key not in out and key in _ABSENT and _ABSENT[key] == value:
+            continue
+        stored, previous = out.get(key), old.get(key)
+        if isinstance(value, dict) and isinstance(stored, dict) and isinstance(previous, dict):
+            value = {**stored, **{k: v for k, v in value.items() if previous.get(k) != v}}
+        out[key] = value
+    return out
 
 
 class KubernetesCommitStore:
@@ -54,17 +126,25 @@ class KubernetesCommitStore:
         )
         return obj
 
-    async def _change(self, fn: Callable[[dict[str, Any]], tuple[dict[str, Any] | None, T]]) -> T:
-        """Read-check-write with optimistic concurrency; `fn` gives (new status or None, result)."""
+    async def _step(self, rule: Callable[[StoreState | None], StoreState | None]) -> StoreState:
+        """Read the status, apply `rule`, write the state it returns with optimistic concurrency
+        (re-applied on a fresh read after a 409). Returns the state after the step
+        (CommitRefusedError if there is still no record)."""
         from kubernetes.client.rest import ApiException
 
-        def run() -> T:
+        def run() -> StoreState:
             for _ in range(_CAS_TRIES):
                 obj = self._get()
-                status, result = fn(dict(obj.get("status") or {}))
-                if status is None:
-                    return result
-                obj["status"] = status
+                status = dict(obj.get("status") or {})
+                before = _load(status)
+                after = rule(before)
+                if after is None:
+                    if before is None:
+                        raise CommitRefusedError(
+                            f"PolicyVersion {self.namespace}/{self.policy} has no commit record"
+                        )
+                    return before
+                obj["status"] = _dump(status, before, after)
                 try:
                     self.api.replace_namespaced_custom_object_status(
                         GROUP, VERSION, self.namespace, PLURAL, self.policy, obj
@@ -73,7 +153,7 @@ class KubernetesCommitStore:
                     if exc.status == 409:
                         continue  # someone wrote in between: re-check on a fresh read
                     raise
-                return result
+                return after
             raise CommitUnknownError(f"PolicyVersion {self.policy}: too much write contention")
 
         try:
@@ -89,34 +169,9 @@ class KubernetesCommitStore:
         except OSError as exc:
             raise CommitUnknownError(f"PolicyVersion {self.policy}: {exc}") from exc
 
-    @staticmethod
-    def _state(status: dict[str, Any]) -> StoreState:
-        a = status.get("activeAttempt")
-        active = None
-        if a:
-            active = ActiveAttempt(
-                attempt=a["id"],
-                target_version=int(a["targetVersion"]),
-                baseline_id=a["baselineId"],
-                mode=a["mode"],
-                deadline=_seconds(a["deadline"]),
-                obsolete=bool(a.get("obsolete", False)),
-            )
-        return StoreState(
-            record=CommitRecord(int(status.get("version", 0)), status.get("baselineId", "")),
-            epoch=int(status.get("epoch", 0)),
-            coordinator=status.get("coordinator", ""),
-            active=active,
-            aborted_by=status.get("abortedBy"),
-        )
-
-    @staticmethod
-    def _check_epoch(status: dict[str, Any], epoch: int) -> None:
-        if int(status.get("epoch", 0)) != epoch:
-            raise CommitConflictError(
-                f"coordinator epoch {epoch} was replaced by epoch {status.get('epoch')} "
-                f"({status.get('coordinator')})"
-            )
+    async def _change(self, rule: Callable[[StoreState], StoreState | None]) -> StoreState:
+        """`_step` on the existing record: without one there is nothing to read or change."""
+        return await self._step(lambda state: None if state is None else rule(state))
 
     # -- CommitStore ------------------------------------------------------------------------------
     async def initialize(self, record: CommitRecord) -> StoreState:
@@ -139,100 +194,33 @@ class KubernetesCommitStore:
                     raise
 
         await asyncio.to_thread(create)
-
-        def init(status: dict[str, Any]) -> tuple[dict[str, Any] | None, StoreState]:
-            if "version" in status:
-                return None, self._state(status)
-            status.update(version=record.version, baselineId=record.baseline_id, epoch=0)
-            return status, self._state(status)
-
-        return await self._change(init)
+        return await self._step(lambda state: rules.initialize(state, record))
 
     async def read(self) -> StoreState:
-        return await self._change(lambda s: (None, self._state(s)))
+        return await self._change(lambda state: None)
 
     async def acquire(self, coordinator: str) -> int:
-        def fn(s: dict[str, Any]) -> tuple[dict[str, Any], int]:
-            epoch = int(s.get("epoch", 0)) + 1
-            s.update(epoch=epoch, coordinator=coordinator)
-            return s, epoch
-
-        return await self._change(fn)
+        return (await self._change(lambda state: rules.acquire(state, coordinator))).epoch
 
     async def prepare(self, epoch: int, attempt: ActiveAttempt) -> None:
-        def fn(s: dict[str, Any]) -> tuple[dict[str, Any], None]:
-            self._check_epoch(s, epoch)
-            if s.get("abortedBy"):
-                raise CommitRefusedError(f"transition aborted by {s['abortedBy']}")
-            s["activeAttempt"] = {
-                "id": attempt.attempt,
-                "targetVersion": attempt.target_version,
-                "baselineId": attempt.baseline_id,
-                "mode": attempt.mode,
-                "deadline": _ts(attempt.deadline),
-                "obsolete": False,
-            }
-            return s, None
-
-        await self._change(fn)
+        await self._change(lambda state: rules.prepare(state, epoch, attempt))
 
     async def mark_obsolete(self, epoch: int, attempt: str) -> None:
-        def fn(s: dict[str, Any]) -> tuple[dict[str, Any] | None, None]:
-            self._check_epoch(s, epoch)
-            a = s.get("activeAttempt")
-            if not a or a["id"] != attempt or a.get("obsolete"):
-                return None, None
-            a["obsolete"] = True
-            return s, None
-
-        await self._change(fn)
+        await self._change(lambda state: rules.mark_obsolete(state, epoch, attempt))
 
     async def commit(
         self, epoch: int, attempt: str, expected: CommitRecord, new: CommitRecord, now: float
     ) -> CommitRecord:
-        def fn(s: dict[str, Any]) -> tuple[dict[str, Any], CommitRecord]:
-            self._check_epoch(s, epoch)
-            state = self._state(s)
-            if state.record != expected:
-                raise CommitConflictError(f"commit record is {state.record}, expected {expected}")
-            a = state.active
-            if a is None or a.attempt != attempt:
-                raise CommitRefusedError(f"{attempt} is not the active attempt")
-            if a.obsolete:
-                raise CommitRefusedError(f"{attempt} is obsolete")
-            if now >= a.deadline:
-                raise CommitRefusedError(f"{attempt} missed its commit deadline")
-            if (new.version, new.baseline_id) != (a.target_version, a.baseline_id):
-                raise CommitRefusedError(f"{attempt} prepared a different target than {new}")
-            s.update(version=new.version, baselineId=new.baseline_id)
-            s["activeAttempt"]["obsolete"] = True
-            return s, new
-
-        return await self._change(fn)
+        state = await self._change(
+            lambda state: rules.commit(state, epoch, attempt, expected, new, now)
+        )
+        return state.record
 
     async def read_commit(self, epoch: int, attempt: str) -> CommitRecord:
-        def fn(s: dict[str, Any]) -> tuple[dict[str, Any] | None, CommitRecord]:
-            record = self._state(s).record
-            a = s.get("activeAttempt")
-            if a and a["id"] == attempt and not a.get("obsolete"):
-                a["obsolete"] = True  # closes the window: no later commit of it can land
-                return s, record
-            return None, record
-
-        return await self._change(fn)
+        return (await self._change(lambda state: rules.read_commit(state, attempt))).record
 
     async def abort(self, by: str) -> None:
-        def fn(s: dict[str, Any]) -> tuple[dict[str, Any], None]:
-            s["abortedBy"] = by
-            if s.get("activeAttempt"):
-                s["activeAttempt"]["obsolete"] = True
-            return s, None
-
-        await self._change(fn)
+        await self._change(lambda state: rules.abort(state, by))
 
     async def clear_abort(self) -> None:
-        def fn(s: dict[str, Any]) -> tuple[dict[str, Any], None]:
-            s["abortedBy"] = None
-            return s, None
-
-        await self._change(fn)
+        await self._change(rules.clear_abort)

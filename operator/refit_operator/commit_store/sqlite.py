@@ -1,9 +1,9 @@
 """`CommitStore` on an embedded SQLite database: the local mode's control plane.
 
-One row per policy; every change runs in one `BEGIN IMMEDIATE` transaction that checks the
-row's `row_version` and the conditions of the commit-store contract before writing, so two
-coordinators (processes) sharing the file see the same compare-and-set semantics as the
-Kubernetes store.
+One row per policy. Every operation is one `BEGIN IMMEDIATE` transaction that reads the row,
+applies the operation's rule (`commit_store.rules`, shared with the Kubernetes store) and writes
+the changed columns back under a `row_version` check, so two coordinators (processes) sharing
+the file see the same compare-and-set semantics as the Kubernetes store.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from refit_operator.commit_store import (
     CommitRefusedError,
     CommitUnknownError,
     StoreState,
+    rules,
 )
 from refit_protocol.commit import CommitRecord
 
@@ -43,6 +44,45 @@ CREATE TABLE IF NOT EXISTS commit_records (
     row_version INTEGER NOT NULL DEFAULT 0
 )
 """
+
+
+def _load(row: dict[str, Any]) -> StoreState:
+    """The state a `commit_records` row holds."""
+    active = None
+    if row["attempt"] is not None:
+        active = ActiveAttempt(
+            attempt=row["attempt"],
+            target_version=row["attempt_target"],
+            baseline_id=row["attempt_baseline"],
+            mode=row["attempt_mode"],
+            deadline=row["attempt_deadline"],
+            obsolete=bool(row["attempt_obsolete"]),
+        )
+    return StoreState(
+        record=CommitRecord(row["version"], row["baseline_id"]),
+        epoch=row["epoch"],
+        coordinator=row["coordinator"],
+        active=active,
+        aborted_by=row["aborted_by"],
+    )
+
+
+def _columns(state: StoreState) -> dict[str, Any]:
+    """The column values that hold `state` (every column but `policy` and `row_version`)."""
+    a = state.active
+    return {
+        "version": state.record.version,
+        "baseline_id": state.record.baseline_id,
+        "epoch": state.epoch,
+        "coordinator": state.coordinator,
+        "attempt": None if a is None else a.attempt,
+        "attempt_target": None if a is None else a.target_version,
+        "attempt_baseline": None if a is None else a.baseline_id,
+        "attempt_mode": None if a is None else a.mode,
+        "attempt_deadline": None if a is None else a.deadline,
+        "attempt_obsolete": int(a is not None and a.obsolete),
+        "aborted_by": state.aborted_by,
+    }
 
 
 class SqliteCommitStore:
@@ -84,147 +124,76 @@ class SqliteCommitStore:
 
         return await asyncio.to_thread(run)
 
-    def _row(self, db: sqlite3.Connection) -> dict[str, Any]:
-        cur = db.execute("SELECT * FROM commit_records WHERE policy = ?", (self.policy,))
-        row = cur.fetchone()
-        if row is None:
-            raise CommitRefusedError(f"no commit record for policy {self.policy!r}")
-        return dict(zip([c[0] for c in cur.description], row, strict=True))
+    async def _step(self, rule: Callable[[StoreState | None], StoreState | None]) -> StoreState:
+        """Read the row (None if missing), apply `rule`, write the state it returns; one
+        transaction, so the rule's checks hold against exactly the row it replaces. Returns the
+        state after the step (CommitRefusedError if there is still no record)."""
 
-    @staticmethod
-    def _state(row: dict[str, Any]) -> StoreState:
-        active = None
-        if row["attempt"] is not None:
-            active = ActiveAttempt(
-                attempt=row["attempt"],
-                target_version=row["attempt_target"],
-                baseline_id=row["attempt_baseline"],
-                mode=row["attempt_mode"],
-                deadline=row["attempt_deadline"],
-                obsolete=bool(row["attempt_obsolete"]),
+        def fn(db: sqlite3.Connection) -> StoreState:
+            cur = db.execute("SELECT * FROM commit_records WHERE policy = ?", (self.policy,))
+            found, names = cur.fetchone(), [c[0] for c in cur.description]
+            row = None if found is None else dict(zip(names, found, strict=True))
+            before = None if row is None else _load(row)
+            after = rule(before)
+            if after is None:
+                if before is None:
+                    raise CommitRefusedError(f"no commit record for policy {self.policy!r}")
+                return before
+            columns = _columns(after)
+            if row is None:
+                into = ", ".join(["policy", *columns])
+                marks = ", ".join("?" * (len(columns) + 1))
+                db.execute(
+                    f"INSERT INTO commit_records ({into}) VALUES ({marks})",  # noqa: S608
+                    (self.policy, *columns.values()),
+                )
+                return after
+            changed = {k: v for k, v in columns.items() if row[k] != v}
+            sets = "".join(f"{k} = ?, " for k in changed)
+            cur = db.execute(
+                f"UPDATE commit_records SET {sets}row_version = row_version + 1 "  # noqa: S608
+                "WHERE policy = ? AND row_version = ?",
+                (*changed.values(), self.policy, row["row_version"]),
             )
-        return StoreState(
-            record=CommitRecord(row["version"], row["baseline_id"]),
-            epoch=row["epoch"],
-            coordinator=row["coordinator"],
-            active=active,
-            aborted_by=row["aborted_by"],
-        )
+            if cur.rowcount != 1:  # pragma: no cover - BEGIN IMMEDIATE serializes writers
+                raise CommitConflictError("commit record changed concurrently")
+            return after
 
-    def _update(self, db: sqlite3.Connection, row: dict[str, Any], **changes: Any) -> None:
-        sets = ", ".join(f"{k} = ?" for k in changes)
-        cur = db.execute(
-            f"UPDATE commit_records SET {sets}, row_version = row_version + 1 "  # noqa: S608
-            "WHERE policy = ? AND row_version = ?",
-            (*changes.values(), self.policy, row["row_version"]),
-        )
-        if cur.rowcount != 1:  # pragma: no cover - BEGIN IMMEDIATE serializes writers
-            raise CommitConflictError("commit record changed concurrently")
+        return await self._tx(fn)
 
-    @staticmethod
-    def _check_epoch(row: dict[str, Any], epoch: int) -> None:
-        if row["epoch"] != epoch:
-            raise CommitConflictError(
-                f"coordinator epoch {epoch} was replaced by epoch {row['epoch']} "
-                f"({row['coordinator']})"
-            )
+    async def _change(self, rule: Callable[[StoreState], StoreState | None]) -> StoreState:
+        """`_step` on the existing record: without one there is nothing to read or change."""
+        return await self._step(lambda state: None if state is None else rule(state))
 
     # -- CommitStore ------------------------------------------------------------------------------
     async def initialize(self, record: CommitRecord) -> StoreState:
-        def fn(db: sqlite3.Connection) -> StoreState:
-            db.execute(
-                "INSERT OR IGNORE INTO commit_records (policy, version, baseline_id) "
-                "VALUES (?, ?, ?)",
-                (self.policy, record.version, record.baseline_id),
-            )
-            return self._state(self._row(db))
-
-        return await self._tx(fn)
+        return await self._step(lambda state: rules.initialize(state, record))
 
     async def read(self) -> StoreState:
-        return await self._tx(lambda db: self._state(self._row(db)))
+        return await self._change(lambda state: None)
 
     async def acquire(self, coordinator: str) -> int:
-        def fn(db: sqlite3.Connection) -> int:
-            row = self._row(db)
-            epoch = int(row["epoch"]) + 1
-            self._update(db, row, epoch=epoch, coordinator=coordinator)
-            return epoch
-
-        return await self._tx(fn)
+        return (await self._change(lambda state: rules.acquire(state, coordinator))).epoch
 
     async def prepare(self, epoch: int, attempt: ActiveAttempt) -> None:
-        def fn(db: sqlite3.Connection) -> None:
-            row = self._row(db)
-            self._check_epoch(row, epoch)
-            if row["aborted_by"]:
-                raise CommitRefusedError(f"transition aborted by {row['aborted_by']}")
-            self._update(
-                db,
-                row,
-                attempt=attempt.attempt,
-                attempt_target=attempt.target_version,
-                attempt_baseline=attempt.baseline_id,
-                attempt_mode=attempt.mode,
-                attempt_deadline=attempt.deadline,
-                attempt_obsolete=0,
-            )
-
-        await self._tx(fn)
+        await self._change(lambda state: rules.prepare(state, epoch, attempt))
 
     async def mark_obsolete(self, epoch: int, attempt: str) -> None:
-        def fn(db: sqlite3.Connection) -> None:
-            row = self._row(db)
-            self._check_epoch(row, epoch)
-            if row["attempt"] == attempt and not row["attempt_obsolete"]:
-                self._update(db, row, attempt_obsolete=1)
-
-        await self._tx(fn)
+        await self._change(lambda state: rules.mark_obsolete(state, epoch, attempt))
 
     async def commit(
         self, epoch: int, attempt: str, expected: CommitRecord, new: CommitRecord, now: float
     ) -> CommitRecord:
-        def fn(db: sqlite3.Connection) -> CommitRecord:
-            row = self._row(db)
-            self._check_epoch(row, epoch)
-            current = CommitRecord(row["version"], row["baseline_id"])
-            if current != expected:
-                raise CommitConflictError(f"commit record is {current}, expected {expected}")
-            if row["attempt"] != attempt:
-                raise CommitRefusedError(f"{attempt} is not the active attempt ({row['attempt']})")
-            if row["attempt_obsolete"]:
-                raise CommitRefusedError(f"{attempt} is obsolete")
-            if now >= row["attempt_deadline"]:
-                raise CommitRefusedError(f"{attempt} missed its commit deadline")
-            if (new.version, new.baseline_id) != (row["attempt_target"], row["attempt_baseline"]):
-                raise CommitRefusedError(f"{attempt} prepared a different target than {new}")
-            self._update(
-                db, row, version=new.version, baseline_id=new.baseline_id, attempt_obsolete=1
-            )
-            return new
-
-        return await self._tx(fn)
+        state = await self._change(
+            lambda state: rules.commit(state, epoch, attempt, expected, new, now)
+        )
+        return state.record
 
     async def read_commit(self, epoch: int, attempt: str) -> CommitRecord:
-        def fn(db: sqlite3.Connection) -> CommitRecord:
-            row = self._row(db)
-            # Marking the attempt obsolete closes the window: no later commit of it can land.
-            if row["attempt"] == attempt and not row["attempt_obsolete"]:
-                self._update(db, row, attempt_obsolete=1)
-            return CommitRecord(row["version"], row["baseline_id"])
-
-        return await self._tx(fn)
+        return (await self._change(lambda state: rules.read_commit(state, attempt))).record
 
     async def abort(self, by: str) -> None:
-        def fn(db: sqlite3.Connection) -> None:
-            row = self._row(db)
-            self._update(db, row, aborted_by=by, attempt_obsolete=1)
-
-        await self._tx(fn)
+        await self._change(lambda state: rules.abort(state, by))
 
     async def clear_abort(self) -> None:
-        def fn(db: sqlite3.Connection) -> None:
-            row = self._row(db)
-            self._update(db, row, aborted_by=None)
-
-        await self._tx(fn)
+        await self._change(rules.clear_abort)

@@ -19,7 +19,7 @@ from refit_sidecar.apply.errors import LoaderMismatchError, StorageReplacedError
 from refit_sidecar.apply.hook import ItemTrace, Mode, StorageWriteHook
 from refit_sidecar.apply.placeholders import Placeholder, choose, fill
 from refit_sidecar.apply.storage import ModelStorages, storage_key
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from refit_sidecar.codec.records import Item, Op, TensorMeta
 
 

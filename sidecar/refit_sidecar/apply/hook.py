@@ -25,10 +25,9 @@ from refit_sidecar.apply.errors import (
 )
 from refit_sidecar.apply.placeholders import Placeholder, active_mask
 from refit_sidecar.apply.storage import ModelStorages, storage_key
+from refit_sidecar.bits import int_dtype
 
 aten = torch.ops.aten
-
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class Mode(enum.Enum):
@@ -39,7 +38,7 @@ class Mode(enum.Enum):
 
 def _ints(t: torch.Tensor) -> torch.Tensor:
     """Same-shape integer view (works for strided views: element size is unchanged)."""
-    return t.view(torch.uint8 if t.dtype == torch.bool else _INT[t.element_size()])
+    return t.view(int_dtype(t))
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_dtype, int_view
 
 _NAN_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _BITS_BY_WIDTH = {1: 8, 2: 16, 4: 32, 8: 64}
@@ -72,9 +72,9 @@ def _absent_pattern(dtype: torch.dtype, values_int: torch.Tensor) -> Placeholder
     return None  # pragma: no cover - 2^20 collisions cannot happen for realistic items
 
 
-def _signed(value: int, bits: int, int_dtype: torch.dtype) -> int:
-    """Interpret an unsigned bit pattern in the signedness of `int_dtype`."""
-    if int_dtype == torch.uint8:
+def _signed(value: int, bits: int, view_dtype: torch.dtype) -> int:
+    """Interpret an unsigned bit pattern in the signedness of `view_dtype`."""
+    if view_dtype == torch.uint8:
         return value
     return value - (1 << bits) if value >= 1 << (bits - 1) else value
 
@@ -93,10 +93,4 @@ def active_mask(src: torch.Tensor, placeholder: Placeholder) -> torch.Tensor:
     if placeholder.is_nan:
         return ~torch.isnan(src)
     assert placeholder.bits is not None
-    return src.view(_int_dtype(src)) != placeholder.bits
-
-
-def _int_dtype(t: torch.Tensor) -> torch.dtype:
-    if t.dtype == torch.bool:
-        return torch.uint8
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return src.view(int_dtype(src)) != placeholder.bits

@@ -30,11 +30,11 @@ from refit_sidecar.bitdiff import (
     NO_BUFFERS,
     BitDiff,
     DiffBuffers,
-    bits_numpy,
     diff_bits,
     gather_slices,
     submit_slices,
 )
+from refit_sidecar.bits import bits_numpy
 from refit_sidecar.codec import dtypes
 from refit_sidecar.codec.records import (
     Item,

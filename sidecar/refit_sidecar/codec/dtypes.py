@@ -1,6 +1,8 @@
-"""The dtypes the codec carries, their one-byte wire codes and same-width integer views.
+"""The dtypes the codec carries, their one-byte wire codes, names and same-width integer views.
 
-Codes are part of wire format v1 (docs/wire-format.md): never renumber, only append.
+Codes are part of wire format v1 (docs/wire-format.md): never renumber, only append. The names
+are the protocol's (`refit_protocol.tensors.DTYPE_NAMES`: one table for both planes); the
+integer views are `refit_sidecar.bits`'.
 """
 
 from __future__ import annotations
@@ -8,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from refit_sidecar.bitdiff import NP_INT_VIEW
+from refit_protocol.tensors import DTYPE_NAMES
+from refit_sidecar.bits import NP_INT_VIEW, TORCH_INT_VIEW
 from refit_sidecar.codec.errors import SchemaError
 
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -32,13 +35,25 @@ CODE_DTYPES: dict[int, torch.dtype] = {code: dt for dt, code in DTYPE_CODES.item
 _WIDTHS: dict[torch.dtype, int] = {
     dt: torch.empty((), dtype=dt).element_size() for dt in DTYPE_CODES
 }
-#: torch dtype of the same-width integer view that `Item.values` uses.
-TORCH_INT_VIEW: dict[int, torch.dtype] = {
-    1: torch.uint8,
-    2: torch.int16,
-    4: torch.int32,
-    8: torch.int64,
-}
+_BY_NAME: dict[str, torch.dtype] = {str(dt).removeprefix("torch."): dt for dt in DTYPE_CODES}
+if set(_BY_NAME) != DTYPE_NAMES:  # pragma: no cover - a dtype added on one side only
+    raise ImportError(
+        f"codec dtypes and protocol dtype names differ: {set(_BY_NAME) ^ DTYPE_NAMES}"
+    )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The protocol's name of a supported dtype ("bfloat16")."""
+    dtype_code(dtype)
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of `dtype_name` for untrusted input (SchemaError for names the codec lacks)."""
+    dtype = _BY_NAME.get(name)
+    if dtype is None:
+        raise SchemaError(f"dtype {name!r} is not carried by the codec")
+    return dtype
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from refit_sidecar.bitdiff import BitDiff, bits_numpy, diff_bits, int_view
+from refit_sidecar.bitdiff import BitDiff, diff_bits
+from refit_sidecar.bits import bits_numpy, int_view
 from refit_sidecar.codec import dtypes
 
 

@@ -28,7 +28,7 @@ from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.producer.staging import StagingConfig
 from refit_sidecar.transport.base import Transport
-from refit_sidecar.transport.relay.transport import ZmqRelayTransport, ZmqTransportConfig
+from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 
 log = structlog.get_logger("kuberefit.producer_main")
 
@@ -64,15 +64,15 @@ async def serve(config: ProducerProcessConfig) -> None:
     baseline = SourceBaseline(
         producer=config.producer, producers=config.producers, config=config.baseline
     )
-    transports: dict[str, ZmqRelayTransport] = {}
+    transports: dict[str, RelayTransport] = {}
 
     def transport_for(plan: AttemptPlan) -> Transport:
         if not plan.relay_tree:
             raise ValueError(f"attempt {plan.attempt} names no relay tree")
         root = plan.relay_tree[0]
         if root not in transports:
-            transports[root] = ZmqRelayTransport(
-                ZmqTransportConfig(
+            transports[root] = RelayTransport(
+                RelayTransportConfig(
                     root=root,
                     token=token,
                     producer=config.producer,

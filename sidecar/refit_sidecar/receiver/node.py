@@ -4,35 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Any
 
 import structlog
 from aiohttp import web
 
 from refit_protocol.auth import endpoint_host, require_token_or_loopback, resolve_token
-from refit_sidecar.receiver.appliers.base import Applier, InProcessApplier, load_object
-from refit_sidecar.receiver.config import ApplierConfig, ReceiverConfig
+from refit_sidecar.receiver import appliers
+from refit_sidecar.receiver.appliers.base import Applier
+from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.core import ReceiverCore
 from refit_sidecar.receiver.metrics import ReceiverMetrics
 from refit_sidecar.receiver.service import create_app
-from refit_sidecar.transport.relay.node import RelayServer
+from refit_sidecar.transport.relay.node import RelayNode
 from refit_sidecar.transport.s3 import S3Fetcher
 
 log = structlog.get_logger("kuberefit.receiver")
-
-
-def build_applier(cfg: ApplierConfig) -> Applier:
-    """The configured applier (factories are named in trusted config, never in requests)."""
-    if cfg.kind == "vllm":
-        from refit_sidecar.receiver.appliers.vllm_http import VllmHttpApplier
-
-        return VllmHttpApplier(cfg)
-    if not cfg.factory:
-        raise ValueError(f"applier kind {cfg.kind!r} needs a factory 'module:callable'")
-    made: Any = load_object(cfg.factory)(**cfg.options)
-    if cfg.kind == "inprocess":
-        return InProcessApplier(made, cfg.device)
-    return made  # type: ignore[no-any-return]
 
 
 class ReceiverNode:
@@ -51,22 +37,25 @@ class ReceiverNode:
             log.warning("receiver.no_token", node=config.node, hosts=hosts)
         self.metrics = ReceiverMetrics()
         fetcher = S3Fetcher(config.s3) if config.s3 is not None else None
-        self.applier = applier if applier is not None else build_applier(config.applier)
+        self.applier = applier if applier is not None else appliers.make(config.applier)
         self.core = ReceiverCore(config, self.applier, metrics=self.metrics, fetcher=fetcher)
-        self.relay: RelayServer | None = None
+        self.relay: RelayNode | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
 
     async def start(self) -> None:
-        if self.core.held_version is None:
+        if self.core.state.held_version is None:
             # Unknown bits (e.g. a restarted sidecar whose server may hold partial writes) must
             # not serve: hold the gate closed until a dense restore.
-            await asyncio.to_thread(self.core.close_gate_for_unknown_bits)
+            await asyncio.to_thread(self.core.control.close_gate_for_unknown_bits)
         if self.config.relay is not None:
-            self.relay = RelayServer(
-                self.config.relay, self.core, token=self.token, registry=self.metrics.registry
+            self.relay = RelayNode(
+                self.config.relay,
+                self.core.intake,
+                token=self.token,
+                registry=self.metrics.registry,
             ).start()
-            self.core.relay = self.relay
+            self.core.control.relay = self.relay
         app = create_app(self.core, token=self.token)
         self._runner = web.AppRunner(
             app, access_log=None, handle_signals=False, shutdown_timeout=5.0

@@ -142,40 +142,42 @@ def create_app(
         )
 
     async def status(_: web.Request) -> web.Response:
-        return _model(core.status())
+        return _model(core.control.status())
 
     async def prewarm(request: web.Request) -> web.Response:
-        return _model(await blocking(core.prewarm, await _parse(request, PrewarmRequest)))
+        return _model(await blocking(core.control.prewarm, await _parse(request, PrewarmRequest)))
 
     async def prepare(request: web.Request) -> web.Response:
-        return _model(await blocking(core.prepare, await _parse(request, PrepareRequest)))
+        return _model(await blocking(core.control.prepare, await _parse(request, PrepareRequest)))
 
     async def gate(request: web.Request) -> web.Response:
-        return _model(await blocking(core.gate, await _parse(request, GateRequest)))
+        return _model(await blocking(core.control.gate, await _parse(request, GateRequest)))
 
     async def open_apply(request: web.Request) -> web.Response:
         req = await _parse(request, AttemptRequest)
-        return _model(await blocking(core.open_apply, req.attempt))
+        return _model(await blocking(core.control.open_apply, req.attempt))
 
     async def relay_flush(request: web.Request) -> web.Response:
-        return _model(await blocking(core.relay_flush, await _parse(request, RelayFlushRequest)))
+        return _model(
+            await blocking(core.control.relay_flush, await _parse(request, RelayFlushRequest))
+        )
 
     async def flush(request: web.Request) -> web.Response:
-        return _model(await blocking(core.flush, await _parse(request, FlushRequest)))
+        return _model(await blocking(core.control.flush, await _parse(request, FlushRequest)))
 
     async def stop(request: web.Request) -> web.Response:
         req = await _parse(request, AttemptRequest)
-        return _model(await blocking(core.stop, req.attempt))
+        return _model(await blocking(core.control.stop, req.attempt))
 
     async def cleanup(request: web.Request) -> web.Response:
         req = await _parse(request, AttemptRequest)
-        return _model(await blocking(core.cleanup, req.attempt))
+        return _model(await blocking(core.control.cleanup, req.attempt))
 
     async def restore(request: web.Request) -> web.Response:
-        return _model(await blocking(core.restore, await _parse(request, RestoreRequest)))
+        return _model(await blocking(core.control.restore, await _parse(request, RestoreRequest)))
 
     async def commit(request: web.Request) -> web.Response:
-        return _model(await blocking(core.commit, await _parse(request, CommitNotice)))
+        return _model(await blocking(core.control.commit, await _parse(request, CommitNotice)))
 
     async def manifest(request: web.Request) -> web.Response:
         entry = await _parse(request, ManifestEntry)
@@ -183,7 +185,7 @@ def create_app(
         deadline = loop.time() + core.config.manifest_wait_s
         delay = 0.005
         while True:
-            verdict, error = core.offer_manifest(entry)
+            verdict, error = core.intake.offer_manifest(entry)
             if verdict is not AckStatus.WAIT or loop.time() >= deadline:
                 break
             await asyncio.sleep(delay)  # backpressure: the producer's request waits here
@@ -192,7 +194,7 @@ def create_app(
         return _model(body, OFFER_STATUS[verdict])
 
     async def stream_end(request: web.Request) -> web.Response:
-        verdict, error = core.stream_end(await _parse(request, StreamEnd))
+        verdict, error = core.intake.stream_end(await _parse(request, StreamEnd))
         code = 200 if verdict is AckStatus.STAGED else OFFER_STATUS[verdict]
         return _model(ManifestResponse(node=core.node, status=verdict.value, error=error), code)
 

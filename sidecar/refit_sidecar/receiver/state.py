@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import threading
 from dataclasses import dataclass, field
 
 from refit_protocol.receiver_api import ManifestEntry, PrepareRequest
@@ -30,6 +31,10 @@ class Phase(enum.StrEnum):
     FLUSHED = "flushed"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+#: Phases in which an attempt may still stage or apply payloads.
+ACTIVE = frozenset({Phase.PREPARED, Phase.STREAMING, Phase.APPLYING})
 
 
 class EntryState(enum.Enum):
@@ -128,7 +133,7 @@ class AttemptState:
         self.applied = 0
         self.checks = 0
         self.timings: dict[str, float] = collections.defaultdict(float)
-        self.threads: list[object] = []
+        self.threads: list[threading.Thread] = []
 
     # -- declared order ------------------------------------------------------------------------
     def next_key(self, cursor: dict[int, int]) -> OrderKey | None:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 
 
 class SyntheticTrainer:

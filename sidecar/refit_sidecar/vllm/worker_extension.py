@@ -1,8 +1,9 @@
 """Methods vLLM mixes into every worker (`--worker-extension-cls`), reached by `collective_rpc`.
 
 Arguments and results are plain data (tensors cannot travel through collective_rpc): canonical
-metadata as lists, payloads as file paths on a shared-memory volume (bytes as a fallback).
-Every apply goes through the model's own `load_weights()` under the storage-write hook.
+metadata as lists, payloads as paths of decoded payload files on the pod's shared-memory volume
+(`codec.decoded_file`: the receiver decoded each payload once; workers only read it). Every
+apply goes through the model's own `load_weights()` under the storage-write hook (❻).
 """
 
 from __future__ import annotations
@@ -28,23 +29,6 @@ class UnsupportedRuntimeError(RuntimeError):
     """This worker's weight layout cannot take in-place deltas (fail closed, nothing written)."""
 
 
-def metas_to_wire(metas: list[Any]) -> list[list[Any]]:
-    """TensorMeta list -> plain lists that survive collective_rpc."""
-    return [[m.name, list(m.shape), str(m.dtype).removeprefix("torch.")] for m in metas]
-
-
-def _metas_from_wire(rows: list[list[Any]]) -> dict[str, Any]:
-    from refit_sidecar.codec.records import TensorMeta
-
-    out = {}
-    for name, shape, dtype in rows:
-        dt = getattr(torch, str(dtype), None)
-        if not isinstance(dt, torch.dtype):
-            raise ValueError(f"{name}: unknown dtype {dtype!r}")
-        out[str(name)] = TensorMeta(str(name), tuple(int(d) for d in shape), dt)
-    return out
-
-
 class RefitWorkerExtension:
     """Runs inside each vLLM worker process; `self` is the vLLM worker."""
 
@@ -65,29 +49,29 @@ class RefitWorkerExtension:
     def refit_prewarm(self, metas: list[list[Any]]) -> dict[str, Any]:
         """Reserve scratch for the largest canonical tensor and classify every name."""
         from refit_sidecar.apply import ApplyContext, prewarm
+        from refit_sidecar.vllm.rpc_args import metas_from_wire
 
         self._refit_check_runtime()
         model = self._refit_model()
         device = next(model.parameters()).device
-        ctx = ApplyContext(model, _metas_from_wire(metas), device=device)
+        ctx = ApplyContext(model, metas_from_wire(metas), device=device)
         report = prewarm(ctx)
         self._refit_ctx = ctx
         return report.to_json() | {"rank": _rank()}
 
-    def refit_apply(self, payload: str | bytes, check_samples: int = 0) -> dict[str, Any]:
-        """Decode one payload (file path or bytes) and apply it; returns apply statistics."""
-        from refit_sidecar.codec import decode_payload
+    def refit_apply(self, path: str, check_samples: int = 0) -> dict[str, Any]:
+        """Apply one decoded payload file (written by the receiver); returns apply statistics."""
+        from refit_sidecar.codec.decoded_file import read_decoded
 
         self._refit_check_runtime()
         ctx = self._refit_ctx
         if ctx is None:
             raise RuntimeError("refit_apply before refit_prewarm")
-        data = Path(payload).read_bytes() if isinstance(payload, str) else payload
-        decoded = decode_payload(data, known=ctx.metas)
-        stats = ctx.apply(decoded.items, check_samples=check_samples)
+        header, items = read_decoded(Path(path), ctx.metas)
+        stats = ctx.apply(items, check_samples=check_samples)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)  # the completion ACK means "written"
-        return asdict(stats) | {"rank": _rank(), "payload_id": decoded.header.payload_id}
+        return asdict(stats) | {"rank": _rank(), "payload_id": header.payload_id}
 
     def refit_dense_load(self, checkpoint_dir: str) -> list[str]:
         """Dense load of every tensor of a safetensors checkpoint through `load_weights`.

@@ -18,7 +18,7 @@ from refit_sidecar.apply import (
     XorTransformError,
     prewarm,
 )
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from refit_sidecar.codec.records import Item, Op, TensorMeta, diff_item
 from tests.sidecar.apply.loader_matrix import (
     CANONICAL,

@@ -19,7 +19,8 @@ from refit_protocol.tensors import TensorMetaModel
 from refit_sidecar.codec.records import Item, Op, TensorMeta, diff_item
 from refit_sidecar.codec.wire import CODEC_VERSION, EncodedPayload, PayloadHeader, encode_payload
 from refit_sidecar.fingerprint import module_fingerprint
-from refit_sidecar.receiver.appliers.base import ApplyReport, InProcessApplier, StagedPayload
+from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
+from refit_sidecar.receiver.appliers.inprocess import InProcessApplier
 
 
 def canonical(seed: int, tensors: int = 8, numel: int = 4096) -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ from pydantic import SecretStr
 
 from refit_protocol.receiver_api import PrepareRequest
 from refit_sidecar.codec.records import TensorMeta
-from refit_sidecar.transport.relay.dealer import RelayClientConfig
-from refit_sidecar.transport.relay.transport import ZmqRelayTransport, ZmqTransportConfig
+from refit_sidecar.transport.relay.dealer import DealerConfig
+from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from tests.harness.receivers import start_cluster
 from tests.sidecar.receiver.models import canonical, metas, overwrite_payload, read_applied
 
@@ -78,12 +78,12 @@ def test_slow_applier_keeps_receiver_rss_bounded(tmp_path: Path) -> None:
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        t = ZmqRelayTransport(
-            ZmqTransportConfig(
+        t = RelayTransport(
+            RelayTransportConfig(
                 root=node.relay,
                 token=SecretStr(cluster.token),
                 max_in_flight=WINDOW,
-                client=RelayClientConfig(ack_timeout_s=10, max_retries=2, max_wait_s=60),
+                client=DealerConfig(ack_timeout_s=10, max_retries=2, max_wait_s=60),
             )
         )
         t0 = time.monotonic()

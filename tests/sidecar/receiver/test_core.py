@@ -52,7 +52,7 @@ def make_core(tmp_path: Path, **cfg: object) -> ReceiverCore:
     applier = RecordingApplier(TinyModel(V0), str(tmp_path / "applied.jsonl"))
     cfg.setdefault("held_version", 0)
     core = ReceiverCore(ReceiverConfig(node="n0", **cfg), applier)  # type: ignore[arg-type]
-    core.prewarm(PrewarmRequest(metas=metas(V0)))
+    core.control.prewarm(PrewarmRequest(metas=metas(V0)))
     return core
 
 
@@ -65,7 +65,7 @@ def prep(
     producers: tuple[int, ...] = (0,),
     open_apply: bool = True,
 ) -> None:
-    resp = core.prepare(
+    resp = core.control.prepare(
         PrepareRequest(
             attempt=attempt,
             from_version=0,
@@ -77,8 +77,8 @@ def prep(
     )
     assert resp.accepted, resp.reason
     if open_apply:
-        core.gate(GateRequest(attempt=attempt, closed=True))
-        core.open_apply(attempt)
+        core.control.gate(GateRequest(attempt=attempt, closed=True))
+        core.control.open_apply(attempt)
 
 
 def offer(core: ReceiverCore, p: EncodedPayload, body: bytes | None = None) -> AckStatus:
@@ -91,14 +91,16 @@ def offer(core: ReceiverCore, p: EncodedPayload, body: bytes | None = None) -> A
         digest=p.digest.hex(),
         size=p.size,
     )
-    verdict = core.relay_check(meta, probe=False)
+    verdict = core.intake.relay_check(meta, probe=False)
     if verdict is not None:
         return verdict[0]
-    return core.relay_stage(meta, memoryview(body if body is not None else p.body), None, 0)[0]
+    return core.intake.relay_stage(meta, memoryview(body if body is not None else p.body), None, 0)[
+        0
+    ]
 
 
 def flush(core: ReceiverCore, attempt: str, expected: dict[int, int], timeout: float = 10.0):  # type: ignore[no-untyped-def]
-    return core.flush(FlushRequest(attempt=attempt, expected=expected, timeout_s=timeout))
+    return core.control.flush(FlushRequest(attempt=attempt, expected=expected, timeout_s=timeout))
 
 
 def applied(tmp_path: Path) -> list[tuple[int, int]]:
@@ -115,8 +117,8 @@ def test_out_of_order_arrival_is_applied_in_declared_order(
     assert [offer(node, p) for p in shuffled] == [AckStatus.STAGED] * len(ps)
     time.sleep(0.2)
     assert applied(tmp_path) == []  # sync RL: nothing applies before open_apply
-    node.gate(GateRequest(attempt="a1", closed=True))
-    node.open_apply("a1")
+    node.control.gate(GateRequest(attempt="a1", closed=True))
+    node.control.open_apply("a1")
     ack = flush(node, "a1", {0: len(ps)})
     assert ack.ok, ack.errors
     assert ack.applied == ack.staged == len(ps)
@@ -147,7 +149,9 @@ def test_stream_end_lets_apply_finish_before_flush(node: ReceiverCore, tmp_path:
         offer(node, p)
     time.sleep(0.3)
     assert len(applied(tmp_path)) == 2  # (0,0), (1,0); (1,1) waits for producer 0's (1,0)
-    assert node.stream_end(StreamEnd(attempt="a1", producer=0, total=1))[0] is AckStatus.STAGED
+    assert (
+        node.intake.stream_end(StreamEnd(attempt="a1", producer=0, total=1))[0] is AckStatus.STAGED
+    )
     deadline = time.monotonic() + 5
     while len(applied(tmp_path)) < 8 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -185,7 +189,7 @@ def test_duplicates_are_ignored_and_id_reuse_fails(node: ReceiverCore, tmp_path:
     other = payloads("a2", 0, V0, perturb(V0, 7), op=Op.OVERWRITE)
     assert offer(node, q[0]) is AckStatus.STAGED
     assert offer(node, other[0]) is AckStatus.REJECTED
-    status = node.status()
+    status = node.control.status()
     assert status.phase == "failed"
     assert "reused with other bytes" in status.errors[0]
     assert offer(node, q[1]) is AckStatus.REJECTED
@@ -199,9 +203,9 @@ def test_corrupted_body_fails_the_attempt(node: ReceiverCore) -> None:
     bad[-5] ^= 0xFF
     assert offer(node, p, bytes(bad)) is AckStatus.STAGED  # registered; staging checks the digest
     deadline = time.monotonic() + 5
-    while node.status().phase != "failed" and time.monotonic() < deadline:
+    while node.control.status().phase != "failed" and time.monotonic() < deadline:
         time.sleep(0.02)
-    status = node.status()
+    status = node.control.status()
     assert status.phase == "failed"
     assert "DigestMismatch" in status.errors[0]
     assert status.applied == 0
@@ -214,24 +218,24 @@ def test_obsolete_attempt_payloads_are_dropped(node: ReceiverCore, tmp_path: Pat
     offer(node, old[1])
     time.sleep(0.3)  # both validated and queued
     prep(node, "a2", mode="overwrite", open_apply=False)
-    before = node.status().dropped
+    before = node.control.status().dropped
     assert offer(node, old[2]) is AckStatus.OBSOLETE
-    assert node.status().dropped == before + 1
+    assert node.control.status().dropped == before + 1
     assert before >= 2  # a1's queued payloads were dropped at the second prepare
     new = payloads("a2", 0, V0, V1, op=Op.OVERWRITE)
     for p in new:
         assert offer(node, p) is AckStatus.STAGED
-    node.gate(GateRequest(attempt="a2", closed=True))
-    node.open_apply("a2")
+    node.control.gate(GateRequest(attempt="a2", closed=True))
+    node.control.open_apply("a2")
     assert flush(node, "a2", {0: len(new)}).ok
     assert {r["attempt"] for r in read_applied(tmp_path / "applied.jsonl")} == {"a2"}
     with pytest.raises(ReceiverError):
-        node.open_apply("a1")
+        node.control.open_apply("a1")
 
 
 def test_admission_tracks_held_version_and_partial_writes(tmp_path: Path) -> None:
     core = make_core(tmp_path)
-    bad = core.prepare(
+    bad = core.control.prepare(
         PrepareRequest(attempt="x", from_version=3, target_version=4, mode="mixed", producers=[0])
     )
     assert not bad.accepted
@@ -242,16 +246,16 @@ def test_admission_tracks_held_version_and_partial_writes(tmp_path: Path) -> Non
         offer(core, p)
     time.sleep(0.3)  # some payloads applied: partial writes
     # A rejected prepare leaves the running attempt alone.
-    rejected = core.prepare(
+    rejected = core.control.prepare(
         PrepareRequest(attempt="x2", from_version=3, target_version=4, mode="mixed", producers=[0])
     )
     assert not rejected.accepted
-    assert core.status().attempt == "a1"
-    core.stop("a1")
-    status = core.status()
+    assert core.control.status().attempt == "a1"
+    core.control.stop("a1")
+    status = core.control.status()
     assert status.dirty
     assert status.held_version is None
-    mixed = core.prepare(
+    mixed = core.control.prepare(
         PrepareRequest(attempt="a2", from_version=0, target_version=1, mode="mixed", producers=[0])
     )
     assert not mixed.accepted
@@ -261,9 +265,9 @@ def test_admission_tracks_held_version_and_partial_writes(tmp_path: Path) -> Non
         offer(core, p)
     assert flush(core, "a3", {0: 8}).ok
     with pytest.raises(ReceiverError):
-        core.commit(CommitNotice(attempt="a3", version=2))  # not the attempt's target
-    core.commit(CommitNotice(attempt="a3", version=1))
-    status = core.status()
+        core.control.commit(CommitNotice(attempt="a3", version=2))  # not the attempt's target
+    core.control.commit(CommitNotice(attempt="a3", version=1))
+    status = core.control.status()
     assert status.held_version == 1
     assert not status.dirty
     assert module_fingerprint(core.applier.model) == fingerprint(V1)  # type: ignore[attr-defined]
@@ -273,8 +277,8 @@ def test_overwrite_attempts_also_need_the_base_version(tmp_path: Path) -> None:
     """An overwrite carries only the elements changed since from_version: a node with unknown
     bits, or bits of another version, cannot be repaired by it and must be restored."""
     unknown = make_core(tmp_path, held_version=None)
-    assert unknown.status().base_version is None
-    answer = unknown.prepare(
+    assert unknown.control.status().base_version is None
+    answer = unknown.control.prepare(
         PrepareRequest(
             attempt="o1", from_version=0, target_version=1, mode="overwrite", producers=[0]
         )
@@ -282,26 +286,26 @@ def test_overwrite_attempts_also_need_the_base_version(tmp_path: Path) -> None:
     assert not answer.accepted
     assert "no known version" in answer.reason
     other = make_core(tmp_path)
-    answer = other.prepare(
+    answer = other.control.prepare(
         PrepareRequest(
             attempt="o2", from_version=3, target_version=4, mode="overwrite", producers=[0]
         )
     )
     assert not answer.accepted
     assert "holds v0" in answer.reason
-    assert other.status().prewarmed
+    assert other.control.status().prewarmed
 
 
 def test_open_apply_needs_the_gate_closed(node: ReceiverCore) -> None:
     prep(node, "a1", open_apply=False)
     with pytest.raises(ReceiverError, match="gate is open"):
-        node.open_apply("a1")
-    node.gate(GateRequest(attempt="a1", closed=True))
-    node.open_apply("a1")
+        node.control.open_apply("a1")
+    node.control.gate(GateRequest(attempt="a1", closed=True))
+    node.control.open_apply("a1")
     offer(node, payloads("a1", 0, V0, V1)[0])
     time.sleep(0.2)
     with pytest.raises(ReceiverError, match="applying"):
-        node.gate(GateRequest(attempt="a1", closed=False))
+        node.control.gate(GateRequest(attempt="a1", closed=False))
 
 
 def test_async_mode_stages_compressed_and_applies_after_open(
@@ -311,14 +315,16 @@ def test_async_mode_stages_compressed_and_applies_after_open(
     ps = payloads("a1", 0, V0, V1)
     for p in reversed(ps):
         assert offer(node, p) is AckStatus.STAGED
-    rf = node.relay_flush(RelayFlushRequest(attempt="a1", expected={0: len(ps)}, timeout_s=5))
+    rf = node.control.relay_flush(
+        RelayFlushRequest(attempt="a1", expected={0: len(ps)}, timeout_s=5)
+    )
     assert rf.ok
     assert rf.staged == len(ps)
     time.sleep(0.2)
     assert applied(tmp_path) == []  # serving v0 while staged
     assert node.metrics.staged_bytes._value.get() == sum(p.size for p in ps)  # type: ignore[attr-defined]
-    node.gate(GateRequest(attempt="a1", closed=True))
-    node.open_apply("a1")
+    node.control.gate(GateRequest(attempt="a1", closed=True))
+    node.control.open_apply("a1")
     ack = flush(node, "a1", {0: len(ps)})
     assert ack.ok, ack.errors
     assert applied(tmp_path) == [(0, i) for i in range(len(ps))]
@@ -333,8 +339,8 @@ def test_full_queue_answers_wait_but_reserves_the_next_slot(tmp_path: Path) -> N
     assert offer(core, ps[2]) is AckStatus.STAGED
     assert offer(core, ps[3]) is AckStatus.WAIT  # full
     assert offer(core, ps[0]) is AckStatus.STAGED  # the next to apply always has a slot
-    core.gate(GateRequest(attempt="a1", closed=True))
-    core.open_apply("a1")
+    core.control.gate(GateRequest(attempt="a1", closed=True))
+    core.control.open_apply("a1")
     for p in ps[3:]:
         deadline = time.monotonic() + 5
         while (v := offer(core, p)) is AckStatus.WAIT and time.monotonic() < deadline:
@@ -362,15 +368,15 @@ def test_xor_item_for_an_xor_incompatible_tensor_is_rejected(tmp_path: Path) -> 
     state = canonical_random(1)
     applier = RecordingApplier(MatrixModel(), str(tmp_path / "log"), with_fingerprint=False)  # type: ignore[arg-type]
     core = ReceiverCore(ReceiverConfig(node="m", held_version=0), applier)
-    core.prewarm(PrewarmRequest(metas=metas(state)))
-    assert "negexp.weight" in core.xor_incompatible
+    core.control.prewarm(PrewarmRequest(metas=metas(state)))
+    assert "negexp.weight" in core.state.xor_incompatible
     prep(core, "a1", open_apply=False)
     target = dict(state)
     target["negexp.weight"] = state["negexp.weight"] + 1
     bad = payloads("a1", 0, state, target, names=["negexp.weight"])[0]
     offer(core, bad)
     deadline = time.monotonic() + 5
-    while core.status().phase != "failed" and time.monotonic() < deadline:
+    while core.control.status().phase != "failed" and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert "XOR-incompatible" in core.status().errors[0]
+    assert "XOR-incompatible" in core.control.status().errors[0]
     assert set(CANONICAL) == {m.name for m in metas(state)}

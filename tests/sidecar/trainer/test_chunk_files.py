@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.trainer.chunk_files import (
     chunk_file_name,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from refit_sidecar.baseline.chunks import chunk_export, plan_chunks
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.trainer.errors import CandidateMismatchError
 from refit_sidecar.trainer.export import ExportEntry, plan_owned

@@ -22,10 +22,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
+from refit_sidecar.codec import decode_payload
+from refit_sidecar.codec.decoded_file import write_decoded
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
-from refit_sidecar.vllm.worker_extension import metas_to_wire
+from refit_sidecar.vllm.rpc_args import metas_to_wire
 from refit_tools.vllm_engine import shutdown_llm, start_llm
 from tests.harness.bridge import run_ranks
 from tests.sidecar.trainer.sidecars import TOKEN, Sidecar, run_transition, serve_sidecars
@@ -165,8 +167,9 @@ async def test_adamw_step_delta_equals_dense_load(
         try:
             for s in sidecars:
                 for k, payload in enumerate(s.payloads(attempt)):
-                    path = shm / f"p{s.service.producer}-{k}.bin"
-                    path.write_bytes(payload.body)
+                    # What a receiver does: decode once, hand the workers the decoded file.
+                    path = shm / f"p{s.service.producer}-{k}.krd"
+                    write_decoded(decode_payload(payload.body), path)
                     stats = await asyncio.to_thread(
                         engine.collective_rpc, "refit_apply", args=(str(path),)
                     )

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from refit_sidecar.trainer import MegatronBridgeSource, Publisher
 from refit_sidecar.trainer.export import plan_owned
 

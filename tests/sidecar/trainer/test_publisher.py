@@ -19,7 +19,7 @@ from refit_protocol.producer_api import (
     CandidateStaged,
     CandidateStageRequest,
 )
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from refit_sidecar.codec import apply_item_, decode_payload
 from refit_sidecar.trainer.chunk_files import write_chunk_file
 from refit_sidecar.trainer.errors import (

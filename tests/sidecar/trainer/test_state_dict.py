@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from refit_sidecar.trainer.export import plan_owned
 from refit_sidecar.trainer.state_dict import StateDictSource
 from tests.harness.procs import free_port

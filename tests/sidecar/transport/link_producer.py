@@ -12,8 +12,8 @@ from pydantic import SecretStr
 
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import EncodedPayload
-from refit_sidecar.transport.relay.dealer import RelayClientConfig
-from refit_sidecar.transport.relay.transport import ZmqRelayTransport, ZmqTransportConfig
+from refit_sidecar.transport.relay.dealer import DealerConfig
+from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from tests.sidecar.receiver.models import canonical, overwrite_payload
 
 
@@ -48,11 +48,11 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=2 << 20)
     args = ap.parse_args()
     ps = link_payloads(args.attempt, args.seed, args.tensors, args.numel)
-    t = ZmqRelayTransport(
-        ZmqTransportConfig(
+    t = RelayTransport(
+        RelayTransportConfig(
             root=args.root,
             token=SecretStr(args.token),
-            client=RelayClientConfig(ack_timeout_s=30, min_bandwidth_bytes_s=1e6),
+            client=DealerConfig(ack_timeout_s=30, min_bandwidth_bytes_s=1e6),
         )
     )
     t0 = time.monotonic()

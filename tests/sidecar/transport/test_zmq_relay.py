@@ -25,9 +25,9 @@ from refit_sidecar.transport.errors import (
     PayloadRejectedError,
     TransportStoppedError,
 )
-from refit_sidecar.transport.relay.dealer import RelayClient, RelayClientConfig
+from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
 from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta
-from refit_sidecar.transport.relay.transport import ZmqRelayTransport, ZmqTransportConfig
+from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from tests.harness.receivers import Cluster, NodeProc, start_cluster
 from tests.sidecar.receiver.models import (
     canonical,
@@ -38,7 +38,7 @@ from tests.sidecar.receiver.models import (
     read_applied,
 )
 
-CLIENT = RelayClientConfig(ack_timeout_s=3.0, max_retries=2, unknown_attempt_timeout_s=5.0)
+CLIENT = DealerConfig(ack_timeout_s=3.0, max_retries=2, unknown_attempt_timeout_s=5.0)
 STATE: dict[str, object] = {"version": 0, "weights": canonical(0)}
 
 
@@ -60,9 +60,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.stop_all()
 
 
-def transport(c: Cluster, root: int, **kw: object) -> ZmqRelayTransport:
-    cfg = ZmqTransportConfig(root=c.relay_tree[root], token=SecretStr(c.token), client=CLIENT, **kw)  # type: ignore[arg-type]
-    return ZmqRelayTransport(cfg)
+def transport(c: Cluster, root: int, **kw: object) -> RelayTransport:
+    cfg = RelayTransportConfig(
+        root=c.relay_tree[root], token=SecretStr(c.token), client=CLIENT, **kw
+    )  # type: ignore[arg-type]
+    return RelayTransport(cfg)
 
 
 def prepare(
@@ -108,7 +110,7 @@ def finish(
     STATE["version"], STATE["weights"] = version, target
 
 
-def send_all(t: ZmqRelayTransport, attempt: str, ps: list[EncodedPayload]) -> None:
+def send_all(t: RelayTransport, attempt: str, ps: list[EncodedPayload]) -> None:
     for p in ps:
         t.send(attempt, p)
     summary = t.stop_and_wait(attempt)
@@ -141,7 +143,7 @@ def test_duplicates_are_acknowledged_and_ignored(cluster: Cluster) -> None:
     ps = payloads("t2", 0, old, new)
     prepare(cluster, "t2", "mixed", [0])
     t = transport(cluster, 0)
-    raw = RelayClient(cluster.relay_tree[5], token=cluster.token, config=CLIENT)
+    raw = RelayDealer(cluster.relay_tree[5], token=cluster.token, config=CLIENT)
     try:
         send_all(t, "t2", ps)
         deadline = time.monotonic() + 10  # forwarding to node 5 continues after the root's ACK
@@ -149,7 +151,7 @@ def test_duplicates_are_acknowledged_and_ignored(cluster: Cluster) -> None:
             time.sleep(0.02)
         for p in ps[:3]:  # a producer retry to the root, and a late forward to an inner node
             assert (
-                _send_raw(RelayClient(cluster.relay_tree[0], token=cluster.token, config=CLIENT), p)
+                _send_raw(RelayDealer(cluster.relay_tree[0], token=cluster.token, config=CLIENT), p)
                 is AckStatus.DUPLICATE
             )
             assert _send_raw(raw, p, root=0) is AckStatus.DUPLICATE
@@ -190,7 +192,7 @@ def test_corrupted_body_is_rejected_by_digest(cluster: Cluster) -> None:
     prepare(cluster, "t4", "overwrite", [0], open_apply=False)
     bad = bytearray(p.body)
     bad[len(bad) // 2] ^= 0x01
-    client = RelayClient(cluster.relay_tree[0], token=cluster.token, config=CLIENT)
+    client = RelayDealer(cluster.relay_tree[0], token=cluster.token, config=CLIENT)
     try:
         meta = _meta(p)
         with pytest.raises(PayloadRejectedError, match="DigestMismatch"):
@@ -222,7 +224,7 @@ def test_payloads_of_an_obsolete_attempt_are_dropped(cluster: Cluster) -> None:
             time.sleep(0.02)
         before = [s.dropped for s in cluster.each(lambda n: n.ctl.status())]
         prepare(cluster, "t5b", "overwrite", [0])  # replaces t5a everywhere
-        client = RelayClient(cluster.relay_tree[0], token=cluster.token, config=CLIENT)
+        client = RelayDealer(cluster.relay_tree[0], token=cluster.token, config=CLIENT)
         try:
             late = client.submit_data(_meta(stale[2]), stale[2].body)
             with pytest.raises(AttemptObsoleteError):
@@ -277,9 +279,9 @@ def test_missing_or_wrong_token_is_rejected(cluster: Cluster) -> None:
     assert isinstance(old, dict)
     p = payloads("t7", 0, old, perturb(old, 18))[0]
     prepare(cluster, "t7", "overwrite", [0], open_apply=False)
-    quick = RelayClientConfig(ack_timeout_s=0.5, max_retries=1)
+    quick = DealerConfig(ack_timeout_s=0.5, max_retries=1)
     for token in (None, "wrong"):
-        client = RelayClient(node.relay, token=token, config=quick)
+        client = RelayDealer(node.relay, token=token, config=quick)
         try:
             with pytest.raises(DeliveryTimeoutError):  # dropped without an answer
                 client.submit_data(_meta(p), p.body).result(10)
@@ -384,7 +386,7 @@ def _meta(p: EncodedPayload, root: int | None = None) -> FrameMeta:
     )
 
 
-def _send_raw(client: RelayClient, p: EncodedPayload, root: int | None = None) -> AckStatus:
+def _send_raw(client: RelayDealer, p: EncodedPayload, root: int | None = None) -> AckStatus:
     try:
         return client.submit_data(_meta(p, root), p.body).result(10)
     finally:

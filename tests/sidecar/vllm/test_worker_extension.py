@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from refit_sidecar.bitdiff import int_view
+from refit_sidecar.bits import int_view
 from refit_sidecar.codec import (
     CODEC_VERSION,
     Mode,
@@ -21,11 +21,13 @@ from refit_sidecar.codec import (
     PayloadHeader,
     TensorMeta,
     choose_op,
+    decode_payload,
     diff_item,
     encode_payload,
 )
+from refit_sidecar.codec.decoded_file import write_decoded
 from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
-from refit_sidecar.vllm.worker_extension import metas_to_wire
+from refit_sidecar.vllm.rpc_args import metas_to_wire
 from refit_tools.vllm_engine import greedy_tokens, shutdown_llm, start_llm
 
 PROMPTS = [[1, 5, 9, 33], [1, 7, 7, 7, 100], [1, 400, 3, 2, 17, 250]]
@@ -97,8 +99,9 @@ def _payload(
             items.append(it)
     header = PayloadHeader(CODEC_VERSION, "test-attempt", 0, payload_id, payload_id)
     enc = encode_payload(header, items)
-    path = directory / f"payload-{payload_id}.bin"
-    path.write_bytes(enc.body)
+    # What a receiver does: decode the wire bytes once, hand the workers the decoded file.
+    path = directory / f"payload-{payload_id}.krd"
+    write_decoded(decode_payload(enc.body), path)
     return str(path), sum(i.count for i in items), sum(1 for i in items if i.op is Op.XOR)
 
 
@@ -181,7 +184,7 @@ def test_stock_cpu_layout_fails_closed(tiny_models: dict[str, Path]) -> None:
         with pytest.raises(Exception, match="prepacks"):
             llm.collective_rpc("refit_prewarm", args=(metas_to_wire(metas),))
         with pytest.raises(Exception, match="prepacks"):
-            llm.collective_rpc("refit_apply", args=(b"not even a payload",))
+            llm.collective_rpc("refit_apply", args=("/nonexistent/not-even-a-payload.krd",))
         assert llm.collective_rpc("refit_fingerprint") == before
     finally:
         shutdown_llm(llm)

@@ -21,7 +21,8 @@ import torch
 import zstandard
 
 from refit_sidecar.baseline import BaselineConfig, SourceBaseline, chunk_export
-from refit_sidecar.bitdiff import NO_BUFFERS, DiffBuffers, bits_numpy, diff_bits
+from refit_sidecar.bitdiff import NO_BUFFERS, DiffBuffers, diff_bits
+from refit_sidecar.bits import bits_numpy
 from refit_sidecar.codec import EncodedPayload, apply_item_, decode_payload
 from refit_sidecar.codec.locations import shuffle
 from refit_sidecar.codec.wire import CodecConfig

@@ -65,8 +65,8 @@ from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
 from refit_protocol.receiver_api import PrewarmRequest
 from refit_sidecar.pipeline.config import PipelineConfig
-from refit_sidecar.transport.relay.dealer import RelayClientConfig
-from refit_sidecar.transport.relay.transport import ZmqTransportConfig
+from refit_sidecar.transport.relay.dealer import DealerConfig
+from refit_sidecar.transport.relay.transport import RelayTransportConfig
 from refit_tools.bench.netns import Link, create_link, require_netns_tools
 from refit_tools.bench.nodes import BenchNodes
 from refit_tools.bench.plot import refit_svg
@@ -459,11 +459,11 @@ def _start_producer(
     nodes_relay_root = nodes.relays[0]
     port = free_port()
     rate = link.rate_bytes_s
-    transport = ZmqTransportConfig(
+    transport = RelayTransportConfig(
         root=nodes_relay_root,
         # ACK deadlines sized for the emulated link: a payload may queue behind another.
         stop_timeout_s=60 + 8 * max(cfg.reference_payload_bytes, cfg.bucket_bytes) / rate,
-        client=RelayClientConfig(min_bandwidth_bytes_s=rate / 4),
+        client=DealerConfig(min_bandwidth_bytes_s=rate / 4),
     )
     config = ProducerProcessConfig(
         port=port,

@@ -44,7 +44,7 @@ from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.transport.base import SendInterval, Transport
-from refit_sidecar.transport.relay.transport import ZmqRelayTransport, ZmqTransportConfig
+from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from refit_tools.bench.refit_workload import Workload, reference_plan
 from refit_tools.bench.synthetic import perturb
 
@@ -68,7 +68,7 @@ class ProducerProcessConfig(BaseModel):
     relay_root: str = Field(description="Root relay endpoint when a plan names no relay tree.")
     export_chunk_bytes: int = Field(default=32 << 20, ge=1, description="Export chunk limit.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
-    transport: ZmqTransportConfig | None = Field(
+    transport: RelayTransportConfig | None = Field(
         default=None,
         description="Transport settings without root/token (filled in here); None: defaults.",
     )
@@ -149,7 +149,7 @@ class ProducerBench:
         self.baseline.load_initial(chunk_export(self.committed, cfg.export_chunk_bytes))
         self.intervals: list[SendInterval] = []
         self._lock = threading.Lock()
-        self._transports: dict[str, ZmqRelayTransport] = {}
+        self._transports: dict[str, RelayTransport] = {}
         self.service = TimedProducerService(self.baseline, self._transport_for, cfg.pipeline)
         log.info("bench.producer_ready", seconds=time.perf_counter() - t0)
 
@@ -157,15 +157,15 @@ class ProducerBench:
         with self._lock:
             self.intervals.append(interval)
 
-    def transport(self, root: str) -> ZmqRelayTransport:
+    def transport(self, root: str) -> RelayTransport:
         """One transport per root relay, shared by attempts and the reference."""
         with self._lock:
             if root not in self._transports:
-                base = self.cfg.transport or ZmqTransportConfig(root=root)
+                base = self.cfg.transport or RelayTransportConfig(root=root)
                 config = base.model_copy(
                     update={"root": root, "token": self.cfg.token, "producer": 0}
                 )
-                self._transports[root] = ZmqRelayTransport(config, observer=self._observe)
+                self._transports[root] = RelayTransport(config, observer=self._observe)
             return self._transports[root]
 
     def _transport_for(self, plan: AttemptPlan) -> Transport:

@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from refit_sidecar.fingerprint import named_tensors_digest
-from refit_sidecar.receiver.appliers.base import InProcessApplier
+from refit_sidecar.receiver.appliers.inprocess import InProcessApplier
 from refit_tools.bench.apply import SyntheticServingModel
 from refit_tools.bench.refit_workload import Workload
 

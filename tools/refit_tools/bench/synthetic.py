@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from refit_sidecar.bitdiff import bits_numpy
+from refit_sidecar.bits import bits_numpy
 
 BF16 = torch.bfloat16
 

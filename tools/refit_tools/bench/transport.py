@@ -31,8 +31,8 @@ from refit_sidecar.codec.wire import (
     encode_payload,
 )
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
-from refit_sidecar.transport.relay.dealer import RelayClientConfig
-from refit_sidecar.transport.relay.transport import ZmqRelayTransport, ZmqTransportConfig
+from refit_sidecar.transport.relay.dealer import DealerConfig
+from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from refit_sidecar.transport.s3 import S3Config, S3Fetcher, make_client, upload_payload
 from refit_tools.bench.nodes import BenchNodes
 
@@ -46,7 +46,7 @@ class DiscardApplier:
     def prewarm(self, metas: Mapping[str, TensorMeta]) -> list[RankPrewarm]:
         return [RankPrewarm(rank=0)]
 
-    def stage(self, body: bytes | memoryview, decoded: DecodedPayload) -> StagedPayload:
+    def stage(self, decoded: DecodedPayload) -> StagedPayload:
         return StagedPayload(decoded.header, 0)
 
     def apply(self, batch: Sequence[StagedPayload], check_samples: int) -> ApplyReport:
@@ -100,9 +100,9 @@ def _relay_round(
 ) -> float:
     """Seconds from the first send to a successful relay flush on every node."""
     nodes.each(lambda u: nodes.post(u, "/prewarm", PrewarmRequest(metas=metas)))
-    t = ZmqRelayTransport(
-        ZmqTransportConfig(
-            root=nodes.relays[0], token=SecretStr(nodes.token), client=RelayClientConfig()
+    t = RelayTransport(
+        RelayTransportConfig(
+            root=nodes.relays[0], token=SecretStr(nodes.token), client=DealerConfig()
         )
     )
 

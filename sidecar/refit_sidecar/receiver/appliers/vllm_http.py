@@ -1,9 +1,11 @@
-"""Apply through a vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1 and
+"""The vLLM applier: a vLLM OpenAI server in the same pod, started with
 `--worker-extension-cls refit_sidecar.vllm.worker_extension.RefitWorkerExtension`.
 
-Every call is `POST /collective_rpc` with JSON arguments (tensors cannot travel there): prewarm
-sends canonical metadata as lists; each payload is written once to a file on the shared-memory
-volume and applied with `refit_apply(path, check_samples)` on every worker. The request gate is
+Every call is `POST /collective_rpc` (which vLLM serves only in its development mode; a guarded
+control path is to replace it) with JSON arguments (tensors cannot travel there): prewarm
+sends canonical metadata as lists; each payload, decoded once by the receiver, is written to a
+decoded payload file on the shared-memory volume (`codec.decoded_file`) and applied with
+`refit_apply(path, check_samples)` on every worker, which only reads it. The request gate is
 vLLM's own `/pause` (mode=wait: in-flight requests finish first) and `/resume`.
 """
 
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,10 +20,12 @@ from typing import Any
 import urllib3
 
 from refit_protocol.receiver_api import RankPrewarm
+from refit_sidecar.codec.decoded_file import write_decoded
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
 from refit_sidecar.receiver.config import ApplierConfig
+from refit_sidecar.vllm.rpc_args import metas_to_wire
 
 
 class VllmRpcError(RuntimeError):
@@ -69,11 +72,8 @@ class VllmHttpApplier:
 
     # -- Applier -----------------------------------------------------------------------------------
     def prewarm(self, metas: Mapping[str, TensorMeta]) -> list[RankPrewarm]:
-        wire = [
-            [m.name, list(m.shape), str(m.dtype).removeprefix("torch.")] for m in metas.values()
-        ]
         ranks = []
-        for i, r in enumerate(self._rpc("refit_prewarm", wire)):
+        for i, r in enumerate(self._rpc("refit_prewarm", metas_to_wire(metas.values()))):
             if not isinstance(r, dict):
                 raise VllmRpcError(f"refit_prewarm: rank {i} answered {r!r}")
             ranks.append(
@@ -87,15 +87,11 @@ class VllmHttpApplier:
             )
         return ranks
 
-    def stage(self, body: bytes | memoryview, decoded: DecodedPayload) -> StagedPayload:
+    def stage(self, decoded: DecodedPayload) -> StagedPayload:
         h = decoded.header
         tag = hashlib.blake2b(h.attempt.encode(), digest_size=8).hexdigest()
-        path = self.shm_dir / f"{tag}-{h.producer}-{h.payload_id}.krp"
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "wb") as fh:
-            fh.write(body)
-        tmp.replace(path)
-        return StagedPayload(h, memoryview(body).nbytes, path=path)
+        path = self.shm_dir / f"{tag}-{h.producer}-{h.payload_id}.krd"
+        return StagedPayload(h, write_decoded(decoded, path), path=path)
 
     def apply(self, batch: Sequence[StagedPayload], check_samples: int) -> ApplyReport:
         t0 = time.perf_counter()

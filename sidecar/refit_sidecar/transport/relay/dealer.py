@@ -52,7 +52,7 @@ Body = bytes | bytearray | memoryview | zmq.Frame
 _Key = tuple[str, str, int, int, str]
 
 
-class RelayClientConfig(BaseModel):
+class DealerConfig(BaseModel):
     """Window, timeouts and backoff of one DEALER hop (producer -> root, relay -> child)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -110,7 +110,7 @@ class _Item:
         return (kind, m.attempt, m.producer, m.payload_id, m.digest)
 
 
-class RelayClient:
+class RelayDealer:
     """A DEALER connected to one relay endpoint; thread-safe `submit_*`, `abort`, `close`."""
 
     def __init__(
@@ -118,13 +118,13 @@ class RelayClient:
         endpoint: str,
         *,
         token: str | None,
-        config: RelayClientConfig | None = None,
+        config: DealerConfig | None = None,
         context: zmq.Context[Any] | None = None,
         name: str = "relay-client",
     ) -> None:
         self.endpoint = endpoint
         self.name = name
-        self.config = config or RelayClientConfig()
+        self.config = config or DealerConfig()
         self._token = token or ""
         self._ctx = context or zmq.Context.instance()
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from refit_protocol.auth import tokens_equal
 from refit_sidecar.codec.errors import CodecError
 from refit_sidecar.transport.relay import tree
-from refit_sidecar.transport.relay.dealer import RelayClient, RelayClientConfig
+from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
 from refit_sidecar.transport.relay.frames import (
     ACK,
     DATA,
@@ -61,8 +61,8 @@ class RelayConfig(BaseModel):
         default_factory=list,
         description="Every relay endpoint in tree order (a prepare's relay_tree overrides it).",
     )
-    forward: RelayClientConfig = Field(
-        default_factory=RelayClientConfig, description="Window and retries of child forwards."
+    forward: DealerConfig = Field(
+        default_factory=DealerConfig, description="Window and retries of child forwards."
     )
     max_payload_bytes: int = Field(
         default=8 << 30, gt=0, description="Largest frame accepted (ZeroMQ MAXMSGSIZE)."
@@ -128,7 +128,7 @@ class RelayMetrics:
         )
 
 
-class RelayServer:
+class RelayNode:
     """The ROUTER of one node plus its child forwarders."""
 
     def __init__(
@@ -145,7 +145,7 @@ class RelayServer:
         self._token = token or ""
         self._ctx = context or zmq.Context.instance()
         self.metrics = RelayMetrics(registry)
-        self._clients: dict[str, RelayClient] = {}
+        self._clients: dict[str, RelayDealer] = {}
         self._cond = threading.Condition()
         self._pending: collections.Counter[str] = collections.Counter()
         self._errors: dict[str, list[str]] = collections.defaultdict(list)
@@ -155,7 +155,7 @@ class RelayServer:
         self.bound: str = ""
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def start(self) -> RelayServer:
+    def start(self) -> RelayNode:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload_bytes + (1 << 16))
@@ -299,10 +299,10 @@ class RelayServer:
             return None
         return [nodes[i] for i in tree.children(index, root, len(nodes))]
 
-    def _client(self, endpoint: str) -> RelayClient:
+    def _client(self, endpoint: str) -> RelayDealer:
         client = self._clients.get(endpoint)
         if client is None:
-            client = RelayClient(
+            client = RelayDealer(
                 endpoint,
                 token=self._token,
                 config=self.config.forward,

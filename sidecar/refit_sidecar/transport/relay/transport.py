@@ -20,14 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.transport.base import SendInterval, SendObserver, TransportSummary
-from refit_sidecar.transport.relay.dealer import RelayClient, RelayClientConfig
+from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
 from refit_sidecar.transport.relay.frames import FrameMeta
 from refit_sidecar.transport.window import AttemptSends, SendWindow
 
 log = structlog.get_logger("kuberefit.transport.zmq")
 
 
-class ZmqTransportConfig(BaseModel):
+class RelayTransportConfig(BaseModel):
     """Where a producer sends (its root relay) and how patiently."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -44,15 +44,15 @@ class ZmqTransportConfig(BaseModel):
     stop_timeout_s: float = Field(
         default=60.0, gt=0, description="How long stop_and_wait waits for outstanding ACKs."
     )
-    client: RelayClientConfig = Field(default_factory=RelayClientConfig)
+    client: DealerConfig = Field(default_factory=DealerConfig)
 
 
-class ZmqRelayTransport:
+class RelayTransport:
     """`Transport` implementation for one producer (thread-safe)."""
 
     def __init__(
         self,
-        config: ZmqTransportConfig,
+        config: RelayTransportConfig,
         *,
         context: zmq.Context[Any] | None = None,
         observer: SendObserver | None = None,
@@ -62,7 +62,7 @@ class ZmqRelayTransport:
         self.config = config
         self._observer = observer
         token = config.token.get_secret_value() if config.token else None
-        self._client = RelayClient(
+        self._client = RelayDealer(
             config.root, token=token, config=config.client, context=context, name="zmq-producer"
         )
         self._window = SendWindow(config.max_in_flight)

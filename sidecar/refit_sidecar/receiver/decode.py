@@ -1,0 +1,60 @@
+"""❺ validate: one payload's bytes checked, decoded once, classified and handed to the applier.
+
+The sync path (decode as payloads arrive) and the async path (decode after the gate closes) both
+end here, so a payload is decompressed and parsed exactly once on its way to the weights: the
+applier receives the decoded items (in process) or writes them for the vLLM workers to read
+(`codec.decoded_file`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from refit_sidecar.codec.errors import HeaderMismatch
+from refit_sidecar.codec.records import Op, TensorMeta
+from refit_sidecar.codec.wire import DecodedPayload, decode_payload, peek_header
+from refit_sidecar.receiver.appliers.base import Applier, StagedPayload
+from refit_sidecar.receiver.errors import ReceptionError
+from refit_sidecar.receiver.state import PayloadIdent
+
+
+def check_identity(body: bytes | memoryview, ident: PayloadIdent) -> None:
+    """The payload's plain header names what it was announced as (before anything else)."""
+    h = peek_header(body)
+    if (h.attempt, h.producer, h.payload_id, h.order) != (
+        ident.attempt,
+        ident.producer,
+        ident.payload_id,
+        ident.order,
+    ):
+        raise HeaderMismatch("payload header differs from its announced identity")
+
+
+def classify(
+    decoded: DecodedPayload, xor_incompatible: frozenset[str], unsupported: Mapping[str, str]
+) -> None:
+    """Loader classification from prewarm: fail closed on unsupported names and XOR misuse."""
+    for item in decoded.items:
+        name = item.meta.name
+        if name in unsupported:
+            raise ReceptionError(
+                f"{name}: the native loader cannot take it here ({unsupported[name]})"
+            )
+        if item.op is Op.XOR and name in xor_incompatible:
+            raise ReceptionError(f"{name}: XOR item for a tensor prewarm found XOR-incompatible")
+
+
+def decode_and_stage(
+    body: bytes | memoryview,
+    ident: PayloadIdent,
+    *,
+    metas: Mapping[str, TensorMeta],
+    xor_incompatible: frozenset[str],
+    unsupported: Mapping[str, str],
+    applier: Applier,
+) -> StagedPayload:
+    """Decode (digest, limits, schema, canonical metadata), classify, stage. Raises a
+    `CodecError` or `ReceptionError` for a payload the attempt must fail on."""
+    decoded = decode_payload(body, expected_digest=ident.digest, known=metas)
+    classify(decoded, xor_incompatible, unsupported)
+    return applier.stage(decoded)

@@ -1,0 +1,287 @@
+"""❺ intake: payloads in, checked, deduplicated and staged for the apply queue.
+
+Both transports feed it: the relay-tree node calls the `relay_*` methods (this is its
+`RelaySink`), the HTTP manifest handler calls `offer_manifest` and the S3 downloads feed the
+same staging step. Nothing here knows how bytes travelled or how they are applied.
+
+Threads: payloads are validated and decoded on a small staging pool; S3 objects are fetched on a
+download pool; in async RL one decoder thread (`decode_loop`, started by open_apply) feeds the
+queue from the compressed staging area in declared order. Verdicts are `admission`'s; shared
+state is the node's (`NodeState`), changed only with its condition held.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+
+from refit_protocol.receiver_api import ManifestEntry, StreamEnd
+from refit_sidecar.codec.errors import CodecError, DigestMismatch
+from refit_sidecar.receiver.admission import attempt_refusal, offer_refusal
+from refit_sidecar.receiver.appliers.base import StagedPayload
+from refit_sidecar.receiver.config import ReceiverConfig
+from refit_sidecar.receiver.decode import check_identity, decode_and_stage
+from refit_sidecar.receiver.errors import ReceptionError
+from refit_sidecar.receiver.node_state import NodeState, Verdict
+from refit_sidecar.receiver.state import AttemptState, Entry, EntryState, PayloadIdent
+from refit_sidecar.transport.errors import PayloadRejectedError
+from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta, body_digest
+from refit_sidecar.transport.s3 import S3Fetcher
+
+log = structlog.get_logger("kuberefit.receiver")
+
+
+class Intake:
+    """One node's payload intake (the relay node's sink and the S3 manifest endpoint)."""
+
+    def __init__(
+        self, node: NodeState, config: ReceiverConfig, fetcher: S3Fetcher | None = None
+    ) -> None:
+        self.state = node
+        self.node = node.node  # RelaySink: the name in every answer
+        self.config = config
+        self.fetcher = fetcher
+        self._stage_pool = ThreadPoolExecutor(config.staging_workers, "refit-stage")
+        self._download_pool = ThreadPoolExecutor(config.download_workers, "refit-download")
+
+    def close(self) -> None:
+        self._stage_pool.shutdown(wait=False, cancel_futures=True)
+        self._download_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- offers ---------------------------------------------------------------------------------
+    def _offer(self, ident: PayloadIdent) -> Verdict | AttemptState:
+        """The verdict on a payload offer, or the attempt that takes it (under the lock)."""
+        s = self.state
+        refusal = offer_refusal(
+            s.current,
+            s.obsolete,
+            ident,
+            node=s.node,
+            async_staging_max_bytes=self.config.async_staging_max_bytes,
+        )
+        if refusal is not None:
+            return s.settle(refusal)
+        assert s.current is not None
+        return s.current
+
+    def relay_tree(self, attempt: str) -> list[str]:
+        with self.state.cond:
+            st = self.state.current
+            return st.relay_tree if st is not None and st.attempt == attempt else []
+
+    def relay_check(self, meta: FrameMeta, *, probe: bool) -> Verdict | None:
+        with self.state.cond:
+            offer = self._offer(PayloadIdent.from_frame(meta))
+        if isinstance(offer, tuple):
+            return offer
+        return (AckStatus.READY, "") if probe else None
+
+    def relay_stage(
+        self, meta: FrameMeta, body: memoryview, keep: object, children: int
+    ) -> Verdict:
+        ident = PayloadIdent.from_frame(meta)
+        with self.state.cond:
+            offer = self._offer(ident)
+            if isinstance(offer, tuple):
+                return offer
+            entry = offer.register(ident, children)
+            entry.keep = keep
+            self.state.metrics.payloads.labels("staged").inc()
+        self._stage_pool.submit(self._stage_local, offer, entry, body, verified=True)
+        return (AckStatus.STAGED, "")
+
+    def relay_release(self, meta: FrameMeta, error: str | None) -> None:
+        with self.state.cond:
+            st = self.state.current
+            if st is None or st.attempt != meta.attempt:
+                return
+            entry = st.entries.get((meta.producer, meta.payload_id))
+            if entry is not None:
+                st.release(entry)
+            self.state.cond.notify_all()
+
+    def relay_end(self, meta: FrameMeta) -> Verdict:
+        if meta.total is None:
+            return (AckStatus.REJECTED, "END without a total")
+        return self.stream_end(
+            StreamEnd(attempt=meta.attempt, producer=meta.producer, total=meta.total)
+        )
+
+    def relay_fail(self, attempt: str, reason: str) -> None:
+        with self.state.cond:
+            st = self.state.current
+            if st is not None and st.attempt == attempt:
+                self.state.fail(st, reason)
+
+    def stream_end(self, req: StreamEnd) -> Verdict:
+        """A producer's stream is complete with `req.total` payloads."""
+        s = self.state
+        with s.cond:
+            refusal = attempt_refusal(s.current, s.obsolete, req.attempt, s.node)
+            if refusal is not None:
+                return s.settle(refusal)
+            st = s.current
+            assert st is not None
+            err = st.set_total(req.producer, req.total)
+            if err:
+                s.fail(st, err)
+                return (AckStatus.REJECTED, err)
+            s.cond.notify_all()
+            return (AckStatus.STAGED, "")
+
+    def offer_manifest(self, m: ManifestEntry) -> Verdict:
+        """Register an object-storage payload and queue its download (S3 transport)."""
+        if self.fetcher is None:
+            return (AckStatus.REJECTED, "this node has no object storage configured")
+        try:
+            ident = PayloadIdent.from_manifest(m)
+        except ValueError as exc:
+            return (AckStatus.REJECTED, str(exc))
+        with self.state.cond:
+            offer = self._offer(ident)
+            if isinstance(offer, tuple):
+                return offer
+            entry = offer.register(ident, 0)
+            self.state.metrics.payloads.labels("staged").inc()
+        self._download_pool.submit(self._download, offer, entry, m)
+        return (AckStatus.STAGED, "")
+
+    # -- staging --------------------------------------------------------------------------------
+    def _download(self, st: AttemptState, entry: Entry, m: ManifestEntry) -> None:
+        assert self.fetcher is not None
+        last: Exception | None = None
+        for i in range(self.config.download_retries + 1):
+            with self.state.cond:
+                if not self.state.is_live(st):
+                    self.state.drop(entry)
+                    return
+            try:
+                data = self.fetcher.fetch(m.bucket, m.key, m.size)
+                break
+            except PayloadRejectedError as exc:  # wrong bucket or size: retrying cannot help
+                with self.state.cond:
+                    self.state.fail(st, f"download of {entry.ident.label()} ({m.key}): {exc}")
+                return
+            except Exception as exc:  # network, 404 before consistency
+                last = exc
+                time.sleep(min(0.1 * 2**i, 2.0))
+        else:
+            with self.state.cond:
+                self.state.fail(st, f"download of {entry.ident.label()} ({m.key}) failed: {last!r}")
+            return
+        self._stage_local(st, entry, data, verified=False)
+
+    def _stage_local(
+        self, st: AttemptState, entry: Entry, body: bytes | memoryview, *, verified: bool
+    ) -> None:
+        """Validate one registered payload; sync RL: decode and queue it for the apply loop,
+        async RL: keep its compressed bytes until the gate closes (staging pool thread)."""
+        s = self.state
+        ident = entry.ident
+        try:
+            check_identity(body, ident)
+            if st.sync:
+                t0 = time.perf_counter()
+                staged = self._decode(body, ident)
+                with s.cond:
+                    st.timings["decode_s"] += time.perf_counter() - t0
+                    st.pending_local -= 1
+                    self._ready(st, entry, staged, (ident.order, ident.producer))
+                return
+            if not verified and body_digest(body) != ident.digest:
+                raise DigestMismatch("payload body does not match the manifest digest")
+            with s.cond:
+                st.pending_local -= 1
+                if not s.is_live(st):
+                    s.drop(entry)
+                    return
+                entry.body, entry.state = body, EntryState.STAGED
+                st.compressed_bytes += ident.size
+                st.release_local(entry)
+                s.gauges(st)
+                s.cond.notify_all()
+        except (CodecError, ReceptionError) as exc:
+            with s.cond:
+                s.fail(st, f"payload {ident.label()}: {type(exc).__name__}: {exc}")
+        except Exception as exc:
+            log.exception("receiver.stage_failed", node=s.node, payload=ident.label())
+            with s.cond:
+                s.fail(st, f"payload {ident.label()}: staging failed: {exc!r}")
+
+    def decode_loop(self, st: AttemptState) -> None:
+        """Async RL: feed the bounded queue from compressed staging, in declared order."""
+        s = self.state
+        cap = self.config.queue_capacity
+        while True:
+            with s.cond:
+                while True:
+                    if not s.is_live(st):
+                        return
+                    key = st.next_key(st.decode_cursor)
+                    if key is None:
+                        return
+                    entry = st.entry_at(key)
+                    if (
+                        entry is not None
+                        and entry.state is EntryState.STAGED
+                        and len(st.ready) + st.decoding < cap
+                    ):
+                        break
+                    s.cond.wait(1.0)
+                st.decode_cursor[key[1]] = key[0] + 1
+                st.decoding += 1
+                body = entry.body
+            assert body is not None
+            t0 = time.perf_counter()
+            try:
+                staged = self._decode(body, entry.ident)
+            except Exception as exc:
+                what = "" if isinstance(exc, CodecError | ReceptionError) else "decode failed: "
+                with s.cond:
+                    st.decoding -= 1
+                    s.fail(st, f"payload {entry.ident.label()}: {what}{_describe(exc)}")
+                return
+            with s.cond:
+                st.decoding -= 1
+                st.timings["decode_s"] += time.perf_counter() - t0
+                st.compressed_bytes -= entry.ident.size
+                entry.body = entry.keep = None
+                if not self._ready(st, entry, staged, key):
+                    return
+
+    def _decode(self, body: bytes | memoryview, ident: PayloadIdent) -> StagedPayload:
+        s = self.state
+        with s.cond:  # a consistent snapshot of the prewarm classification
+            metas, xor_incompatible, unsupported = s.metas, s.xor_incompatible, s.unsupported
+        return decode_and_stage(
+            body,
+            ident,
+            metas=metas,
+            xor_incompatible=xor_incompatible,
+            unsupported=unsupported,
+            applier=s.applier,
+        )
+
+    def _ready(
+        self, st: AttemptState, entry: Entry, staged: StagedPayload, key: tuple[int, int]
+    ) -> bool:
+        """Queue a staged payload for the apply loop (under the lock); False (and the payload
+        discarded) when its attempt is no longer live."""
+        s = self.state
+        if not s.is_live(st):
+            s.applier.discard(staged)
+            s.drop(entry)
+            return False
+        entry.staged, entry.state, entry.keep = staged, EntryState.READY, None
+        st.ready[key] = entry
+        s.gauges(st)
+        s.cond.notify_all()
+        return True
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, CodecError | ReceptionError):
+        return f"{type(exc).__name__}: {exc}"
+    return repr(exc)
