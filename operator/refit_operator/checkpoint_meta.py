@@ -10,23 +10,8 @@ import json
 import struct
 from pathlib import Path
 
-from refit_protocol.tensors import TensorMetaModel
+from refit_protocol.tensors import SAFETENSORS_DTYPES, TensorMetaModel
 
-#: safetensors dtype tags -> torch dtype names (as `TensorMetaModel.dtype` spells them).
-SAFETENSORS_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I8": "int8",
-    "I16": "int16",
-    "I32": "int32",
-    "I64": "int64",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
 #: Headers larger than this are refused (the format's own limit is 100 MB).
 MAX_HEADER_BYTES = 100_000_000
 

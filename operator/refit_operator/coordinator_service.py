@@ -26,6 +26,7 @@ from refit_operator.coordinator import Coordinator, CoordinatorConfig, Transitio
 from refit_operator.http_membership import HttpMembership, NodeEndpoint
 from refit_operator.ports import TransitionProgress
 from refit_operator.producer_client import HttpProducerClient
+from refit_protocol.auth import resolve_token
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
 
@@ -78,11 +79,8 @@ class CoordinatorServiceConfig(BaseModel):
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
 
     def bearer(self) -> str | None:
-        if self.token is not None:
-            return self.token.get_secret_value()
-        if self.token_file is not None:
-            return self.token_file.read_text().strip()
-        return None
+        """The token: `token`, else `token_file`, else $KUBEREFIT_TOKEN (as every sidecar)."""
+        return resolve_token(self.token, self.token_file)
 
 
 class JsonLinesSink:

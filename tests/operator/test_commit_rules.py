@@ -33,7 +33,7 @@ def state(
     return StoreState(K0, epoch, "c1", active, aborted_by)
 
 
-# -- initialize / acquire ---------------------------------------------------------------------------
+# -- initialize / acquire --------------------------------------------------------------------------
 def test_initialize_creates_a_fresh_record() -> None:
     assert rules.initialize(None, K1) == StoreState(K1, 0, "", None, None)
 
@@ -89,7 +89,7 @@ def test_prepare_checks_the_epoch_before_the_abort() -> None:
         rules.prepare(state(epoch=3, aborted_by="alice"), 2, A1)
 
 
-# -- mark_obsolete -----------------------------------------------------------------------------------
+# -- mark_obsolete ---------------------------------------------------------------------------------
 def test_mark_obsolete_marks_the_active_attempt() -> None:
     after = rules.mark_obsolete(state(), 3, "a1")
     assert after is not None

@@ -108,15 +108,14 @@ async def _run(
     from refit_operator.coordinator import Coordinator, CoordinatorConfig
     from refit_operator.ports import TransitionProgress
     from refit_protocol.commit import CommitRecord
-    from refit_protocol.producer_api import AttemptPlan
     from refit_protocol.tensors import TensorMetaModel
     from refit_sidecar.baseline.chunks import chunk_export
     from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
     from refit_sidecar.producer.service import ProducerService
     from refit_sidecar.trainer.synthetic import SyntheticTrainer
-    from refit_sidecar.transport.base import Transport
-    from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
-    from refit_sidecar.transport.s3 import S3Config, S3Transport, S3TransportConfig
+    from refit_sidecar.transport.relay.transport import RelayTransportConfig
+    from refit_sidecar.transport.s3 import S3Config, S3TransportConfig
+    from refit_sidecar.transport.selector import TransportSelector
     from refit_tools.local.membership import LocalMembership
     from refit_tools.local.nodes import LocalNode
     from refit_tools.local.procs import free_ports, shm_segments, sweep_orphaned_shm
@@ -155,7 +154,7 @@ async def _run(
 
     nodes = [LocalNode(f"node{i}", root, token) for i in range(n_nodes)]
     reference = LocalNode("reference", root, token)
-    transports: dict[str, RelayTransport | S3Transport] = {}
+    transports: TransportSelector | None = None
     s3_server: S3Server | None = None
     s3_receiver: dict[str, Any] | None = None
     s3_cfg: S3Config | None = None
@@ -203,30 +202,21 @@ async def _run(
             say(f"[demo] prewarm: {len(membership.incompatible)} XOR-incompatible names")
             baseline.load_initial(chunk_export(sorted(state.items()), 256 << 10))
 
-            def transport_for(plan: AttemptPlan) -> Transport:
-                """The relay tree's root, or S3 announcing to this attempt's receivers (their
-                addresses change when a killed node restarts)."""
-                if s3_cfg is not None:
-                    by_name = {n.name: n for n in nodes}
-                    urls = [by_name[r].url for r in plan.receivers]
-                    key = " ".join(urls)
-                    if key not in transports:
-                        transports[key] = S3Transport(
-                            S3TransportConfig(s3=s3_cfg, receivers=urls, token=token, producer=0)
-                        )
-                    return transports[key]
-                root_ep = plan.relay_tree[0]
-                if root_ep not in transports:
-                    transports[root_ep] = RelayTransport(
-                        RelayTransportConfig(
-                            root=root_ep, token=token, producer=0, stop_timeout_s=10
-                        )
-                    )
-                return transports[root_ep]
-
-            producer = ProducerService(
-                baseline, transport_for, committed=CommitRecord(0, "g-initial")
+            by_name = {n.name: n for n in nodes}
+            template: RelayTransportConfig | S3TransportConfig
+            if s3_cfg is not None:
+                # S3 announces to this attempt's receivers: their addresses change when a
+                # killed node restarts, so they are resolved per plan.
+                template = S3TransportConfig(
+                    s3=s3_cfg, receivers=[n.url for n in nodes], token=token, producer=0
+                )
+            else:
+                template = RelayTransportConfig(root="", token=token, producer=0, stop_timeout_s=10)
+            transports = TransportSelector(
+                template, receiver_urls=lambda names: [by_name[r].url for r in names]
             )
+
+            producer = ProducerService(baseline, transports, committed=CommitRecord(0, "g-initial"))
             store = SqliteCommitStore(root / "commit.db", "demo")
             await store.initialize(CommitRecord(0, "g-initial"))
             victim: list[LocalNode] = []
@@ -310,8 +300,8 @@ async def _run(
                         row.bit_exact = row.bit_exact and restored
                         say(f"[demo]   {n.name} restored: bit-exact {'yes' if restored else 'NO'}")
     finally:
-        for t in transports.values():
-            t.close()
+        if transports is not None:
+            transports.close()
         for n in [*nodes, reference]:
             n.stop()
         if s3_server is not None:

@@ -1,10 +1,12 @@
-"""The trainer sidecar as a process: `python -m refit_sidecar.producer.main --config FILE`.
+"""The trainer sidecar as a process: `kuberefit producer serve --config FILE`
+(or `python -m refit_sidecar.producer --config FILE`).
 
-It serves the producer's control plane (`producer_http`: the coordinator's calls and the
+It serves the producer's control plane (`producer.http`: the coordinator's calls and the
 trainer's candidate handoff), keeps the source baseline in `baseline.directory`, takes the
 trainer's chunk files from the shared-memory inbox (`staging.inbox`), and streams each attempt
 over the ZeroMQ relay tree whose root the coordinator names in the attempt plan. The baseline
 is built from the trainer's first export (`Publisher.initialize`): no dense sync at start.
+`build` assembles the same process for tools that drive it differently (the refit bench).
 """
 
 from __future__ import annotations
@@ -12,25 +14,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from refit_protocol.auth import resolve_token
+from refit_protocol.auth import require_token_or_loopback, resolve_token
 from refit_protocol.commit import CommitRecord
 from refit_protocol.logs import configure_logging
-from refit_protocol.producer_api import AttemptPlan
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.http import create_producer_app
-from refit_sidecar.producer.service import ProducerService
+from refit_sidecar.producer.service import ProducerObserver, ProducerService
 from refit_sidecar.producer.staging import StagingConfig
-from refit_sidecar.transport.base import Transport
-from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
+from refit_sidecar.transport.base import SendObserver
+from refit_sidecar.transport.relay.transport import RelayTransportConfig
+from refit_sidecar.transport.selector import TransportSelector
 
-log = structlog.get_logger("kuberefit.producer_main")
+log = structlog.get_logger("kuberefit.producer")
 
 
 class ProducerProcessConfig(BaseModel):
@@ -51,63 +55,93 @@ class ProducerProcessConfig(BaseModel):
         "g-initial", description="Its baseline id (the commit record's)."
     )
     baseline: BaselineConfig = Field(default_factory=BaselineConfig)
-    staging: StagingConfig = Field(description="The trainer's shared-memory inbox.")
+    staging: StagingConfig | None = Field(
+        description="The trainer's shared-memory inbox (None only for tools that stage "
+        "candidates in process, like the refit bench)."
+    )
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
-    stop_timeout_s: float = Field(30.0, gt=0, description="Relay stop_and_wait timeout.")
+    transport: RelayTransportConfig = Field(
+        default_factory=lambda: RelayTransportConfig(root="", stop_timeout_s=30.0),
+        description="ZeroMQ transport settings. `root` is the fallback when an attempt plan "
+        "names no relay tree (empty: such plans fail); `token` and `producer` are this "
+        "process's.",
+    )
 
 
-async def serve(config: ProducerProcessConfig) -> None:
-    """Serve until SIGTERM/SIGINT."""
+@dataclass
+class ProducerProcess:
+    """The assembled sidecar: baseline, service and its per-attempt transports."""
+
+    baseline: SourceBaseline
+    service: ProducerService
+    transports: TransportSelector
+    token: str | None
+
+    def close(self) -> None:
+        self.transports.close()
+        self.service.close_staging()
+        self.baseline.close()
+
+
+def build(
+    config: ProducerProcessConfig,
+    *,
+    observer: ProducerObserver | None = None,
+    send_observer: SendObserver | None = None,
+) -> ProducerProcess:
+    """The sidecar's parts, not yet serving (refuses a non-loopback bind without a token)."""
     token = resolve_token(config.token, config.token_file)
-    if token is None and config.host not in ("127.0.0.1", "localhost", "::1"):
-        raise ValueError("refusing to serve beyond loopback without a token")
+    require_token_or_loopback(
+        f"producer {config.producer}", [config.host], token, allow_insecure=False
+    )
     baseline = SourceBaseline(
         producer=config.producer, producers=config.producers, config=config.baseline
     )
-    transports: dict[str, RelayTransport] = {}
-
-    def transport_for(plan: AttemptPlan) -> Transport:
-        if not plan.relay_tree:
-            raise ValueError(f"attempt {plan.attempt} names no relay tree")
-        root = plan.relay_tree[0]
-        if root not in transports:
-            transports[root] = RelayTransport(
-                RelayTransportConfig(
-                    root=root,
-                    token=token,
-                    producer=config.producer,
-                    stop_timeout_s=config.stop_timeout_s,
-                )
-            )
-        return transports[root]
-
+    template = config.transport.model_copy(
+        update={"token": SecretStr(token) if token else None, "producer": config.producer}
+    )
+    transports = TransportSelector(template, observer=send_observer)
     service = ProducerService(
         baseline,
-        transport_for,
+        transports,
         config.pipeline,
         committed=CommitRecord(config.committed_version, config.committed_baseline_id),
         staging=config.staging,
+        observer=observer,
     )
-    runner = web.AppRunner(create_producer_app(service, token=token))
-    await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
-    log.info("producer.serving", port=config.port, producer=config.producer)
+    return ProducerProcess(baseline, service, transports, token)
+
+
+async def run_app(
+    app: web.Application, host: str, port: int, *, on_close: Callable[[], None]
+) -> None:
+    """Serve `app` until SIGTERM/SIGINT, then clean up and call `on_close`."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        log.info("producer.serving", host=host, port=port)
         await stop.wait()
     finally:
         await runner.cleanup()
-        for t in transports.values():
-            t.close()
-        service.close_staging()
-        baseline.close()
+        on_close()
+
+
+async def serve(config: ProducerProcessConfig) -> None:
+    """Serve until SIGTERM/SIGINT."""
+    if config.staging is None:
+        raise ValueError("a trainer sidecar needs `staging` (the trainer's inbox)")
+    process = await asyncio.to_thread(build, config)
+    app = create_producer_app(process.service, token=process.token)
+    await run_app(app, config.host, config.port, on_close=process.close)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m refit_sidecar.producer.main")
+    parser = argparse.ArgumentParser(prog="python -m refit_sidecar.producer")
     parser.add_argument("--config", required=True, type=Path, help="ProducerProcessConfig JSON")
     args = parser.parse_args(argv)
     configure_logging()

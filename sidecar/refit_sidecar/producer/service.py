@@ -19,6 +19,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from typing import Protocol
 
 import structlog
 
@@ -55,6 +56,23 @@ ExportFactory = Callable[[], Iterable[ExportChunk]]
 TransportFactory = Callable[[AttemptPlan], Transport]
 
 
+class ProducerObserver(Protocol):
+    """Told when the calls that bound a transition happen on this producer (the refit bench
+    reads its timed window from them). Called on the event loop: keep it short."""
+
+    def started(self, plan: AttemptPlan) -> None:
+        """`start` was called: the owner begins delta construction for `plan`."""
+        ...
+
+    def sent(self, attempt: str, report: SentReport) -> None:
+        """The attempt's last payload was sent (what `wait_sent` reports)."""
+        ...
+
+    def baseline_updated(self, attempt: str, record: CommitRecord) -> None:
+        """The baseline now holds `record`'s bits (not called for a repeated update)."""
+        ...
+
+
 class ProducerService:
     """In-process producer; `refit_sidecar.producer.http` serves it to a remote coordinator."""
 
@@ -65,11 +83,13 @@ class ProducerService:
         config: PipelineConfig | None = None,
         committed: CommitRecord | None = None,
         staging: StagingConfig | None = None,
+        observer: ProducerObserver | None = None,
     ) -> None:
         """`transport` is one transport, or a factory choosing it per attempt (e.g. the relay
         tree's root for this producer, which can change when membership does). `staging`
         enables the trainer handoff (`ingest_chunk`/`stage`); `baseline` may then still be
-        uninitialized: the trainer's first export builds it."""
+        uninitialized: the trainer's first export builds it. `observer` is told of start,
+        sent and baseline update (timing)."""
         self.baseline = baseline
         if isinstance(transport, Transport):
             fixed = transport
@@ -84,6 +104,7 @@ class ProducerService:
         self._lock = threading.Lock()
         self._staging = CandidateStaging(staging) if staging is not None else None
         self._stage_lock = threading.Lock()
+        self.observer = observer
         self.baseline_fingerprint: str | None = None
         self._layout_cache: tuple[list[tuple[TensorMeta, ...]], dict[str, TensorMeta]] | None = None
 
@@ -105,6 +126,8 @@ class ProducerService:
 
     # -- ProducerClient ---------------------------------------------------------------------------
     async def start(self, plan: AttemptPlan) -> None:
+        if self.observer is not None:
+            self.observer.started(plan)
         if self._candidate is None or self._candidate[0] != plan.target_version:
             raise EndpointError(
                 f"producer {self.producer} has no candidate export of v{plan.target_version}"
@@ -154,7 +177,7 @@ class ProducerService:
             m = await asyncio.wrap_future(fut)
         except Exception as exc:
             raise EndpointError(f"producer {self.producer}: {exc}") from exc
-        return SentReport(
+        report = SentReport(
             producer=self.producer,
             payloads=m.payloads,
             wire_bytes=m.payload_bytes,
@@ -162,6 +185,9 @@ class ProducerService:
             total_elements=m.total_elements,
             timings={"wall_s": m.wall_s, **{k: v.busy_s for k, v in m.stages.items()}},
         )
+        if self.observer is not None:
+            self.observer.sent(attempt, report)
+        return report
 
     async def stop_and_wait(self, attempt: str) -> None:
         """The coordinator stops only attempts it marked obsolete: abandon what is in flight
@@ -200,6 +226,8 @@ class ProducerService:
         if self._staging is not None:
             self._staging.drop_except(set())
         log.info("producer.baseline_updated", producer=self.producer, version=record.version)
+        if self.observer is not None:
+            self.observer.baseline_updated(attempt, record)
 
     # -- candidate staging (the trainer's handoff) -----------------------------------------------
     @property

@@ -14,7 +14,6 @@ import threading
 import time
 
 import structlog
-import torch
 
 from refit_protocol.receiver_api import (
     CommitNotice,
@@ -31,7 +30,10 @@ from refit_protocol.receiver_api import (
     RestoreRequest,
     StopResponse,
 )
+from refit_sidecar.codec.dtypes import dtype_from_name
+from refit_sidecar.codec.errors import SchemaError
 from refit_sidecar.codec.records import TensorMeta
+from refit_sidecar.receiver import flush
 from refit_sidecar.receiver.admission import gate_refusal, prepare_refusal
 from refit_sidecar.receiver.apply_loop import run_apply_loop
 from refit_sidecar.receiver.config import ReceiverConfig
@@ -89,9 +91,10 @@ class ReceiverControl:
         s = self.state
         metas: dict[str, TensorMeta] = {}
         for m in req.metas:
-            dtype = getattr(torch, m.dtype, None)
-            if not isinstance(dtype, torch.dtype) or any(d < 0 for d in m.shape):
-                raise BadRequestError(f"{m.name}: bad dtype {m.dtype!r} or shape {m.shape}")
+            try:
+                dtype = dtype_from_name(m.dtype)
+            except SchemaError as exc:
+                raise BadRequestError(f"{m.name}: {exc}") from exc
             if m.name in metas:
                 raise BadRequestError(f"{m.name}: listed twice")
             metas[m.name] = TensorMeta(m.name, tuple(m.shape), dtype)
@@ -257,7 +260,7 @@ class ReceiverControl:
     def open_apply(self, attempt: str) -> ReceiverStatus:
         s = self.state
         with self._lock, s.cond:
-            st = self._require(attempt)
+            st = s.require(attempt)
             if st.failed or st.stopping:
                 raise ReceiverError(f"attempt {attempt} already {st.phase.value}")
             if not s.gate_closed:
@@ -278,96 +281,12 @@ class ReceiverControl:
         return self.status()
 
     def relay_flush(self, req: RelayFlushRequest) -> RelayFlushResponse:
-        """Arrival barrier of the relay tree: every expected payload staged, forwards drained."""
-        s = self.state
-        timeout = req.timeout_s or self.config.relay_flush_timeout_s
-        deadline = time.monotonic() + timeout
-        with s.cond:
-            st = self._require(req.attempt)
-            errors = st.set_totals(req.expected)
-            while not errors and not st.failed and not st.stopping:
-                if not st.count_errors() or time.monotonic() >= deadline:
-                    break
-                s.cond.wait(min(0.2, max(deadline - time.monotonic(), 0.0)))
-        if self.relay is not None:
-            errors += self.relay.drain(req.attempt, max(deadline - time.monotonic(), 0.0))
-        with s.cond:
-            errors += st.count_errors()
-            if st.failed or st.stopping:
-                errors = list(st.errors) + errors or [f"attempt {st.phase.value}"]
-            ok = not errors
-            if not ok:
-                s.fail(st, "relay flush: " + "; ".join(errors[:4]))
-            return RelayFlushResponse(
-                node=s.node, attempt=req.attempt, ok=ok, staged=st.staged_total, errors=errors
-            )
+        """Arrival barrier of the relay tree (`flush.relay_flush`)."""
+        return flush.relay_flush(self.state, self.relay, req, self.config.relay_flush_timeout_s)
 
     def flush(self, req: FlushRequest) -> FlushResponse:
-        """Close the attempt: every expected payload applied in order, device synced."""
-        s = self.state
-        timeout = req.timeout_s or self.config.flush_timeout_s
-        t0 = time.monotonic()
-        deadline = t0 + timeout
-        with s.cond:
-            st = self._require(req.attempt)
-            if st.flushed_ok:
-                return self._flush_response(st, True, [], {})
-            if not st.opened:
-                return self._flush_response(st, False, ["flush before open_apply"], {})
-            if req.check_samples and not st.check_samples:
-                st.check_samples = req.check_samples  # payloads applied from now on
-            errors = st.set_totals(req.expected)
-            if errors:
-                s.fail(st, "flush: " + "; ".join(errors))
-            while not (st.failed or st.stopping or s.current is not st or st.all_applied()):
-                if time.monotonic() >= deadline:
-                    break
-                s.cond.wait(min(0.5, max(deadline - time.monotonic(), 0.0)))
-            if not (st.all_applied() and s.is_live(st)):
-                if not st.failed and not st.stopping:
-                    s.fail(
-                        st,
-                        f"flush timed out after {timeout:.1f}s: applied {st.applied} of "
-                        f"{sum(st.totals.values())}; next missing {st.missing()}",
-                    )
-                return self._flush_response(st, False, list(st.errors), {})
-            errors = st.count_errors()
-        t1 = time.monotonic()
-        if not errors:
-            try:
-                s.applier.sync()
-            except Exception as exc:
-                errors = [f"device sync failed: {exc!r}"]
-        with s.cond:
-            if errors:
-                s.fail(st, "flush: " + "; ".join(errors))
-                return self._flush_response(st, False, errors, {})
-            st.phase = Phase.FLUSHED
-            st.flushed_ok = True
-            s.metrics.attempts.labels("flushed").inc()
-            timings = {"wait_s": t1 - t0, "sync_s": time.monotonic() - t1, **st.timings}
-            log.info(
-                "receiver.flushed",
-                node=s.node,
-                attempt=st.attempt,
-                applied=st.applied,
-                checks=st.checks,
-            )
-            return self._flush_response(st, True, [], timings)
-
-    def _flush_response(
-        self, st: AttemptState, ok: bool, errors: list[str], timings: dict[str, float]
-    ) -> FlushResponse:
-        return FlushResponse(
-            node=self.state.node,
-            attempt=st.attempt,
-            ok=ok,
-            applied=st.applied,
-            staged=st.staged_total,
-            checks=st.checks,
-            errors=errors,
-            timings=dict(timings),
-        )
+        """Close the attempt: the completion ACK (`flush.flush`)."""
+        return flush.flush(self.state, req, self.config.flush_timeout_s)
 
     def stop(self, attempt: str) -> StopResponse:
         """stop_and_wait on this node: no more payloads or applies for the attempt."""
@@ -440,15 +359,6 @@ class ReceiverControl:
         with self.state.cond:
             if self.state.current is not None:
                 self.state.retire(self.state.current, "receiver shutting down")
-
-    def _require(self, attempt: str) -> AttemptState:
-        """The current attempt if it is `attempt` (under the lock)."""
-        st = self.state.current
-        if st is not None and st.attempt == attempt:
-            return st
-        if attempt in self.state.obsolete:
-            raise ObsoleteAttemptError(f"attempt {attempt} is obsolete on this node")
-        raise UnknownAttemptError(f"attempt {attempt} was not prepared on this node")
 
 
 def _join(threads: list[threading.Thread], timeout: float) -> bool:

@@ -18,6 +18,7 @@ from refit_protocol.receiver_api import PrewarmResponse
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.receiver.admission import Refusal
 from refit_sidecar.receiver.appliers.base import Applier
+from refit_sidecar.receiver.errors import ObsoleteAttemptError, UnknownAttemptError
 from refit_sidecar.receiver.metrics import ReceiverMetrics
 from refit_sidecar.receiver.state import AttemptState, Entry, EntryState, ObsoleteSet, Phase
 from refit_sidecar.transport.relay.frames import AckStatus
@@ -48,6 +49,15 @@ class NodeState:
         self.obsolete = ObsoleteSet()
         self.dropped = 0
         self.set_held_metric()
+
+    def require(self, attempt: str) -> AttemptState:
+        """The current attempt if it is `attempt`; else a typed refusal (under `cond`)."""
+        st = self.current
+        if st is not None and st.attempt == attempt:
+            return st
+        if attempt in self.obsolete:
+            raise ObsoleteAttemptError(f"attempt {attempt} is obsolete on this node")
+        raise UnknownAttemptError(f"attempt {attempt} was not prepared on this node")
 
     def is_live(self, st: AttemptState) -> bool:
         """`st` is still the current attempt and neither stopping nor failed."""

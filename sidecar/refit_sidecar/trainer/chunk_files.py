@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from refit_protocol.tensors import SAFETENSORS_DTYPES as SAFETENSORS_TAGS
 from refit_sidecar.codec import dtypes
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.trainer.errors import ChunkFileError
@@ -32,23 +33,9 @@ FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors$")
 #: Largest header accepted (a chunk of ~100k tensors has a header of a few MiB).
 MAX_HEADER_BYTES = 64 << 20
 
-#: safetensors dtype strings of the dtypes the codec carries.
+#: safetensors dtype strings of the dtypes the codec carries (the protocol's one table).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
+    tag: dtypes.dtype_from_name(name) for tag, name in SAFETENSORS_TAGS.items()
 }
 
 

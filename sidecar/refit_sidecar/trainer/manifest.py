@@ -9,23 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from refit_protocol.tensors import TensorMetaModel
 from refit_sidecar.codec import dtypes
+from refit_sidecar.codec.errors import SchemaError
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.trainer.errors import CandidateMismatchError
-
-_DTYPES: dict[str, torch.dtype] = {str(dt).removeprefix("torch."): dt for dt in dtypes.DTYPE_CODES}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def to_wire(metas: Sequence[TensorMeta]) -> list[TensorMetaModel]:
     return [
-        TensorMetaModel(name=m.name, shape=list(m.shape), dtype=dtype_name(m.dtype)) for m in metas
+        TensorMetaModel(name=m.name, shape=list(m.shape), dtype=dtypes.dtype_name(m.dtype))
+        for m in metas
     ]
 
 
@@ -33,9 +27,10 @@ def from_wire(models: Sequence[TensorMetaModel]) -> list[TensorMeta]:
     """Metadata from an untrusted manifest (only dtypes the codec carries)."""
     out = []
     for m in models:
-        dtype = _DTYPES.get(m.dtype)
-        if dtype is None:
-            raise CandidateMismatchError(f"{m.name}: dtype {m.dtype!r} is not supported")
+        try:
+            dtype = dtypes.dtype_from_name(m.dtype)
+        except SchemaError as exc:
+            raise CandidateMismatchError(f"{m.name}: dtype {m.dtype!r} is not supported") from exc
         if any(d < 0 for d in m.shape):
             raise CandidateMismatchError(f"{m.name}: negative dimension in {m.shape}")
         out.append(TensorMeta(m.name, tuple(m.shape), dtype))
@@ -43,7 +38,7 @@ def from_wire(models: Sequence[TensorMetaModel]) -> list[TensorMeta]:
 
 
 def _fmt(meta: TensorMeta) -> str:
-    return f"{list(meta.shape)} {dtype_name(meta.dtype)}"
+    return f"{list(meta.shape)} {dtypes.dtype_name(meta.dtype)}"
 
 
 def describe_difference(

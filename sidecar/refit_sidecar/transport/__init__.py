@@ -1,5 +1,44 @@
-"""Transports that carry payloads from producers to receivers (see `base.Transport`)."""
+"""❹ deliver: transports that carry payloads from producers to receivers (`base.Transport`).
 
-from refit_sidecar.transport.base import Transport, TransportSummary
+- `relay/`: the ZeroMQ relay tree (frames, tree geometry, the dealer of one hop, the relay node
+  every receiver runs, the producer's transport into the tree's root);
+- `s3`: object storage with manifest pointers (producer upload, receiver fetch);
+- `window`: the send window both share; `selector`: a producer's transport per attempt.
 
-__all__ = ["Transport", "TransportSummary"]
+`make(kind, config)` is the registry: "zmq" (`RelayTransportConfig`) or "s3"
+(`S3TransportConfig`). Both kinds are imported only when made, so importing this package pulls
+in neither pyzmq nor boto3.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from refit_sidecar.transport.base import SendObserver, Transport, TransportSummary
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+__all__ = ["KINDS", "Kind", "SendObserver", "Transport", "TransportSummary", "make"]
+
+Kind = Literal["zmq", "s3"]
+KINDS: tuple[Kind, ...] = ("zmq", "s3")
+
+
+def make(kind: Kind, config: BaseModel, *, observer: SendObserver | None = None) -> Transport:
+    """One producer transport of `kind` from its configuration model."""
+    if kind == "zmq":
+        from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
+
+        if not isinstance(config, RelayTransportConfig):
+            raise TypeError(f"transport 'zmq' needs a RelayTransportConfig, got {config!r}")
+        return RelayTransport(config, observer=observer)
+    if kind == "s3":
+        from refit_sidecar.transport.s3 import S3Transport, S3TransportConfig
+
+        if not isinstance(config, S3TransportConfig):
+            raise TypeError(f"transport 's3' needs an S3TransportConfig, got {config!r}")
+        if observer is not None:
+            raise ValueError("the S3 transport reports no send intervals")
+        return S3Transport(config)
+    raise ValueError(f"unknown transport kind {kind!r}; known: {', '.join(KINDS)}")

@@ -64,19 +64,26 @@ from refit_operator.receiver_client import ReceiverHttpClient
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
 from refit_protocol.receiver_api import PrewarmRequest
+from refit_sidecar.baseline.source import BaselineConfig
 from refit_sidecar.pipeline.config import PipelineConfig
+from refit_sidecar.producer.main import ProducerProcessConfig
 from refit_sidecar.transport.relay.dealer import DealerConfig
 from refit_sidecar.transport.relay.transport import RelayTransportConfig
 from refit_tools.bench.netns import Link, create_link, require_netns_tools
 from refit_tools.bench.nodes import BenchNodes
 from refit_tools.bench.plot import refit_svg
-from refit_tools.bench.refit_producer import INITIAL, ProducerProcessConfig
+from refit_tools.bench.refit_producer import RefitProducerConfig
 from refit_tools.bench.refit_receiver import read_digest
 from refit_tools.bench.refit_workload import MIB, Workload, reference_plan
 from refit_tools.local.procs import ManagedProcess, free_port, log_tail
 
 log = structlog.get_logger("kuberefit.bench.refit")
 Say = Callable[[str], None]
+_PRODUCER_DEFAULTS = ProducerProcessConfig(staging=None)
+#: The record the producer starts from (its config's defaults) and the store is created with.
+INITIAL = CommitRecord(
+    _PRODUCER_DEFAULTS.committed_version, _PRODUCER_DEFAULTS.committed_baseline_id
+)
 
 
 def _default_results_dir() -> Path:
@@ -465,19 +472,23 @@ def _start_producer(
         stop_timeout_s=60 + 8 * max(cfg.reference_payload_bytes, cfg.bucket_bytes) / rate,
         client=DealerConfig(min_bandwidth_bytes_s=rate / 4),
     )
-    config = ProducerProcessConfig(
-        port=port,
-        token=SecretStr(token),
-        workdir=workdir,
+    config = RefitProducerConfig(
+        producer=ProducerProcessConfig(
+            host="0.0.0.0",  # noqa: S104 - its own namespace, reached over the control veth
+            port=port,
+            token=SecretStr(token),
+            baseline=BaselineConfig(directory=workdir, export_chunk_bytes=cfg.chunk_bytes),
+            staging=None,
+            pipeline=PipelineConfig(
+                bucket_bytes=cfg.bucket_bytes, compare_workers=cfg.compare_workers
+            ),
+            transport=transport,
+        ),
         workload=workload,
-        relay_root=nodes_relay_root,
-        export_chunk_bytes=cfg.chunk_bytes,
-        pipeline=PipelineConfig(bucket_bytes=cfg.bucket_bytes, compare_workers=cfg.compare_workers),
-        transport=transport,
     )
     path = workdir / "producer.json"
     data = json.loads(config.model_dump_json())
-    data["token"] = token
+    data["producer"]["token"] = token
     path.write_text(json.dumps(data))
     path.chmod(0o600)
     argv = [sys.executable, "-m", "refit_tools.bench.refit_producer", "--config", str(path)]

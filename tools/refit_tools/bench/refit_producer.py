@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -30,21 +29,18 @@ import numpy as np
 import structlog
 import torch
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field
 
 from refit_protocol.commit import CommitRecord
 from refit_protocol.logs import configure_logging
 from refit_protocol.producer_api import AttemptPlan, SentReport
 from refit_sidecar.baseline.chunks import chunk_export
-from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.codec.records import Item, Op
 from refit_sidecar.codec.wire import CODEC_VERSION, EncodedPayload, PayloadHeader, encode_payload
 from refit_sidecar.fingerprint import named_tensors_digest
-from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.http import create_producer_app
-from refit_sidecar.producer.service import ProducerService
-from refit_sidecar.transport.base import SendInterval, Transport
-from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
+from refit_sidecar.producer.main import ProducerProcessConfig, build, run_app
+from refit_sidecar.transport.base import SendInterval
 from refit_tools.bench.refit_workload import Workload, reference_plan
 from refit_tools.bench.synthetic import perturb
 
@@ -55,23 +51,17 @@ M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class ProducerProcessConfig(BaseModel):
-    """Everything the producer process needs; written by the driver as JSON."""
+class RefitProducerConfig(BaseModel):
+    """The bench's producer process: the product's own config plus the synthetic workload;
+    written by the driver as JSON."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    host: str = Field(default="0.0.0.0", description="HTTP bind address.")  # noqa: S104
-    port: int = Field(ge=1, le=65535, description="HTTP port of the control plane.")
-    token: SecretStr = Field(description="Bearer token (HTTP and ZeroMQ frames).")
-    workdir: Path = Field(description="Where the file-backed baseline lives.")
-    workload: Workload = Field(default_factory=Workload)
-    relay_root: str = Field(description="Root relay endpoint when a plan names no relay tree.")
-    export_chunk_bytes: int = Field(default=32 << 20, ge=1, description="Export chunk limit.")
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
-    transport: RelayTransportConfig | None = Field(
-        default=None,
-        description="Transport settings without root/token (filled in here); None: defaults.",
+    producer: ProducerProcessConfig = Field(
+        description="The trainer sidecar's settings (host, port, token, baseline, pipeline, "
+        "transport with its fallback root); `staging` stays null: candidates are staged here."
     )
+    workload: Workload = Field(default_factory=Workload)
 
 
 @dataclass
@@ -84,34 +74,24 @@ class _Window:
     sent: SentReport | None = None
 
 
-class TimedProducerService(ProducerService):
-    """The real producer, with the two clock readings of the timed window around its calls."""
+class TimedWindows:
+    """`ProducerObserver`: the two clock readings of each version's timed window."""
 
-    def __init__(
-        self,
-        baseline: SourceBaseline,
-        transport: Callable[[AttemptPlan], Transport],
-        config: PipelineConfig,
-    ) -> None:
-        super().__init__(baseline, transport, config, committed=INITIAL)
+    def __init__(self) -> None:
         self.windows: dict[int, _Window] = {}
 
-    async def start(self, plan: AttemptPlan) -> None:
+    def started(self, plan: AttemptPlan) -> None:
         w = self.windows.setdefault(plan.target_version, _Window())
         if w.t_start is None:
             w.t_start = time.monotonic()  # t0: the owner begins delta construction
         w.attempts.append(plan.attempt)
-        await super().start(plan)
 
-    async def wait_sent(self, attempt: str) -> SentReport:
-        report = await super().wait_sent(attempt)
+    def sent(self, attempt: str, report: SentReport) -> None:
         for w in self.windows.values():
             if attempt in w.attempts:
                 w.sent = report
-        return report
 
-    async def update_baseline(self, attempt: str, record: CommitRecord) -> None:
-        await super().update_baseline(attempt, record)
+    def baseline_updated(self, attempt: str, record: CommitRecord) -> None:
         w = self.windows.get(record.version)
         if w is not None and w.t_baseline is None:
             w.t_baseline = time.monotonic()  # t1: the owner finished its baseline update
@@ -136,40 +116,25 @@ class ReferenceRequest(BaseModel):
 class ProducerBench:
     """The producer process's state: checkpoint versions, baseline, service, transports."""
 
-    def __init__(self, cfg: ProducerProcessConfig) -> None:
+    def __init__(self, cfg: RefitProducerConfig) -> None:
         self.cfg = cfg
         t0 = time.perf_counter()
+        self.chunk_bytes = cfg.producer.baseline.export_chunk_bytes
         self.committed: Tensors = list(cfg.workload.tensors())
         self.candidate: tuple[int, Tensors] | None = None
-        self.baseline = SourceBaseline(
-            producer=0,
-            producers=1,
-            config=BaselineConfig(directory=cfg.workdir, export_chunk_bytes=cfg.export_chunk_bytes),
-        )
-        self.baseline.load_initial(chunk_export(self.committed, cfg.export_chunk_bytes))
         self.intervals: list[SendInterval] = []
         self._lock = threading.Lock()
-        self._transports: dict[str, RelayTransport] = {}
-        self.service = TimedProducerService(self.baseline, self._transport_for, cfg.pipeline)
+        self.timed = TimedWindows()
+        # The product's own sidecar, with the bench's clock readings and send intervals.
+        self.process = build(cfg.producer, observer=self.timed, send_observer=self._observe)
+        self.service = self.process.service
+        self.baseline = self.process.baseline
+        self.baseline.load_initial(chunk_export(self.committed, self.chunk_bytes))
         log.info("bench.producer_ready", seconds=time.perf_counter() - t0)
 
     def _observe(self, interval: SendInterval) -> None:
         with self._lock:
             self.intervals.append(interval)
-
-    def transport(self, root: str) -> RelayTransport:
-        """One transport per root relay, shared by attempts and the reference."""
-        with self._lock:
-            if root not in self._transports:
-                base = self.cfg.transport or RelayTransportConfig(root=root)
-                config = base.model_copy(
-                    update={"root": root, "token": self.cfg.token, "producer": 0}
-                )
-                self._transports[root] = RelayTransport(config, observer=self._observe)
-            return self._transports[root]
-
-    def _transport_for(self, plan: AttemptPlan) -> Transport:
-        return self.transport(plan.relay_tree[0] if plan.relay_tree else self.cfg.relay_root)
 
     # -- bench routes --------------------------------------------------------------------------
     def stage(self, req: StageRequest) -> dict[str, object]:
@@ -179,7 +144,7 @@ class ProducerBench:
         t0 = time.perf_counter()
         new, changed = perturb(self.committed, req.rate, seed=req.seed)
         self.candidate = (req.version, new)
-        chunk = self.cfg.export_chunk_bytes
+        chunk = self.chunk_bytes
         self.service.stage_candidate(req.version, lambda: chunk_export(new, chunk))
         total = sum(t.numel() for _, t in new)
         return {
@@ -190,7 +155,7 @@ class ProducerBench:
         }
 
     def timings(self, req: VersionRequest) -> dict[str, object]:
-        w = self.service.windows.get(req.version)
+        w = self.timed.windows.get(req.version)
         if w is None or w.t_start is None or w.t_baseline is None:
             raise ValueError(f"no complete timed window for v{req.version}")
         with self._lock:
@@ -224,7 +189,7 @@ class ProducerBench:
         """Send H bytes of incompressible overwrite payloads; time from the first send until
         the root relay acknowledged the last one (receivers' relay flushes time the rest)."""
         payloads = _reference_payloads(req.attempt, self.cfg.workload, req.payload_bytes)
-        transport = self.transport(req.relay_root)
+        transport = self.process.transports.to(req.relay_root)
         t_start = time.monotonic()
         try:
             for p in payloads:
@@ -243,9 +208,7 @@ class ProducerBench:
         }
 
     def close(self) -> None:
-        for t in self._transports.values():
-            t.close()
-        self.baseline.close()
+        self.process.close()
 
 
 def _reference_payloads(
@@ -266,7 +229,7 @@ def _reference_payloads(
 
 def create_app(bench: ProducerBench) -> web.Application:
     """The producer's control plane plus the /v1/bench routes (all behind the token)."""
-    app = create_producer_app(bench.service, token=bench.cfg.token.get_secret_value())
+    app = create_producer_app(bench.service, token=bench.process.token)
 
     def route(model: type[M], fn: Callable[[M], dict[str, object]]) -> Handler:
         async def handler(request: web.Request) -> web.StreamResponse:
@@ -282,30 +245,18 @@ def create_app(bench: ProducerBench) -> web.Application:
     return app
 
 
-async def serve(cfg: ProducerProcessConfig) -> None:
+async def serve(cfg: RefitProducerConfig) -> None:
     """Build the state (before listening: healthy means ready), serve until SIGTERM/SIGINT."""
     bench = await asyncio.to_thread(ProducerBench, cfg)
-    runner = web.AppRunner(create_app(bench), access_log=None, handle_signals=False)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await runner.setup()
-        await web.TCPSite(runner, cfg.host, cfg.port).start()
-        log.info("bench.producer_serving", port=cfg.port)
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-        bench.close()
+    await run_app(create_app(bench), cfg.producer.host, cfg.producer.port, on_close=bench.close)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m refit_tools.bench.refit_producer")
-    parser.add_argument("--config", type=Path, required=True, help="ProducerProcessConfig JSON.")
+    parser.add_argument("--config", type=Path, required=True, help="RefitProducerConfig JSON.")
     args = parser.parse_args(argv)
     configure_logging()
-    cfg = ProducerProcessConfig.model_validate_json(args.config.read_text())
+    cfg = RefitProducerConfig.model_validate_json(args.config.read_text())
     asyncio.run(serve(cfg))
 
 

@@ -4,7 +4,7 @@
 mode with separate processes: `SyntheticTrainer` (real BF16 rounding of FP32 master updates)
 takes one step per version, writes that checkpoint (joining receivers and the dense reference
 read it) and publishes it through `Publisher` to the producer sidecar
-(`python -m refit_sidecar.producer.main`), exactly as a Megatron or FSDP trainer would. The first
+(`python -m refit_sidecar.producer`), exactly as a Megatron or FSDP trainer would. The first
 export initializes the sidecar's baseline (no dense sync). Each version is exported once: retries,
 coordinator failovers and takeovers work from what the sidecar staged. Every export is appended to
 `exports.jsonl`, so tests can check exactly that.
