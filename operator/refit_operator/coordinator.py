@@ -1,4 +1,4 @@
-"""Step 7 — the coordinator: one transition at a time, joint commit, overwrite recovery.
+"""❼ joint commit — the coordinator: one transition at a time, joint commit, overwrite recovery.
 
 Plain asyncio code following the paper's Algorithm B.2 (with Algorithm B.1 as the schedule of
 one attempt). It orchestrates through ports (`ports.py`) and the `CommitStore`; it never touches

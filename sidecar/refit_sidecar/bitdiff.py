@@ -1,4 +1,4 @@
-"""Step 1 — change detection on stored bits through same-width integer views.
+"""❶ compare — change detection on stored bits through same-width integer views.
 
 Float equality misses changes (0.0 == -0.0) and invents them (NaN != NaN); comparing the stored
 bit patterns through an integer view of the same width finds exactly the elements a dense

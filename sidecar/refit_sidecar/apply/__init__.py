@@ -1,4 +1,4 @@
-"""Step 6 — apply: place each decoded change through the serving runtime's own `load_weights()`.
+"""❻ apply: place each decoded change through the serving runtime's own `load_weights()`.
 
 A storage-scoped dispatch hook turns the loader's final copies into parameter/buffer storage into
 XOR or masked-overwrite writes; no model-family or tensor-layout rule exists anywhere here.

@@ -1,4 +1,5 @@
-"""Source baseline: owned export chunks, their committed bits and the per-attempt pending delta."""
+"""❶ ownership and compare: owned export chunks, their committed bits (the source baseline) and
+the per-attempt pending delta."""
 
 from refit_sidecar.baseline.chunks import ExportChunk, chunk_export, owner_of, plan_chunks
 from refit_sidecar.baseline.source import (

@@ -1,4 +1,5 @@
-"""The bit-exact delta codec: records (XOR / overwrite items) and the versioned wire format."""
+"""❸ encode: the bit-exact delta codec, records (XOR / overwrite items) and the versioned wire
+format, plus the decoded form a receiver hands to the vLLM workers (`decoded_file`)."""
 
 from refit_sidecar.codec.errors import (
     BadMagic,

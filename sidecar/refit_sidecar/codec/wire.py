@@ -1,4 +1,4 @@
-"""Step 3 — payload wire format v1 (docs/wire-format.md is the normative description).
+"""❸ encode — payload wire format v1 (docs/wire-format.md is the normative description).
 
 A payload is a plain preamble (magic, version, identity, sizes, digest) followed by one zstd
 frame. The frame holds a copy of the identity, the group and item tables, the location groups and

@@ -1,4 +1,5 @@
-"""The producer pipeline: bounded, overlapping compare/encode/compress/send stages."""
+"""The producer pipeline: bounded, overlapping stages of one owner, compare (❶), encode and
+compress (❸), send (❹)."""
 
 from refit_sidecar.pipeline.bucket import Bucket, Bucketer
 from refit_sidecar.pipeline.config import PipelineConfig

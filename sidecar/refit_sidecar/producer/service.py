@@ -1,4 +1,4 @@
-"""The trainer sidecar's producer: one owner's side of every attempt (paper steps 1-4, 7).
+"""The trainer sidecar's producer: one owner's side of every attempt (❶–❹, and its side of ❼).
 
 It holds the source baseline, the candidate export of the next version (handed over by the
 trainer), the producer pipeline and a transport, and answers the coordinator's calls (the

@@ -1,5 +1,7 @@
-"""Trainer side: canonical sources of HF-named tensors and the publisher that hands each
-version to the local trainer sidecar (docs/trainer.md).
+"""❷ projection / conversion, trainer side: canonical sources of HF-named tensors and the
+publisher that hands each version to the local trainer sidecar (docs/trainer.md). The handoff's
+file format (`chunk_files`), manifest and typed errors live here too; the sidecar's side of it
+is `refit_sidecar.producer`.
 
 Importable without Megatron: `MegatronBridgeSource` only calls the bridge object it is given.
 """

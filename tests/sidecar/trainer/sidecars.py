@@ -21,7 +21,7 @@ from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.producer.staging import StagingConfig
 from refit_sidecar.trainer.publisher import PublisherConfig
-from tests.sidecar.test_producer_service import RecordingTransportFake
+from tests.sidecar.producer.test_service import RecordingTransportFake
 
 TOKEN = "trainer-test-token"
 

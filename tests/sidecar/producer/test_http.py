@@ -18,7 +18,7 @@ from refit_sidecar.baseline.chunks import chunk_export
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
-from tests.sidecar.test_producer_service import RecordingTransportFake, bump, state
+from tests.sidecar.producer.test_service import RecordingTransportFake, bump, state
 
 TOKEN = "s3cret-token"
 

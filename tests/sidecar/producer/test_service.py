@@ -12,7 +12,7 @@ import torch
 
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
-from refit_protocol.producer_api import AttemptPlan
+from refit_protocol.producer_api import AttemptPlan, SentReport
 from refit_sidecar.baseline.chunks import ExportChunk, chunk_export
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.bits import int_view
@@ -162,3 +162,45 @@ async def test_transport_failure_surfaces(service) -> None:  # type: ignore[no-u
                 attempt="a9", from_version=1, target_version=2, baseline_id="g", mode="mixed"
             )
         )
+
+
+class RecordingObserver:
+    """A `ProducerObserver` that records what it is told, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, object]] = []
+
+    def started(self, plan: AttemptPlan) -> None:
+        self.calls.append(("started", plan.attempt, plan.target_version))
+
+    def sent(self, attempt: str, report: SentReport) -> None:
+        self.calls.append(("sent", attempt, report.payloads))
+
+    def baseline_updated(self, attempt: str, record: CommitRecord) -> None:
+        self.calls.append(("baseline_updated", attempt, record))
+
+
+async def test_observer_sees_the_calls_that_bound_a_transition(tmp_path: Path) -> None:
+    """The hook the refit bench times the paper's window with: start, sent, baseline update,
+    each once (a repeated baseline update is not reported again)."""
+    transport = RecordingTransportFake()
+    observer = RecordingObserver()
+    baseline = SourceBaseline(
+        producer=0, producers=1, config=BaselineConfig(directory=tmp_path, export_chunk_bytes=20000)
+    )
+    baseline.load_initial(chunk_export(state(0).items(), 20000))
+    try:
+        svc = ProducerService(baseline, transport, observer=observer)
+        svc.stage_candidate(1, lambda: list(chunk_export(bump(state(0), 4).items(), 20000)))
+        await svc.start(plan("a1", "mixed"))
+        report = await svc.wait_sent("a1")
+        await svc.update_baseline("a1", CommitRecord(1, "g1"))
+        await svc.update_baseline("a1", CommitRecord(1, "g1"))
+    finally:
+        baseline.close()
+    assert report.payloads > 0
+    assert observer.calls == [
+        ("started", "a1", 1),
+        ("sent", "a1", report.payloads),
+        ("baseline_updated", "a1", CommitRecord(1, "g1")),
+    ]
