@@ -424,13 +424,16 @@ def decode_payload(
     data: bytes | bytearray | memoryview,
     *,
     expected_digest: bytes | None = None,
+    body_hash: bytes | None = None,
     known: Mapping[str, TensorMeta] | None = None,
     limits: DecodeLimits | None = None,
 ) -> DecodedPayload:
     """Validate and decode untrusted payload bytes; raises a `CodecError` subclass if malformed.
 
     `expected_digest` is the digest announced out of band (manifest, frame metadata); `known`
-    the receiver's canonical metadata, which every item must match.
+    the receiver's canonical metadata, which every item must match. `body_hash` is for a caller
+    that already computed the BLAKE2b-128 of exactly these compressed bytes (a relay node checks
+    it on arrival): it is then compared instead of computed again.
     """
     lim = limits or DEFAULT_LIMITS
     mv = memoryview(data).cast("B")
@@ -440,7 +443,11 @@ def decode_payload(
         raise TruncatedPayload(f"body has {len(comp)} of {pre.comp_len} declared bytes")
     if len(comp) > pre.comp_len:
         raise SchemaError(f"{len(comp) - pre.comp_len} bytes after the declared body")
-    digest = hashlib.blake2b(comp, digest_size=DIGEST_SIZE).digest()
+    digest = (
+        bytes(body_hash)
+        if body_hash is not None
+        else hashlib.blake2b(comp, digest_size=DIGEST_SIZE).digest()
+    )
     if digest != pre.digest:
         raise DigestMismatch("compressed body does not match its BLAKE2b-128 digest")
     if expected_digest is not None and bytes(expected_digest) != digest:

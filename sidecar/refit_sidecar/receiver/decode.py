@@ -52,9 +52,16 @@ def decode_and_stage(
     xor_incompatible: frozenset[str],
     unsupported: Mapping[str, str],
     applier: Applier,
+    hashed: bool = False,
 ) -> StagedPayload:
     """Decode (digest, limits, schema, canonical metadata), classify, stage. Raises a
-    `CodecError` or `ReceptionError` for a payload the attempt must fail on."""
-    decoded = decode_payload(body, expected_digest=ident.digest, known=metas)
+    `CodecError` or `ReceptionError` for a payload the attempt must fail on. `hashed`: the
+    caller already checked that these bytes hash to `ident.digest` (not hashed again)."""
+    decoded = decode_payload(
+        body,
+        expected_digest=ident.digest,
+        body_hash=ident.digest if hashed else None,
+        known=metas,
+    )
     classify(decoded, xor_incompatible, unsupported)
     return applier.stage(decoded)

@@ -177,14 +177,15 @@ class Intake:
         self, st: AttemptState, entry: Entry, body: bytes | memoryview, *, verified: bool
     ) -> None:
         """Validate one registered payload; sync RL: decode and queue it for the apply loop,
-        async RL: keep its compressed bytes until the gate closes (staging pool thread)."""
+        async RL: keep its compressed bytes until the gate closes (staging pool thread).
+        `verified`: the relay node already checked the bytes against the announced digest."""
         s = self.state
         ident = entry.ident
         try:
             check_identity(body, ident)
             if st.sync:
                 t0 = time.perf_counter()
-                staged = self._decode(body, ident)
+                staged = self._decode(body, ident, hashed=verified)
                 with s.cond:
                     st.timings["decode_s"] += time.perf_counter() - t0
                     st.pending_local -= 1
@@ -236,7 +237,7 @@ class Intake:
             assert body is not None
             t0 = time.perf_counter()
             try:
-                staged = self._decode(body, entry.ident)
+                staged = self._decode(body, entry.ident, hashed=True)  # hashed when staged
             except Exception as exc:
                 what = "" if isinstance(exc, CodecError | ReceptionError) else "decode failed: "
                 with s.cond:
@@ -251,7 +252,9 @@ class Intake:
                 if not self._ready(st, entry, staged, key):
                     return
 
-    def _decode(self, body: bytes | memoryview, ident: PayloadIdent) -> StagedPayload:
+    def _decode(
+        self, body: bytes | memoryview, ident: PayloadIdent, *, hashed: bool
+    ) -> StagedPayload:
         s = self.state
         with s.cond:  # a consistent snapshot of the prewarm classification
             metas, xor_incompatible, unsupported = s.metas, s.xor_incompatible, s.unsupported
@@ -262,6 +265,7 @@ class Intake:
             xor_incompatible=xor_incompatible,
             unsupported=unsupported,
             applier=s.applier,
+            hashed=hashed,
         )
 
     def _ready(

@@ -20,13 +20,14 @@ from refit_protocol.receiver_api import (
     RelayFlushRequest,
     StreamEnd,
 )
+from refit_sidecar.codec import CodecError
 from refit_sidecar.codec.records import Op, TensorMeta
 from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.fingerprint import module_fingerprint
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.core import ReceiverCore
 from refit_sidecar.receiver.errors import ReceiverError
-from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta
+from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta, verify_body
 from tests.sidecar.receiver.models import (
     RecordingApplier,
     TinyModel,
@@ -91,12 +92,17 @@ def offer(core: ReceiverCore, p: EncodedPayload, body: bytes | None = None) -> A
         digest=p.digest.hex(),
         size=p.size,
     )
+    # What a relay node does with a DATA frame: check, verify the bytes, then stage them.
     verdict = core.intake.relay_check(meta, probe=False)
     if verdict is not None:
         return verdict[0]
-    return core.intake.relay_stage(meta, memoryview(body if body is not None else p.body), None, 0)[
-        0
-    ]
+    data = memoryview(body if body is not None else p.body)
+    try:
+        verify_body(meta, data)
+    except CodecError as exc:
+        core.intake.relay_fail(meta.attempt, f"{type(exc).__name__}: {exc}")
+        return AckStatus.REJECTED
+    return core.intake.relay_stage(meta, data, None, 0)[0]
 
 
 def flush(core: ReceiverCore, attempt: str, expected: dict[int, int], timeout: float = 10.0):  # type: ignore[no-untyped-def]
@@ -201,7 +207,7 @@ def test_corrupted_body_fails_the_attempt(node: ReceiverCore) -> None:
     p = payloads("a1", 0, V0, V1)[0]
     bad = bytearray(p.body)
     bad[-5] ^= 0xFF
-    assert offer(node, p, bytes(bad)) is AckStatus.STAGED  # registered; staging checks the digest
+    assert offer(node, p, bytes(bad)) is AckStatus.REJECTED  # the relay's digest check
     deadline = time.monotonic() + 5
     while node.control.status().phase != "failed" and time.monotonic() < deadline:
         time.sleep(0.02)

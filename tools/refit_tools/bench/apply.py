@@ -5,22 +5,42 @@ canonical tensor into its parameter — fused at offsets for q/k/v and gate/up, 
 runtimes do — is updated at uniform change rates with XOR and overwrite items. Reported:
 changed values per second, canonical bytes per second (bytes of the tensors that had changes),
 and the share of apply time spent resetting scratch.
+
+`node_cpu`: the rollout node's CPU per payload on the vLLM path, split as it runs in a pod:
+the receiver sidecar (the relay's digest check, one decode, writing the decoded payload file)
+and the vLLM worker (reading that file, applying it); `worker_decode_ms` is what a second decode
+in the worker would cost, measured on the same payloads (`worker_read_over_decode`).
 """
 
 from __future__ import annotations
 
+import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from refit_sidecar.apply import ApplyContext, prewarm
-from refit_sidecar.codec import Item, Op, TensorMeta
+from refit_sidecar.codec import (
+    CODEC_VERSION,
+    Item,
+    Op,
+    PayloadHeader,
+    TensorMeta,
+    decode_payload,
+    encode_payload,
+)
+from refit_sidecar.codec.decoded_file import read_decoded, write_decoded
+from refit_sidecar.transport.relay.frames import FrameMeta, verify_body
 from refit_tools.bench.synthetic import FULL_SHAPE, checkpoint_layout
 
 BF16 = torch.bfloat16
+#: Where pods keep decoded payload files (a tmpfs); the system temp directory if absent.
+_SHM = Path("/dev/shm")
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -132,5 +152,63 @@ def run_apply_bench(
                 f"{stats.canonical_bytes / wall / 1e9:5.2f} GB/s canonical, "
                 f"reset {stats.reset_s / wall:5.1%}"
             )
+        row["node_cpu"] = _node_cpu(ctx, metas, rate)
+        say(
+            f"[bench apply] rate {rate:.0%} per payload: receiver "
+            f"{row['node_cpu']['receiver_ms']:.2f} ms, worker read "
+            f"{row['node_cpu']['worker_read_ms']:.2f} ms (a second decode: "
+            f"{row['node_cpu']['worker_decode_ms']:.2f} ms) + apply "
+            f"{row['node_cpu']['worker_apply_ms']:.2f} ms"
+        )
         out["rates"][f"{rate:.2f}"] = row
     return out
+
+
+def _node_cpu(
+    ctx: ApplyContext, metas: list[TensorMeta], rate: float, payloads: int = 8, repeats: int = 3
+) -> dict[str, Any]:
+    """Median process CPU per payload of each part of the vLLM path (see the module docstring)."""
+    items, _ = _items(metas, rate, Op.XOR, seed=int(rate * 1e6) + 7)
+    per = max(1, -(-len(items) // payloads))
+    encoded = [
+        encode_payload(PayloadHeader(CODEC_VERSION, "bench", 0, i, i), items[j : j + per])
+        for i, j in enumerate(range(0, len(items), per))
+    ]
+    cpu: dict[str, list[float]] = {k: [] for k in ("receiver", "read", "decode", "apply")}
+    with tempfile.TemporaryDirectory(dir=_SHM if _SHM.is_dir() else None) as d:
+        path = Path(d) / "payload.krd"
+        for p in encoded * repeats:
+            h = p.header
+            meta = FrameMeta(
+                attempt=h.attempt,
+                producer=h.producer,
+                payload_id=h.payload_id,
+                order=h.order,
+                digest=p.digest.hex(),
+                size=p.size,
+            )
+            t0 = time.process_time()
+            verify_body(meta, p.body)  # the relay node, on arrival
+            decoded = decode_payload(
+                p.body, expected_digest=p.digest, body_hash=p.digest, known=ctx.metas
+            )
+            write_decoded(decoded, path)
+            t1 = time.process_time()
+            _, read = read_decoded(path, ctx.metas)
+            t2 = time.process_time()
+            ctx.apply(read)
+            t3 = time.process_time()
+            decode_payload(p.body, known=ctx.metas)  # what a second decode would cost
+            t4 = time.process_time()
+            for key, dt in zip(cpu, (t1 - t0, t2 - t1, t4 - t3, t3 - t2), strict=True):
+                cpu[key].append(dt)
+    ms = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
+    return {
+        "payloads": len(encoded),
+        "mean_wire_bytes": statistics.mean(p.size for p in encoded),
+        "receiver_ms": ms["receiver"],
+        "worker_read_ms": ms["read"],
+        "worker_apply_ms": ms["apply"],
+        "worker_decode_ms": ms["decode"],
+        "worker_read_over_decode": ms["read"] / ms["decode"],
+    }

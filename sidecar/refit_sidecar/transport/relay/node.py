@@ -89,7 +89,10 @@ class RelaySink(Protocol):
     def relay_stage(
         self, meta: FrameMeta, body: memoryview, keep: object, children: int
     ) -> Verdict:
-        """Register the verified payload and submit its local staging (atomic re-check)."""
+        """Register the verified payload and submit its local staging (atomic re-check).
+
+        `body` passed `verify_body(meta, body)`: it hashes to `meta.digest` (the sink relies
+        on it and does not hash the same bytes again)."""
         ...
 
     def relay_release(self, meta: FrameMeta, error: str | None) -> None:
