@@ -40,7 +40,7 @@ from refit_sidecar.codec import (
     encode_payload,
     seal_body,
 )
-from refit_sidecar.codec.wire import _ScratchPool
+from refit_sidecar.codec.encode import _ScratchPool
 
 HEADER = PayloadHeader(1, "att", 2, 9, 4)
 BODY_HEAD = struct.Struct("<4sHIQQIBBH")

@@ -1,6 +1,12 @@
-"""❸ encode: the bit-exact delta codec, records (XOR / overwrite items) and the versioned wire
-format, plus the decoded form a receiver hands to the vLLM workers (`decoded_file`)."""
+"""❸ encode: the bit-exact delta codec.
 
+`records` (XOR / overwrite items), `locations` (runs, gaps, byte planes), `wire` (the versioned
+format), `encode` (items into a sealed payload) and, for the receiver's ❺, `decode` (untrusted
+bytes back into items) and `decoded_file` (the decoded form a receiver hands to vLLM workers).
+"""
+
+from refit_sidecar.codec.decode import decode_payload
+from refit_sidecar.codec.encode import PreparedItem, encode_payload, prepare_item, seal_body
 from refit_sidecar.codec.errors import (
     BadMagic,
     CodecError,
@@ -33,12 +39,7 @@ from refit_sidecar.codec.wire import (
     DecodeLimits,
     EncodedPayload,
     PayloadHeader,
-    PreparedItem,
-    decode_payload,
-    encode_payload,
     peek_header,
-    prepare_item,
-    seal_body,
 )
 
 __all__ = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from refit_sidecar.baseline.source import ChunkDelta
-from refit_sidecar.codec.wire import PreparedItem, prepare_item
+from refit_sidecar.codec.encode import PreparedItem, prepare_item
 
 
 @dataclass

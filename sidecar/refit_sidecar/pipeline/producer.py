@@ -23,16 +23,9 @@ import structlog
 
 from refit_sidecar.baseline.chunks import ExportChunk
 from refit_sidecar.baseline.source import ChunkDelta, SourceBaseline
+from refit_sidecar.codec.encode import PreparedItem, encode_payload, prepare_item
 from refit_sidecar.codec.records import Mode
-from refit_sidecar.codec.wire import (
-    CODEC_VERSION,
-    CodecConfig,
-    EncodedPayload,
-    PayloadHeader,
-    PreparedItem,
-    encode_payload,
-    prepare_item,
-)
+from refit_sidecar.codec.wire import CODEC_VERSION, CodecConfig, EncodedPayload, PayloadHeader
 from refit_sidecar.pipeline.bucket import Bucket, Bucketer
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.pipeline.metrics import PipelineMetrics

@@ -22,10 +22,10 @@ from refit_sidecar.codec.errors import CodecError, DigestMismatch
 from refit_sidecar.receiver.admission import attempt_refusal, offer_refusal
 from refit_sidecar.receiver.appliers.base import StagedPayload
 from refit_sidecar.receiver.config import ReceiverConfig
-from refit_sidecar.receiver.decode import check_identity, decode_and_stage
 from refit_sidecar.receiver.errors import ReceptionError
 from refit_sidecar.receiver.node_state import NodeState, Verdict
 from refit_sidecar.receiver.state import AttemptState, Entry, EntryState, PayloadIdent
+from refit_sidecar.receiver.validate import check_identity, decode_and_stage
 from refit_sidecar.transport.errors import PayloadRejectedError
 from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta, body_digest
 from refit_sidecar.transport.s3 import S3Fetcher

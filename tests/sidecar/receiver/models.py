@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from refit_protocol.tensors import TensorMetaModel
+from refit_sidecar.codec.encode import encode_payload
 from refit_sidecar.codec.records import Item, Op, TensorMeta, diff_item
-from refit_sidecar.codec.wire import CODEC_VERSION, EncodedPayload, PayloadHeader, encode_payload
+from refit_sidecar.codec.wire import CODEC_VERSION, EncodedPayload, PayloadHeader
 from refit_sidecar.fingerprint import module_fingerprint
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
 from refit_sidecar.receiver.appliers.inprocess import InProcessApplier

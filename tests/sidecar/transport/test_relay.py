@@ -395,7 +395,9 @@ def _send_raw(client: RelayDealer, p: EncodedPayload, root: int | None = None) -
 
 
 def _renumber(p: EncodedPayload, i: int) -> EncodedPayload:
-    from refit_sidecar.codec.wire import PayloadHeader, decode_payload, encode_payload
+    from refit_sidecar.codec.decode import decode_payload
+    from refit_sidecar.codec.encode import encode_payload
+    from refit_sidecar.codec.wire import PayloadHeader
 
     d = decode_payload(p.body)
     return encode_payload(PayloadHeader(1, d.header.attempt, d.header.producer, i, i), d.items)

@@ -35,8 +35,9 @@ from refit_protocol.commit import CommitRecord
 from refit_protocol.logs import configure_logging
 from refit_protocol.producer_api import AttemptPlan, SentReport
 from refit_sidecar.baseline.chunks import chunk_export
+from refit_sidecar.codec.encode import encode_payload
 from refit_sidecar.codec.records import Item, Op
-from refit_sidecar.codec.wire import CODEC_VERSION, EncodedPayload, PayloadHeader, encode_payload
+from refit_sidecar.codec.wire import CODEC_VERSION, EncodedPayload, PayloadHeader
 from refit_sidecar.fingerprint import named_tensors_digest
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.main import ProducerProcessConfig, build, run_app

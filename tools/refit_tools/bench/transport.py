@@ -22,14 +22,9 @@ from pydantic import SecretStr
 
 from refit_protocol.receiver_api import PrewarmRequest, RankPrewarm
 from refit_protocol.tensors import TensorMetaModel
+from refit_sidecar.codec.encode import encode_payload
 from refit_sidecar.codec.records import Item, Op, TensorMeta
-from refit_sidecar.codec.wire import (
-    CODEC_VERSION,
-    DecodedPayload,
-    EncodedPayload,
-    PayloadHeader,
-    encode_payload,
-)
+from refit_sidecar.codec.wire import CODEC_VERSION, DecodedPayload, EncodedPayload, PayloadHeader
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
 from refit_sidecar.transport.relay.dealer import DealerConfig
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from refit_sidecar.codec.decode import decode_payload
 from refit_sidecar.codec.errors import HeaderMismatch
 from refit_sidecar.codec.records import Op, TensorMeta
-from refit_sidecar.codec.wire import DecodedPayload, decode_payload, peek_header
+from refit_sidecar.codec.wire import DecodedPayload, peek_header
 from refit_sidecar.receiver.appliers.base import Applier, StagedPayload
 from refit_sidecar.receiver.errors import ReceptionError
 from refit_sidecar.receiver.state import PayloadIdent
