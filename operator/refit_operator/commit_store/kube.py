@@ -20,8 +20,8 @@ from refit_operator.commit_store import (
     CommitRefusedError,
     CommitUnknownError,
     StoreState,
-    rules,
 )
+from refit_operator.commit_store.base import RuleStore
 from refit_protocol.commit import CommitRecord
 
 GROUP, VERSION, PLURAL = "refit.kuberefit.io", "v1alpha1", "policyversions"
@@ -107,7 +107,7 @@ def _dump(status: dict[str, Any], before: StoreState | None, after: StoreState) 
     return out
 
 
-class KubernetesCommitStore:
+class KubernetesCommitStore(RuleStore):
     """The commit record of `policy` in PolicyVersion `policy` of `namespace`.
 
     `api` is a `kubernetes.client.CustomObjectsApi` (sync client, run in worker threads so the
@@ -169,10 +169,6 @@ class KubernetesCommitStore:
         except OSError as exc:
             raise CommitUnknownError(f"PolicyVersion {self.policy}: {exc}") from exc
 
-    async def _change(self, rule: Callable[[StoreState], StoreState | None]) -> StoreState:
-        """`_step` on the existing record: without one there is nothing to read or change."""
-        return await self._step(lambda state: None if state is None else rule(state))
-
     # -- CommitStore ------------------------------------------------------------------------------
     async def initialize(self, record: CommitRecord) -> StoreState:
         from kubernetes.client.rest import ApiException
@@ -194,33 +190,4 @@ class KubernetesCommitStore:
                     raise
 
         await asyncio.to_thread(create)
-        return await self._step(lambda state: rules.initialize(state, record))
-
-    async def read(self) -> StoreState:
-        return await self._change(lambda state: None)
-
-    async def acquire(self, coordinator: str) -> int:
-        return (await self._change(lambda state: rules.acquire(state, coordinator))).epoch
-
-    async def prepare(self, epoch: int, attempt: ActiveAttempt) -> None:
-        await self._change(lambda state: rules.prepare(state, epoch, attempt))
-
-    async def mark_obsolete(self, epoch: int, attempt: str) -> None:
-        await self._change(lambda state: rules.mark_obsolete(state, epoch, attempt))
-
-    async def commit(
-        self, epoch: int, attempt: str, expected: CommitRecord, new: CommitRecord, now: float
-    ) -> CommitRecord:
-        state = await self._change(
-            lambda state: rules.commit(state, epoch, attempt, expected, new, now)
-        )
-        return state.record
-
-    async def read_commit(self, epoch: int, attempt: str) -> CommitRecord:
-        return (await self._change(lambda state: rules.read_commit(state, attempt))).record
-
-    async def abort(self, by: str) -> None:
-        await self._change(lambda state: rules.abort(state, by))
-
-    async def clear_abort(self) -> None:
-        await self._change(rules.clear_abort)
+        return await super().initialize(record)

@@ -21,8 +21,8 @@ from refit_operator.commit_store import (
     CommitRefusedError,
     CommitUnknownError,
     StoreState,
-    rules,
 )
+from refit_operator.commit_store.base import RuleStore
 from refit_protocol.commit import CommitRecord
 
 T = TypeVar("T")
@@ -85,7 +85,7 @@ def _columns(state: StoreState) -> dict[str, Any]:
     }
 
 
-class SqliteCommitStore:
+class SqliteCommitStore(RuleStore):
     """Commit record of `policy` in the SQLite file `path` (created if missing)."""
 
     def __init__(self, path: Path | str, policy: str) -> None:
@@ -160,40 +160,3 @@ class SqliteCommitStore:
             return after
 
         return await self._tx(fn)
-
-    async def _change(self, rule: Callable[[StoreState], StoreState | None]) -> StoreState:
-        """`_step` on the existing record: without one there is nothing to read or change."""
-        return await self._step(lambda state: None if state is None else rule(state))
-
-    # -- CommitStore ------------------------------------------------------------------------------
-    async def initialize(self, record: CommitRecord) -> StoreState:
-        return await self._step(lambda state: rules.initialize(state, record))
-
-    async def read(self) -> StoreState:
-        return await self._change(lambda state: None)
-
-    async def acquire(self, coordinator: str) -> int:
-        return (await self._change(lambda state: rules.acquire(state, coordinator))).epoch
-
-    async def prepare(self, epoch: int, attempt: ActiveAttempt) -> None:
-        await self._change(lambda state: rules.prepare(state, epoch, attempt))
-
-    async def mark_obsolete(self, epoch: int, attempt: str) -> None:
-        await self._change(lambda state: rules.mark_obsolete(state, epoch, attempt))
-
-    async def commit(
-        self, epoch: int, attempt: str, expected: CommitRecord, new: CommitRecord, now: float
-    ) -> CommitRecord:
-        state = await self._change(
-            lambda state: rules.commit(state, epoch, attempt, expected, new, now)
-        )
-        return state.record
-
-    async def read_commit(self, epoch: int, attempt: str) -> CommitRecord:
-        return (await self._change(lambda state: rules.read_commit(state, attempt))).record
-
-    async def abort(self, by: str) -> None:
-        await self._change(lambda state: rules.abort(state, by))
-
-    async def clear_abort(self) -> None:
-        await self._change(rules.clear_abort)

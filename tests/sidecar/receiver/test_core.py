@@ -83,15 +83,7 @@ def prep(
 
 
 def offer(core: ReceiverCore, p: EncodedPayload, body: bytes | None = None) -> AckStatus:
-    h = p.header
-    meta = FrameMeta(
-        attempt=h.attempt,
-        producer=h.producer,
-        payload_id=h.payload_id,
-        order=h.order,
-        digest=p.digest.hex(),
-        size=p.size,
-    )
+    meta = FrameMeta.of(p)
     # What a relay node does with a DATA frame: check, verify the bytes, then stage them.
     verdict = core.intake.relay_check(meta, probe=False)
     if verdict is not None:

@@ -374,16 +374,7 @@ def stop_everywhere(c: Cluster, attempt: str) -> None:
 
 
 def _meta(p: EncodedPayload, root: int | None = None) -> FrameMeta:
-    h = p.header
-    return FrameMeta(
-        attempt=h.attempt,
-        producer=h.producer,
-        payload_id=h.payload_id,
-        order=h.order,
-        digest=p.digest.hex(),
-        size=p.size,
-        root=root,
-    )
+    return FrameMeta.of(p).model_copy(update={"root": root})
 
 
 def _send_raw(client: RelayDealer, p: EncodedPayload, root: int | None = None) -> AckStatus:

@@ -179,15 +179,7 @@ def _node_cpu(
     with tempfile.TemporaryDirectory(dir=_SHM if _SHM.is_dir() else None) as d:
         path = Path(d) / "payload.krd"
         for p in encoded * repeats:
-            h = p.header
-            meta = FrameMeta(
-                attempt=h.attempt,
-                producer=h.producer,
-                payload_id=h.payload_id,
-                order=h.order,
-                digest=p.digest.hex(),
-                size=p.size,
-            )
+            meta = FrameMeta.of(p)
             # Thread CPU for the single-threaded parts (process CPU would also count torch's
             # OpenMP workers spinning after the apply); wall time for the apply.
             t0 = time.thread_time()

@@ -19,7 +19,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from refit_sidecar.codec.errors import CodecError, DigestMismatch, HeaderMismatch
-from refit_sidecar.codec.wire import DIGEST_SIZE, MAX_ATTEMPT_BYTES, PREAMBLE_SIZE, peek_header
+from refit_sidecar.codec.wire import (
+    DIGEST_SIZE,
+    MAX_ATTEMPT_BYTES,
+    PREAMBLE_SIZE,
+    EncodedPayload,
+    peek_header,
+)
 
 DATA = b"DATA"
 PROBE = b"PROBE"
@@ -64,6 +70,19 @@ class FrameMeta(BaseModel):
     @property
     def key(self) -> tuple[str, int, int]:
         return (self.attempt, self.producer, self.payload_id)
+
+    @classmethod
+    def of(cls, payload: EncodedPayload) -> FrameMeta:
+        """The DATA metadata that announces `payload` (identity, digest, size)."""
+        h = payload.header
+        return cls(
+            attempt=h.attempt,
+            producer=h.producer,
+            payload_id=h.payload_id,
+            order=h.order,
+            digest=payload.digest.hex(),
+            size=payload.size,
+        )
 
 
 class AckMeta(BaseModel):

@@ -73,14 +73,7 @@ class RelayTransport:
         if h.attempt != attempt:
             raise ValueError(f"payload of attempt {h.attempt!r} sent as {attempt!r}")
         self._window.admit(attempt, h.producer, payload.size)
-        meta = FrameMeta(
-            attempt=attempt,
-            producer=h.producer,
-            payload_id=h.payload_id,
-            order=h.order,
-            digest=payload.digest.hex(),
-            size=payload.size,
-        )
+        meta = FrameMeta.of(payload)
         submitted = time.monotonic()
         fut = self._client.submit_data(meta, payload.body)
         fut.add_done_callback(lambda f: self._settled(meta, submitted, f))
