@@ -10,7 +10,7 @@ trainer never exports the same version twice.
 The trainer process hands its exports over as chunk files (`refit_sidecar.trainer.publisher`):
 `ingest_chunk` takes each owned chunk out of the shared-memory inbox, `stage` checks the whole
 export against the baseline and stages it as the candidate of the next version, or, for the
-first export, builds the baseline after checking the resume rules (`trainer.resume`).
+first export, builds the baseline after checking the resume rules (`producer.resume`).
 """
 
 from __future__ import annotations

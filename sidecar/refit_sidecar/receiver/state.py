@@ -1,4 +1,5 @@
-"""Per-attempt bookkeeping of a receiver: dedup table, declared order, quotas (no I/O, no threads).
+"""Per-attempt bookkeeping of a receiver: dedup table, declared order, quotas (no I/O; it only
+records which threads work on an attempt, never starts one).
 
 Declared order: every producer numbers its payloads' `order` 0, 1, 2, ...; the attempt's single
 application order is (order, producer) ascending, the same on every node whatever the arrival
