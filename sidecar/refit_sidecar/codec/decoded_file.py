@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from refit_sidecar.codec import dtypes
-from refit_sidecar.codec.errors import LocationError, MetaMismatch, SchemaError
+from refit_sidecar.codec.errors import CodecError, LocationError, MetaMismatch, SchemaError
 from refit_sidecar.codec.records import Item, Op, TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload, PayloadHeader
 
@@ -67,9 +67,9 @@ def read_decoded(path: Path, known: Mapping[str, TensorMeta]) -> tuple[PayloadHe
             rows = json.loads(meta["items"])
             keys = set(f.keys())
             items = [_item(i, row, f, keys, known) for i, row in enumerate(rows)]
+    except CodecError:
+        raise
     except (SafetensorError, KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, SchemaError | MetaMismatch | LocationError):
-            raise
         raise SchemaError(f"{path.name}: malformed decoded payload file: {exc}") from exc
     return header, items
 

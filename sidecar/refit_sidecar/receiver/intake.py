@@ -23,11 +23,11 @@ from refit_sidecar.receiver.admission import attempt_refusal, offer_refusal
 from refit_sidecar.receiver.appliers.base import StagedPayload
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.errors import ReceptionError
-from refit_sidecar.receiver.node_state import NodeState, Verdict
+from refit_sidecar.receiver.node_state import NodeState
 from refit_sidecar.receiver.state import AttemptState, Entry, EntryState, PayloadIdent
 from refit_sidecar.receiver.validate import check_identity, decode_and_stage
 from refit_sidecar.transport.errors import PayloadRejectedError
-from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta, body_digest
+from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta, Verdict, body_digest
 from refit_sidecar.transport.s3 import S3Fetcher
 
 log = structlog.get_logger("kuberefit.receiver")
@@ -178,11 +178,13 @@ class Intake:
     ) -> None:
         """Validate one registered payload; sync RL: decode and queue it for the apply loop,
         async RL: keep its compressed bytes until the gate closes (staging pool thread).
-        `verified`: the relay node already checked the bytes against the announced digest."""
+        `verified`: the relay node already checked the bytes' identity, size and digest against
+        what was announced (`verify_body`); S3 downloads are checked here."""
         s = self.state
         ident = entry.ident
         try:
-            check_identity(body, ident)
+            if not verified:
+                check_identity(body, ident)
             if st.sync:
                 t0 = time.perf_counter()
                 staged = self._decode(body, ident, hashed=verified)
@@ -203,13 +205,11 @@ class Intake:
                 st.release_local(entry)
                 s.gauges(st)
                 s.cond.notify_all()
-        except (CodecError, ReceptionError) as exc:
-            with s.cond:
-                s.fail(st, f"payload {ident.label()}: {type(exc).__name__}: {exc}")
         except Exception as exc:
-            log.exception("receiver.stage_failed", node=s.node, payload=ident.label())
+            if not isinstance(exc, CodecError | ReceptionError):
+                log.exception("receiver.stage_failed", node=s.node, payload=ident.label())
             with s.cond:
-                s.fail(st, f"payload {ident.label()}: staging failed: {exc!r}")
+                s.fail(st, _failure(ident, exc, "staging"))
 
     def decode_loop(self, st: AttemptState) -> None:
         """Async RL: feed the bounded queue from compressed staging, in declared order."""
@@ -239,10 +239,9 @@ class Intake:
             try:
                 staged = self._decode(body, entry.ident, hashed=True)  # hashed when staged
             except Exception as exc:
-                what = "" if isinstance(exc, CodecError | ReceptionError) else "decode failed: "
                 with s.cond:
                     st.decoding -= 1
-                    s.fail(st, f"payload {entry.ident.label()}: {what}{_describe(exc)}")
+                    s.fail(st, _failure(entry.ident, exc, "decode"))
                 return
             with s.cond:
                 st.decoding -= 1
@@ -285,7 +284,8 @@ class Intake:
         return True
 
 
-def _describe(exc: Exception) -> str:
+def _failure(ident: PayloadIdent, exc: Exception, doing: str) -> str:
+    """Why a payload fails its attempt: the check it failed, or the unexpected error."""
     if isinstance(exc, CodecError | ReceptionError):
-        return f"{type(exc).__name__}: {exc}"
-    return repr(exc)
+        return f"payload {ident.label()}: {type(exc).__name__}: {exc}"
+    return f"payload {ident.label()}: {doing} failed: {exc!r}"

@@ -21,11 +21,9 @@ from refit_sidecar.receiver.appliers.base import Applier
 from refit_sidecar.receiver.errors import ObsoleteAttemptError, UnknownAttemptError
 from refit_sidecar.receiver.metrics import ReceiverMetrics
 from refit_sidecar.receiver.state import AttemptState, Entry, EntryState, ObsoleteSet, Phase
-from refit_sidecar.transport.relay.frames import AckStatus
+from refit_sidecar.transport.relay.frames import Verdict
 
 log = structlog.get_logger("kuberefit.receiver")
-
-Verdict = tuple[AckStatus, str]
 
 
 class NodeState:

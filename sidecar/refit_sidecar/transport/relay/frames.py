@@ -49,6 +49,8 @@ class AckStatus(enum.StrEnum):
 
 
 FINAL_OK = frozenset({AckStatus.STAGED, AckStatus.DUPLICATE})
+#: A receiver's answer to a payload offer: what happened, and why when it was refused.
+Verdict = tuple[AckStatus, str]
 
 
 class FrameMeta(BaseModel):
@@ -160,6 +162,7 @@ __all__ = [
     "AckStatus",
     "CodecError",
     "FrameMeta",
+    "Verdict",
     "body_digest",
     "parse_ack",
     "parse_meta",

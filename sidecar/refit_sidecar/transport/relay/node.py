@@ -37,13 +37,12 @@ from refit_sidecar.transport.relay.frames import (
     AckMeta,
     AckStatus,
     FrameMeta,
+    Verdict,
     parse_meta,
     verify_body,
 )
 
 log = structlog.get_logger("kuberefit.relay")
-
-Verdict = tuple[AckStatus, str]
 
 
 class RelayConfig(BaseModel):
