@@ -9,12 +9,12 @@ PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
 MEGATRON_PKGS := megatron-bridge==0.3.1 megatron-core==0.16.1
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv megatron-venv kube-apiserver lint typecheck pytest clean
+.PHONY: demo test venv megatron-venv kube-apiserver kubectl lint typecheck pytest clean
 
 demo: venv
 	$(VENV)/bin/kuberefit demo
 
-test: venv megatron-venv kube-apiserver lint typecheck pytest
+test: venv megatron-venv kube-apiserver kubectl lint typecheck pytest
 
 # A failed install says how much disk was left: a full disk is the usual cause on a shared host
 # (the two venvs take about 6 GB; the kube-apiserver build, once, scratch space in its cache).
@@ -43,6 +43,10 @@ $(MEGATRON_VENV)/.installed: pyproject.toml
 # kube-apiserver v1.20.2 built from Debian's source package, cached in ~/.cache/kuberefit.
 kube-apiserver:
 	e2e/build-kube-apiserver.sh >/dev/null || $(DISK_REPORT)
+
+# kubectl v1.20.2 (matches the apiserver) from Debian's kubernetes-client package (8 MB), cached alike.
+kubectl:
+	e2e/fetch-kubectl.sh >/dev/null || $(DISK_REPORT)
 
 lint: venv
 	$(VENV)/bin/ruff check .

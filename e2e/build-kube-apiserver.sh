@@ -20,24 +20,17 @@ BIN="$OUT/kube-apiserver"
 
 if [[ -x "$BIN" ]]; then echo "$BIN"; exit 0; fi
 
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
 log() { echo "[build-kube-apiserver] $*" >&2; }
 WORK="$CACHE/build-kube-apiserver"
-rm -rf "$WORK"; mkdir -p "$WORK"/{apt/lists/partial,apt/cache/archives/partial,apt/parts,debs,go,bin}
+rm -rf "$WORK"; mkdir -p "$WORK"/{debs,go,bin}
 cd "$WORK"
 
-# Private apt configuration: deb + deb-src lines derived from the machine's configured Debian sources;
-# the system's apt config and lists are left untouched.
-shopt -s nullglob
-for f in /etc/apt/sources.list.d/*.sources; do
-  sed -E 's/^Types:.*/Types: deb deb-src/' "$f" > "apt/parts/$(basename "$f")"
-done
-: > apt/sources.list
-for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-  [[ -f $f ]] || continue
-  grep -E '^deb ' "$f" | grep -i debian | while read -r line; do echo "$line"; echo "${line/deb /deb-src }"; done >> apt/sources.list || true
-done
-APT=(apt-get -q -o Dir::Etc::sourcelist="$WORK/apt/sources.list" -o Dir::Etc::sourceparts="$WORK/apt/parts"
-     -o Dir::State::Lists="$WORK/apt/lists" -o Dir::Cache="$WORK/apt/cache" -o APT::Get::List-Cleanup=0)
+# Private apt configuration (e2e/private-apt.sh): deb + deb-src lines derived from the machine's
+# configured Debian sources; the system's apt config and lists are left untouched.
+source "$HERE/private-apt.sh"
+private_apt_init "$WORK/apt" deb-src
 log "apt update (private lists)"
 "${APT[@]}" update >&2
 log "fetching kubernetes=$DEB_VERSION sources, golang-1.19 and reflect2 1.0.2"

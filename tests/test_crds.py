@@ -34,11 +34,28 @@ def _obj(kind: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 def test_refit_policy_defaults_and_validation(crds: client.CustomObjectsApi) -> None:
     created = crds.create_namespaced_custom_object(
-        GROUP, VERSION, "default", "refitpolicies", _obj("RefitPolicy", "p1", {})
+        GROUP,
+        VERSION,
+        "default",
+        "refitpolicies",
+        _obj("RefitPolicy", "p1", {"tokenSecret": {"name": "t"}}),
     )
-    assert created["spec"]["transport"] == "zmq"
-    assert created["spec"]["mode"] == "sync"
-    assert created["spec"]["bucketBytes"] == 512 * 2**20
+    spec = created["spec"]
+    assert spec["transport"] == "zmq"
+    assert spec["mode"] == "sync"
+    assert spec["bucketBytes"] == 512 * 2**20
+    assert spec["tokenSecret"] == {"name": "t", "key": "token"}
+    assert spec["encoding"] == {"zstdLevel": 1, "shuffle": True}
+    assert spec["baseline"] == {"storage": "file"}
+    assert (spec["paused"], spec["keepTransitions"], spec["producers"]) == (False, 20, 1)
+    # The operator's own defaults (refit_operator.policy_spec) are the schema's.
+    from refit_operator.policy_spec import PolicySpec
+
+    model = PolicySpec.model_validate({"tokenSecret": {"name": "t"}})
+    apart = {"selector", "s3", "restore"}  # no schema defaults inside these
+    assert model.model_dump(by_alias=True, exclude=apart) == {
+        k: v for k, v in spec.items() if k not in apart
+    }
     with pytest.raises(ApiException) as err:
         crds.create_namespaced_custom_object(
             GROUP,

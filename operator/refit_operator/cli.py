@@ -38,3 +38,82 @@ def coordinator(config_path: Path) -> None:
     configure_logging()
     config = CoordinatorServiceConfig.model_validate_json(config_path.read_text())
     sys.exit(asyncio.run(serve(config)))
+
+
+@commands.command()
+@click.option(
+    "--namespace",
+    "namespaces",
+    multiple=True,
+    help="Serve only this namespace (repeatable). Default: cluster-wide.",
+)
+@click.option(
+    "--identity",
+    default=None,
+    help="Name this operator holds policy Leases under. Default: $POD_NAME, else host-pid. "
+    "A restarted operator with the same identity takes its Leases back at once.",
+)
+@click.option(
+    "--metrics-bind",
+    default="0.0.0.0:8080",
+    show_default=True,
+    help="HOST:PORT of /healthz, /readyz and /metrics.",
+)
+@click.option(
+    "--metrics-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Bearer token /metrics requires (default $KUBEREFIT_TOKEN; needed unless loopback).",
+)
+@click.option(
+    "--lease-seconds",
+    type=click.IntRange(min=3),
+    default=15,
+    show_default=True,
+    help="Lease duration: how long a killed operator's policies wait for another replica.",
+)
+@click.option(
+    "--poll-seconds",
+    type=click.FloatRange(min=0.01),
+    default=0.5,
+    show_default=True,
+    help="How often each policy's loop looks for staged versions and pod changes.",
+)
+def operator(
+    namespaces: tuple[str, ...],
+    identity: str | None,
+    metrics_bind: str,
+    metrics_token_file: Path | None,
+    lease_seconds: int,
+    poll_seconds: float,
+) -> None:
+    """Run the kopf operator: one coordinator per RefitPolicy, pods discovered by annotation.
+
+    Reads the cluster credentials of the kubernetes client (in-cluster service account, else
+    $KUBECONFIG). See docs/operator.md.
+    """
+    import asyncio
+
+    from refit_operator.operator_main import OperatorConfig, run
+    from refit_protocol.logs import configure_logging
+
+    configure_logging()
+    host, _, port = metrics_bind.rpartition(":")
+    if not host or not port.isdigit():
+        raise click.BadParameter(
+            f"expected HOST:PORT, got {metrics_bind!r}", param_hint="--metrics-bind"
+        )
+    fields: dict[str, object] = {
+        "namespaces": list(namespaces),
+        "metrics_host": host.strip("[]"),
+        "metrics_port": int(port),
+        "metrics_token_file": metrics_token_file,
+        "lease_s": lease_seconds,
+        "poll_s": poll_seconds,
+    }
+    if identity:
+        fields["identity"] = identity
+    try:
+        asyncio.run(run(OperatorConfig.model_validate(fields)))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc

@@ -97,6 +97,7 @@ class TransitionResult:
     attempts: int
     modes: list[AttemptMode] = field(default_factory=list)
     retired: list[str] = field(default_factory=list)
+    receivers: list[str] = field(default_factory=list)  # those of the last attempt
     message: str = ""
     progress: TransitionProgress | None = None
     latency_s: float = 0.0  # timed window: first producer start .. last baseline update
@@ -159,6 +160,7 @@ class Coordinator:
                 return await self._abort(result, f"{result.attempts} attempts failed")
             result.attempts += 1
             result.modes.append(mode)
+            result.receivers = [r.node for r in receivers]
             progress.attempt, progress.mode = result.attempts, mode
             tau: str | None = None
             outcome: Literal["success", "failed", "unknown", "conflict"] = "failed"
@@ -489,7 +491,7 @@ class Coordinator:
                         result.retired.append(r.node)
                         self._gate_closed.discard(r.node)
                         break
-                    log.warning("receiver.stop_retry", node=r.node, error=str(exc))
+                    log.warning("receiver.stop_retry", node=r.node, error=_why(exc))
             else:
                 raise InterventionRequiredError(
                     f"receiver {r.node} neither acknowledges stop nor is confirmed dead"
@@ -598,6 +600,9 @@ class Coordinator:
             await asyncio.gather(*pending, return_exceptions=True)
         for r, t in zip(receivers, tasks, strict=True):
             exc = None if t.cancelled() else t.exception()
+            if isinstance(exc, TimeoutError):
+                limit = timeout or self.config.control_timeout_s
+                raise AttemptFailedError(f"{r.node}: no answer within {limit:g}s") from exc
             if exc is not None:
                 raise AttemptFailedError(f"{r.node}: {type(exc).__name__}: {exc}") from exc
         return [t.result() for t in tasks]
@@ -614,3 +619,8 @@ class Coordinator:
                     log.warning("producer.call_failed", producer=p.producer, error=str(a))
                 else:
                     raise AttemptFailedError(f"producer {p.producer}: {a}") from a
+
+
+def _why(exc: BaseException) -> str:
+    """A failure as a log line can say it (a timeout's str() is empty)."""
+    return "no answer in time" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)

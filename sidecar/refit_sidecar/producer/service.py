@@ -229,6 +229,26 @@ class ProducerService:
         if self.observer is not None:
             self.observer.baseline_updated(attempt, record)
 
+    def learn_committed(self, record: CommitRecord) -> None:
+        """Take the committed record from the coordinator while there is no baseline yet (a
+        restarted sidecar): the trainer's initial export must then be of that version. With a
+        baseline, only the record it already holds is accepted."""
+        if self.baseline_ready:
+            if record != self.committed:
+                raise EndpointError(
+                    f"producer {self.producer} holds a baseline of v{self.committed.version} "
+                    f"({self.committed.baseline_id}), not {record}"
+                )
+            return
+        if record != self.committed:
+            log.info(
+                "producer.committed_learned",
+                producer=self.producer,
+                version=record.version,
+                was=self.committed.version,
+            )
+        self.committed = record
+
     # -- candidate staging (the trainer's handoff) -----------------------------------------------
     @property
     def baseline_ready(self) -> bool:

@@ -87,6 +87,12 @@ class ReceiverControl:
                 dropped=s.dropped,
             )
 
+    def prewarmed(self) -> PrewarmResponse | None:
+        """The last prewarm's answer, without asking the runtime again (None if never
+        prewarmed): a coordinator that restarted relearns the loaders' classification."""
+        with self.state.cond:
+            return self.state.prewarmed if self.state.metas else None
+
     def prewarm(self, req: PrewarmRequest) -> PrewarmResponse:
         s = self.state
         metas: dict[str, TensorMeta] = {}

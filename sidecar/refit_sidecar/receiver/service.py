@@ -147,6 +147,12 @@ def create_app(
     async def prewarm(request: web.Request) -> web.Response:
         return _model(await blocking(core.control.prewarm, await _parse(request, PrewarmRequest)))
 
+    async def prewarmed(_: web.Request) -> web.Response:
+        answer = core.control.prewarmed()
+        if answer is None:
+            return _json({"error": "not prewarmed", "status": "not_prewarmed"}, 404)
+        return _model(answer)
+
     async def prepare(request: web.Request) -> web.Response:
         return _model(await blocking(core.control.prepare, await _parse(request, PrepareRequest)))
 
@@ -203,6 +209,7 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get(f"{p}/status", status)
     app.router.add_post(f"{p}/prewarm", prewarm)
+    app.router.add_get(f"{p}/prewarm", prewarmed)
     app.router.add_post(f"{p}/prepare", prepare)
     app.router.add_post(f"{p}/gate", gate)
     app.router.add_post(f"{p}/open-apply", open_apply)

@@ -74,3 +74,25 @@ async def test_token_required(served, token: str | None) -> None:  # type: ignor
             await client.status()
         async with session.get(url + "/healthz") as resp:
             assert resp.status == 200
+
+
+async def test_committed_record_learned_only_without_a_baseline(  # type: ignore[no-untyped-def]
+    served, tmp_path: Path
+) -> None:
+    url, _ = served
+    async with aiohttp.ClientSession() as session:
+        client = HttpProducerClient(0, url, token=TOKEN, session=session)
+        await client.learn_committed(CommitRecord(0, "initial"))  # what it holds: a no-op
+        with pytest.raises(EndpointError, match=r"409.*holds a baseline of v0"):
+            await client.learn_committed(CommitRecord(7, "g-7"))
+        assert (await client.status()).committed_version == 0
+    # A restarted sidecar (no baseline yet) takes the record: the trainer's first export must
+    # then be of v7.
+    fresh = SourceBaseline(
+        producer=0, producers=1, config=BaselineConfig(directory=tmp_path / "b2")
+    )
+    restarted = ProducerService(fresh, RecordingTransportFake())
+    assert not restarted.baseline_ready
+    restarted.learn_committed(CommitRecord(7, "g-7"))
+    assert restarted.committed == CommitRecord(7, "g-7")
+    fresh.close()

@@ -1,0 +1,133 @@
+"""Which pods take part in a policy, and where their sidecars listen (pure functions).
+
+A pod takes part in policy P when it carries `kuberefit.io/inject: trainer|rollout` and
+`kuberefit.io/policy: P`, matches P's selector for its role, runs, and has an IP. Its sidecar's
+address is the pod IP with the sidecar container's named ports (`refit-control`,
+`refit-relay`). Identity is the pod's UID plus its sidecar's restart count: if either changes,
+the process that held an attempt's state is gone (the receiver is confirmed dead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from refit_operator.kube.names import (
+    CONTROL_PORT,
+    DEFAULT_PORTS,
+    INJECT,
+    POLICY,
+    RELAY_PORT,
+    SIDECAR_CONTAINER,
+)
+from refit_operator.policy_spec import PolicySpec
+
+Role = Literal["trainer", "rollout"]
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the operator keeps of an annotated pod (the pod index's value)."""
+
+    namespace: str
+    name: str
+    uid: str
+    role: str
+    policy: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    ip: str = ""
+    phase: str = ""
+    deleting: bool = False
+    control_port: int = 0
+    relay_port: int = 0
+    restarts: int = 0
+
+    @property
+    def running(self) -> bool:
+        return self.phase == "Running" and bool(self.ip) and not self.deleting
+
+    @property
+    def url(self) -> str:
+        return f"http://{_host(self.ip)}:{self.control_port}"
+
+    @property
+    def relay_endpoint(self) -> str:
+        return f"tcp://{_host(self.ip)}:{self.relay_port}" if self.relay_port else ""
+
+    @property
+    def incarnation(self) -> tuple[str, int]:
+        """Changes when the sidecar process is replaced (new pod, or container restart)."""
+        return (self.uid, self.restarts)
+
+
+def _host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip
+
+
+def pod_view(pod: Mapping[str, Any]) -> PodView | None:
+    """The view of an annotated pod; None for a pod without both annotations."""
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    role, policy = annotations.get(INJECT), annotations.get(POLICY)
+    if not role or not policy:
+        return None
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    ports: dict[str, int] = {}
+    for c in spec.get("containers") or []:
+        if c.get("name") == SIDECAR_CONTAINER:
+            ports = {
+                p["name"]: int(p["containerPort"]) for p in c.get("ports") or [] if "name" in p
+            }
+    restarts = sum(
+        int(s.get("restartCount") or 0)
+        for s in status.get("containerStatuses") or []
+        if s.get("name") == SIDECAR_CONTAINER
+    )
+    return PodView(
+        namespace=str(meta.get("namespace") or ""),
+        name=str(meta.get("name") or ""),
+        uid=str(meta.get("uid") or ""),
+        role=str(role),
+        policy=str(policy),
+        labels=dict(meta.get("labels") or {}),
+        ip=str(status.get("podIP") or ""),
+        phase=str(status.get("phase") or ""),
+        deleting=bool(meta.get("deletionTimestamp")),
+        control_port=ports.get(CONTROL_PORT, DEFAULT_PORTS.get(str(role), 0)),
+        relay_port=ports.get(RELAY_PORT, 0),
+        restarts=restarts,
+    )
+
+
+@dataclass(frozen=True)
+class Discovered:
+    """The pods of one policy by role: all that name it, and those that can take part now."""
+
+    trainers: tuple[PodView, ...]
+    rollouts: tuple[PodView, ...]
+    unknown_role: tuple[PodView, ...] = ()
+
+    @property
+    def ready_trainers(self) -> tuple[PodView, ...]:
+        return tuple(p for p in self.trainers if p.running)
+
+    @property
+    def ready_rollouts(self) -> tuple[PodView, ...]:
+        return tuple(p for p in self.rollouts if p.running)
+
+
+def discover(pods: Iterable[PodView], spec: PolicySpec) -> Discovered:
+    """Split the policy's annotated pods by role, keeping those its selectors match (by name)."""
+    trainers, rollouts, unknown = [], [], []
+    for p in pods:
+        if p.role == "trainer" and spec.selector.trainer.matches(dict(p.labels)):
+            trainers.append(p)
+        elif p.role == "rollout" and spec.selector.rollout.matches(dict(p.labels)):
+            rollouts.append(p)
+        elif p.role not in ("trainer", "rollout"):
+            unknown.append(p)
+    key = lambda p: p.name  # noqa: E731
+    return Discovered(
+        tuple(sorted(trainers, key=key)), tuple(sorted(rollouts, key=key)), tuple(unknown)
+    )

@@ -1,0 +1,1 @@
+"""The operator's Kubernetes side: resource names, the API wrapper and the kopf handlers."""

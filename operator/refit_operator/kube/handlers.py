@@ -1,0 +1,137 @@
+"""The kopf layer: thin handlers over plain functions (registered on `registry`).
+
+- `settings`: kopf's own bookkeeping under `kuberefit.io/` (storage and finalizer), no
+  cluster scanning (the resources are fixed), and no posting of handler log lines as Events.
+- `policy_pods`: an in-memory index of annotated pods by (namespace, policy). kopf writes
+  nothing to pods for an index.
+- `coordinate`: a daemon per RefitPolicy running its `PolicyRunner`; kopf stops it when the
+  policy is deleted and then removes its finalizer.
+- `pod_policy_exists`: a pod that names a policy that does not exist gets one Event.
+
+Nothing here watches PolicyVersions: only the commit store writes them, with its own
+compare-and-set, and kopf's annotations would break it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+import structlog
+
+from refit_operator.discovery import pod_view
+from refit_operator.kube.api import KubeApi, object_ref
+from refit_operator.kube.names import (
+    FINALIZER,
+    GROUP,
+    KOPF_PREFIX,
+    POLICIES,
+    POLICY,
+    VERSION,
+)
+from refit_operator.policy_runner import PolicyRunner, RunnerSettings
+
+log = structlog.get_logger("kuberefit.operator")
+
+registry = kopf.OperatorRegistry()
+
+
+@dataclass
+class Memo:
+    """What every handler shares (kopf passes it as `memo`)."""
+
+    api: KubeApi
+    settings: RunnerSettings
+    warned_pods: set[tuple[str, str]] = field(default_factory=set)
+    ready: bool = False
+
+
+@kopf.on.startup(registry=registry)
+def configure(settings: kopf.OperatorSettings, memo: Memo, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=KOPF_PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = FINALIZER
+    settings.scanning.disabled = True
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = "kuberefit-operator"
+    memo.ready = True
+
+
+@kopf.index("pods", annotations={POLICY: kopf.PRESENT}, registry=registry)
+def policy_pods(body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    view = pod_view(body)
+    return {} if view is None else {(view.namespace, view.policy): view}
+
+
+@kopf.index(GROUP, VERSION, POLICIES, registry=registry)
+def policy_names(namespace: str, name: str, **_: Any) -> dict[tuple[str, str], bool]:
+    return {(namespace, name): True}
+
+
+@kopf.daemon(
+    GROUP,
+    VERSION,
+    POLICIES,
+    # On deletion (or operator exit) the loop gets 10 s to finish its pass, then is cancelled;
+    # a transition cut short is taken over by the next coordinator like any other.
+    cancellation_backoff=10.0,
+    cancellation_timeout=20.0,
+    registry=registry,
+)
+async def coordinate(
+    body: kopf.Body,
+    namespace: str,
+    name: str,
+    stopped: kopf.DaemonStopped,
+    memo: Memo,
+    policy_pods: kopf.Index[tuple[str, str], Any],
+    **_: Any,
+) -> None:
+    runner = PolicyRunner(
+        memo.api,
+        namespace,
+        name,
+        body=lambda: body,
+        pods=lambda: list(policy_pods.get((namespace, name), [])),
+        stopped=stopped.is_set,
+        settings=memo.settings,
+    )
+    await runner.run()
+
+
+@kopf.on.event("pods", annotations={POLICY: kopf.PRESENT}, registry=registry)
+async def pod_policy_exists(
+    body: kopf.Body,
+    type: str | None,  # noqa: A002 - kopf's name for the watch event type
+    memo: Memo,
+    policy_names: kopf.Index[tuple[str, str], bool],
+    **_: Any,
+) -> None:
+    view = pod_view(body)
+    if view is None or type == "DELETED":
+        return
+    key = (view.uid, view.policy)
+    if (view.namespace, view.policy) in policy_names:
+        memo.warned_pods.discard(key)
+        return
+    if key in memo.warned_pods:
+        return
+    memo.warned_pods.add(key)
+    log.warning("pod.unknown_policy", pod=view.name, policy=view.policy)
+    await memo.api.post_event(
+        object_ref({**body, "apiVersion": "v1", "kind": "Pod"}),
+        "PolicyNotFound",
+        f"annotation {POLICY}={view.policy} names no RefitPolicy in namespace "
+        f"{view.namespace}; this pod takes no part in any refit",
+        warning=True,
+    )
+
+
+@kopf.on.login(registry=registry)
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The same credentials as the kubernetes client: in-cluster, else $KUBECONFIG."""
+    return kopf.login_via_client(**kwargs)

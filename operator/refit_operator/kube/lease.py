@@ -1,0 +1,97 @@
+"""Who coordinates a policy: a coordination.k8s.io Lease per policy.
+
+kopf's peering pauses operators but does not fence them, and the commit record's epoch fences
+but does not decide: two live operators would take the record from each other at every step.
+So the operator that holds policy P's Lease (`kuberefit-P`) runs P's coordinator; the others
+wait until it expires. A restarted operator with the same identity (its pod name) takes its
+Lease back at once. The epoch still fences the rare case of a paused holder whose Lease
+expired: its next compare-and-set fails and it backs off.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import structlog
+
+from refit_operator.kube.api import ConflictError, KubeApi, NotFoundError
+
+log = structlog.get_logger("kuberefit.lease")
+
+
+def lease_name(policy: str) -> str:
+    return f"kuberefit-{policy}"[:253]
+
+
+class PolicyLease:
+    """The Lease of one policy, held by `identity` while it renews in time."""
+
+    def __init__(
+        self, api: KubeApi, namespace: str, policy: str, identity: str, duration_s: int = 15
+    ) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.name = lease_name(policy)
+        self.identity = identity
+        self.duration_s = duration_s
+        self.held = False
+        self.holder = ""
+
+    async def acquire_or_renew(self) -> bool:
+        """Take or renew the Lease; True while this identity holds it."""
+        now = dt.datetime.now(dt.UTC)
+        spec = {
+            "holderIdentity": self.identity,
+            "leaseDurationSeconds": self.duration_s,
+            "renewTime": _micro(now),
+        }
+        try:
+            lease = await self.api.read_lease(self.namespace, self.name)
+        except NotFoundError:
+            body = {"metadata": {"name": self.name}, "spec": {**spec, "acquireTime": _micro(now)}}
+            try:
+                await self.api.create_lease(self.namespace, body)
+            except ConflictError:
+                return self._set(False, "")
+            return self._set(True, self.identity)
+        holder = lease.spec.holder_identity or ""
+        if holder != self.identity and not _expired(lease, now):
+            return self._set(False, holder)
+        transitions = int(lease.spec.lease_transitions or 0) + (holder != self.identity)
+        acquired = lease.spec.acquire_time if holder == self.identity else now
+        body = {
+            "metadata": {
+                "name": self.name,
+                "resourceVersion": lease.metadata.resource_version,
+            },
+            "spec": {
+                **spec,
+                "acquireTime": _micro(acquired or now),
+                "leaseTransitions": transitions,
+            },
+        }
+        try:
+            await self.api.replace_lease(self.namespace, self.name, body)
+        except (ConflictError, NotFoundError):
+            return self._set(False, holder)
+        return self._set(True, self.identity)
+
+    def _set(self, held: bool, holder: str) -> bool:
+        if held != self.held:
+            log.info("lease.changed", lease=self.name, held=held, holder=holder or None)
+        self.held, self.holder = held, holder
+        return held
+
+
+def _expired(lease: Any, now: dt.datetime) -> bool:
+    renew = lease.spec.renew_time or lease.spec.acquire_time
+    if renew is None:
+        return True
+    if renew.tzinfo is None:
+        renew = renew.replace(tzinfo=dt.UTC)
+    return bool(now > renew + dt.timedelta(seconds=int(lease.spec.lease_duration_seconds or 0)))
+
+
+def _micro(t: dt.datetime) -> str:
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

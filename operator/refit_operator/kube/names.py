@@ -1,0 +1,22 @@
+"""Names shared by the operator, the webhook and the pods it discovers (one home each)."""
+
+from __future__ import annotations
+
+GROUP, VERSION = "refit.kuberefit.io", "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+POLICIES, TRANSITIONS, POLICY_VERSIONS = "refitpolicies", "refittransitions", "policyversions"
+
+#: Pod opt-in: `kuberefit.io/inject: trainer|rollout` and `kuberefit.io/policy: <RefitPolicy>`.
+INJECT, POLICY = "kuberefit.io/inject", "kuberefit.io/policy"
+#: RefitPolicy annotation that clears an abort (any value); the operator removes it after.
+CLEAR_ABORT = "kuberefit.io/clear-abort"
+#: kopf's own bookkeeping, kept under our prefix so it does not change with kopf's version.
+KOPF_PREFIX, FINALIZER = "kuberefit.io", "kuberefit.io/finalizer"
+
+#: The sidecar container and its named ports (what injection adds to a pod).
+SIDECAR_CONTAINER = "kuberefit-sidecar"
+CONTROL_PORT, RELAY_PORT = "refit-control", "refit-relay"
+DEFAULT_PORTS = {"trainer": 8471, "rollout": 8470}
+
+#: Who writes Events and RefitTransitions (shown by kubectl as the event source).
+COMPONENT = "kuberefit-operator"

@@ -1,0 +1,116 @@
+"""`kuberefit operator`: the kopf operator with its health and metrics endpoints.
+
+One process serves every RefitPolicy it can see (cluster-wide, or the namespaces given). Next
+to kopf it serves `/healthz` (the event loop answers), `/readyz` (kopf has started and its
+indices are filled) and `/metrics` (Prometheus; bearer token required unless bound to
+loopback) on `--metrics-bind`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from refit_protocol.auth import bearer_ok, require_token_or_loopback, resolve_token
+
+log = structlog.get_logger("kuberefit.operator")
+
+
+def default_identity() -> str:
+    """The pod name in a cluster (stable across container restarts), else host and pid."""
+    return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+class OperatorConfig(BaseModel):
+    """Settings of `kuberefit operator` (each one is a command-line flag)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    namespaces: list[str] = Field(
+        default_factory=list, description="Namespaces to serve (empty: cluster-wide)."
+    )
+    identity: str = Field(default_factory=default_identity, description="Lease holder name.")
+    metrics_host: str = Field(
+        "0.0.0.0",  # noqa: S104 - kubelet probes and Prometheus reach the pod IP
+        description="Health and metrics bind address.",
+    )
+    metrics_port: int = Field(8080, ge=0, le=65535, description="Health and metrics port.")
+    metrics_token_file: Path | None = Field(
+        None, description="Bearer token for /metrics (default $KUBEREFIT_TOKEN)."
+    )
+    poll_s: float = Field(0.5, gt=0, description="How often each policy's loop looks around.")
+    lease_s: int = Field(15, ge=3, description="Lease duration of each policy's coordinator.")
+    status_interval_s: float = Field(
+        1.0, gt=0, description="Least time between RefitTransition progress patches."
+    )
+
+
+def health_app(ready: asyncio.Event, token: str | None) -> web.Application:
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def readyz(_: web.Request) -> web.Response:
+        if not ready.is_set():
+            return web.json_response({"ready": False}, status=503)
+        return web.json_response({"ready": True})
+
+    async def metrics(request: web.Request) -> web.Response:
+        if not bearer_ok(token, request.headers.get("Authorization", "")):
+            return web.json_response({"error": "unauthorized"}, status=401)
+        body = generate_latest()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def run(config: OperatorConfig) -> None:
+    """Run until SIGTERM/SIGINT (kopf handles the signals)."""
+    import kopf
+
+    from refit_operator.kube.api import KubeApi
+    from refit_operator.kube.handlers import Memo, registry
+    from refit_operator.policy_runner import RunnerSettings
+
+    token = resolve_token(None, config.metrics_token_file)
+    require_token_or_loopback(
+        "operator metrics", [config.metrics_host], token, allow_insecure=False
+    )
+    api = await asyncio.to_thread(KubeApi.from_environment)
+    settings = RunnerSettings(
+        identity=config.identity,
+        poll_s=config.poll_s,
+        lease_s=config.lease_s,
+        status_interval_s=config.status_interval_s,
+    )
+    ready = asyncio.Event()
+    runner = web.AppRunner(health_app(ready, token), access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, config.metrics_host, config.metrics_port).start()
+    log.info(
+        "operator.starting",
+        identity=config.identity,
+        namespaces=config.namespaces or "cluster-wide",
+        metrics=f"{config.metrics_host}:{config.metrics_port}",
+    )
+    try:
+        await kopf.operator(
+            registry=registry,
+            standalone=True,
+            clusterwide=not config.namespaces,
+            namespaces=config.namespaces,
+            memo=Memo(api=api, settings=settings),
+            ready_flag=ready,
+        )
+    finally:
+        await runner.cleanup()

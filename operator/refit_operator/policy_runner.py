@@ -1,0 +1,482 @@
+"""One RefitPolicy's coordinator inside the operator (run by a kopf daemon per policy).
+
+Each pass of the loop reads the policy (a live view kopf keeps current) and its pods (kopf's
+pod index), and then, if this operator holds the policy's Lease:
+
+1. makes sure the PolicyVersion exists (version 0 on first sight) — only the commit store
+   writes it;
+2. on taking the Lease, acquires the commit record (a new epoch fences any older coordinator),
+   finishes a transition whose commit took effect (`Coordinator.recover`) and marks its
+   RefitTransition Committed with a `TakenOver` event;
+3. clears an abort when asked (annotation `kuberefit.io/clear-abort`);
+4. when every expected producer has staged v+1 (and the policy is not paused or aborted), runs
+   the transition: an admitted attempt left by a killed coordinator is taken over in overwrite
+   mode (Algorithm B.2), and its RefitTransition continues;
+5. writes the RefitPolicy status when it changed.
+
+A coordinator fenced by a newer epoch (outcome `conflict`) drops its coordinator and goes back
+to waiting for the Lease. Nothing here touches payload bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+
+from refit_operator import metrics
+from refit_operator.commit_store import StoreState
+from refit_operator.commit_store.kube import KubernetesCommitStore
+from refit_operator.coordinator import Coordinator, TransitionResult
+from refit_operator.discovery import Discovered, PodView, discover
+from refit_operator.kube.api import KubeApi, NotFoundError, object_ref
+from refit_operator.kube.lease import PolicyLease
+from refit_operator.kube.names import CLEAR_ABORT
+from refit_operator.pod_membership import PodMembership
+from refit_operator.policy_spec import PolicySpec, SpecError, parse_spec
+from refit_operator.policy_status import Observed, policy_status, same_status
+from refit_operator.producer_client import HttpProducerClient
+from refit_operator.transitions import TransitionRecorder, to_prune
+from refit_protocol.commit import CommitRecord
+from refit_protocol.errors import EndpointError
+from refit_protocol.tensors import TensorMetaModel
+
+log = structlog.get_logger("kuberefit.policy")
+
+INITIAL_BASELINE = "g-initial"
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """Operator-wide timing (flags of `kuberefit operator`)."""
+
+    identity: str
+    poll_s: float = 0.5
+    lease_s: int = 15
+    status_interval_s: float = 1.0
+
+
+class PolicyRunner:
+    """The loop described in the module docstring, for one policy."""
+
+    def __init__(
+        self,
+        api: KubeApi,
+        namespace: str,
+        name: str,
+        *,
+        body: Callable[[], Mapping[str, Any]],
+        pods: Callable[[], Sequence[PodView]],
+        stopped: Callable[[], bool],
+        settings: RunnerSettings,
+    ) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.name = name
+        self.body = body
+        self.pods = pods
+        self.stopped = stopped
+        self.settings = settings
+        self.labels = {"namespace": namespace, "policy": name}
+        self.lease = PolicyLease(api, namespace, name, settings.identity, settings.lease_s)
+        self.store = KubernetesCommitStore(api.custom, namespace, name)
+        self.coordinator: Coordinator | None = None
+        self.membership: PodMembership | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.spec: PolicySpec | None = None
+        self._producer_clients: list[HttpProducerClient] = []
+        self._recorder: TransitionRecorder | None = None
+        self._store_ready = False
+        self._status: dict[str, Any] | None = None
+        self._current = ""
+        self._current_summary = ""
+        self._last: tuple[str, str, str] = ("", "", "")
+        self._token: tuple[tuple[str, str, str], str] | None = None
+        self._token_error = ""
+        self._error = ""  # the last pass's failure, until a pass succeeds
+        self._generation = 0
+
+    # -- the loop -------------------------------------------------------------------------------
+    async def run(self) -> None:
+        log.info("policy.started", namespace=self.namespace, policy=self.name)
+        lease: asyncio.Task[None] | None = None
+        try:
+            async with aiohttp.ClientSession() as session:
+                self.session = session
+                lease = asyncio.create_task(self._keep_lease())
+                while not self.stopped():
+                    try:
+                        await self.step()
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:  # report, never crash the operator
+                        log.exception("policy.error", policy=self.name, error=str(exc))
+                        self._error = f"{type(exc).__name__}: {exc}"
+                    else:
+                        self._error = ""
+                    await self._sleep(self.settings.poll_s)
+        finally:
+            if lease is not None:
+                lease.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await lease
+            metrics.LEADER.labels(**self.labels).set(0)
+            log.info("policy.stopped", namespace=self.namespace, policy=self.name)
+
+    async def step(self) -> None:
+        """One pass (see the module docstring)."""
+        obj = dict(self.body())
+        generation = self._generation = int(obj.get("metadata", {}).get("generation") or 0)
+        try:
+            spec = self.spec = parse_spec(dict(obj.get("spec") or {}))
+        except SpecError as exc:
+            if self.lease.held:
+                await self._write_status(obj, Observed(generation, spec_error=str(exc)))
+            return
+        if not self.lease.held:
+            self._drop_coordinator("lease not held")
+            return
+        found = discover(self.pods(), spec)
+        token = await self._read_token(spec)
+        if not self._store_ready:
+            await self.store.initialize(CommitRecord(0, INITIAL_BASELINE))
+            self._store_ready = True
+        state = await self.store.read()
+        if CLEAR_ABORT in (obj.get("metadata", {}).get("annotations") or {}):
+            state = await self._clear_abort(obj, state)
+        metrics.COMMITTED_VERSION.labels(**self.labels).set(state.record.version)
+        await self._write_status(obj, self._observed(spec, found, state))
+        if token is None or state.aborted_by:
+            return
+        producers = await self._producers(found, spec, token, state.record)
+        if producers is None:
+            return
+        self._producer_clients = producers
+        if self.coordinator is None:
+            await self._become_coordinator(obj, spec, token, producers)
+            return
+        if spec.paused:
+            return
+        target = state.record.version + 1
+        if not await self._staged(producers, target, spec.control_timeout_seconds):
+            return
+        await self._transition(obj, spec, found, token, producers)
+
+    # -- leadership -----------------------------------------------------------------------------
+    async def _keep_lease(self) -> None:
+        while True:
+            try:
+                held = await self.lease.acquire_or_renew()
+            except Exception as exc:  # the API server may be briefly unreachable
+                log.warning("lease.renew_failed", policy=self.name, error=str(exc))
+                held = False
+                self.lease.held = False
+            metrics.LEADER.labels(**self.labels).set(1 if held else 0)
+            await asyncio.sleep(self.settings.lease_s / 3)
+
+    async def _become_coordinator(
+        self,
+        obj: Mapping[str, Any],
+        spec: PolicySpec,
+        token: str,
+        producers: list[HttpProducerClient],
+    ) -> None:
+        membership = self.membership = self._membership(spec, token)
+        coordinator = Coordinator(
+            self.name,
+            self.store,
+            producers,
+            membership,
+            _NullSink(),
+            spec.coordinator_config(),
+            name=self.settings.identity,
+        )
+        await coordinator.start()
+        self._status = None  # another operator may have written the status meanwhile
+        kv = (await self.store.read()).record
+        # A transition whose commit took effect but whose coordinator stopped: finish it.
+        recorder = TransitionRecorder(
+            self.api, dict(obj), kv.version - 1, kv.version, coordinator=coordinator.name
+        )
+        continued = kv.version > 0 and await recorder.open(create=False)
+        recovered = await coordinator.recover()
+        if continued:
+            metrics.TAKEOVERS.labels(**self.labels).inc()
+            await recorder.finish(
+                TransitionResult("committed", kv.version, 0, message="recovered"), []
+            )
+        self.coordinator = coordinator
+        log.info(
+            "policy.coordinating",
+            policy=self.name,
+            epoch=coordinator.epoch,
+            version=kv.version,
+            recovered=recovered,
+        )
+
+    def _drop_coordinator(self, why: str) -> None:
+        if self.coordinator is not None:
+            log.warning("policy.coordinator_dropped", policy=self.name, why=why)
+            self.coordinator = None
+            self.membership = None
+
+    # -- one transition -------------------------------------------------------------------------
+    async def _transition(
+        self,
+        obj: Mapping[str, Any],
+        spec: PolicySpec,
+        found: Discovered,
+        token: str,
+        producers: list[HttpProducerClient],
+    ) -> None:
+        assert self.coordinator is not None
+        state = await self.store.read()
+        kv = state.record
+        recorder = TransitionRecorder(
+            self.api,
+            dict(obj),
+            kv.version,
+            kv.version + 1,
+            coordinator=self.coordinator.name,
+            min_interval_s=self.settings.status_interval_s,
+        )
+        membership = self.membership or self._membership(spec, token)
+        membership.token = token
+        membership.checkpoint_template = spec.restore.checkpoint_template
+        membership.probe_timeout_s = min(3.0, float(spec.control_timeout_seconds))
+        self._recorder = recorder
+        recorder.poll = lambda: _aggregate(membership)
+        await membership.prewarm_holders(kv.version)
+        self.coordinator.producers = list(producers)
+        self.coordinator.membership = membership
+        self.coordinator.sink = recorder
+        self.coordinator.config = spec.coordinator_config()
+        if await recorder.open():
+            metrics.TAKEOVERS.labels(**self.labels).inc()
+        self._current = recorder.name
+        self._current_summary = f"v{kv.version} -> v{kv.version + 1}"
+        await self._write_status(obj, self._observed(spec, found, state))
+        try:
+            result = await self.coordinator.run_transition(frozenset(membership.incompatible))
+        finally:
+            self._current = ""
+            self._recorder = None
+            await recorder.close()
+        await recorder.finish(result, result.receivers)
+        self._record(result, recorder.name)
+        after = await self.store.read()
+        metrics.COMMITTED_VERSION.labels(**self.labels).set(after.record.version)
+        await self._write_status(obj, self._observed(spec, discover(self.pods(), spec), after))
+        await self._prune(spec)
+        if result.outcome == "conflict":
+            self._drop_coordinator(result.message)
+        elif result.outcome == "rejected":
+            await self._sleep(spec.rejected_backoff_seconds)
+
+    def _record(self, result: TransitionResult, name: str) -> None:
+        metrics.TRANSITIONS.labels(**self.labels, outcome=result.outcome).inc()
+        for mode in result.modes:
+            metrics.ATTEMPTS.labels(**self.labels, mode=mode).inc()
+        p = result.progress
+        if result.outcome == "committed":
+            metrics.LATENCY.labels(**self.labels).observe(result.latency_s)
+            if p is not None:
+                metrics.WIRE_BYTES.labels(**self.labels).inc(p.wire_bytes)
+                if p.total_elements:
+                    metrics.CHANGED_FRACTION.labels(**self.labels).set(
+                        p.changed_elements / p.total_elements
+                    )
+        self._last = (name, result.outcome, result.message)
+        log.info(
+            "transition.done",
+            policy=self.name,
+            transition=name,
+            outcome=result.outcome,
+            version=result.version,
+            attempts=result.attempts,
+            modes=result.modes,
+            retired=result.retired,
+            latency_s=round(result.latency_s, 3),
+        )
+
+    async def _prune(self, spec: PolicySpec) -> None:
+        items = await self.api.list_transitions(self.namespace)
+        for name in to_prune(items, self.name, spec.keep_transitions):
+            with contextlib.suppress(NotFoundError):
+                await self.api.delete_transition(self.namespace, name)
+
+    # -- parts ----------------------------------------------------------------------------------
+    def _membership(self, spec: PolicySpec, token: str) -> PodMembership:
+        """The receivers of this policy, kept while this operator coordinates it (it remembers
+        which node incarnations it prewarmed)."""
+        assert self.session is not None
+
+        async def metas() -> list[TensorMetaModel]:
+            manifest = await self._producer_clients[0].baseline_manifest()
+            return list(manifest.tensors)
+
+        async def joined(node: str, how: str) -> None:
+            metrics.RESTORES.labels(**self.labels).inc()
+            if self._recorder is not None:
+                await self._recorder.restored_node(node, how)
+
+        def pods() -> list[PodView]:
+            assert self.spec is not None
+            return list(discover(self.pods(), self.spec).rollouts)
+
+        return PodMembership(
+            pods,
+            self.session,
+            token=token,
+            checkpoint_template=spec.restore.checkpoint_template,
+            metas=metas,
+            on_join=joined,
+            probe_timeout_s=min(3.0, float(spec.control_timeout_seconds)),
+        )
+
+    async def _producers(
+        self, found: Discovered, spec: PolicySpec, token: str, record: CommitRecord
+    ) -> list[HttpProducerClient] | None:
+        """Clients of every expected producer in index order; None until all answer.
+
+        A producer without a baseline (a restarted sidecar) is told the committed record, so
+        the trainer's first export after its restart is checked against the right version."""
+        assert self.session is not None
+        ready = found.ready_trainers
+        if len(ready) < spec.producers:
+            return None
+        clients: dict[int, HttpProducerClient] = {}
+        for pod in ready:
+            probe = HttpProducerClient(0, pod.url, token=token, session=self.session)
+            try:
+                status = await asyncio.wait_for(probe.status(), spec.control_timeout_seconds)
+            except (EndpointError, TimeoutError) as exc:
+                log.info("producer.not_ready", pod=pod.name, error=str(exc))
+                return None
+            client = HttpProducerClient(status.producer, pod.url, token=token, session=self.session)
+            clients[status.producer] = client
+            held = CommitRecord(status.committed_version, status.committed_baseline)
+            if not status.baseline_ready and held != record:
+                try:
+                    await asyncio.wait_for(
+                        client.learn_committed(record), spec.control_timeout_seconds
+                    )
+                except (EndpointError, TimeoutError) as exc:
+                    log.warning("producer.committed_refused", pod=pod.name, error=str(exc))
+                    return None
+                log.info("producer.told_committed", pod=pod.name, version=record.version)
+        if sorted(clients) != list(range(spec.producers)):
+            log.warning(
+                "producer.indices",
+                policy=self.name,
+                found=sorted(clients),
+                expected=spec.producers,
+            )
+            return None
+        return [clients[i] for i in range(spec.producers)]
+
+    @staticmethod
+    async def _staged(producers: list[HttpProducerClient], version: int, timeout_s: float) -> bool:
+        try:
+            statuses = await asyncio.gather(
+                *(asyncio.wait_for(p.status(), timeout_s) for p in producers)
+            )
+        except (EndpointError, TimeoutError) as exc:
+            log.info("producer.not_ready", error=str(exc) or type(exc).__name__)
+            return False
+        return all(s.candidate_version == version for s in statuses)
+
+    async def _read_token(self, spec: PolicySpec) -> str | None:
+        ref = (self.namespace, spec.token_secret.name, spec.token_secret.key)
+        if self._token is not None and self._token[0] == ref:
+            return self._token[1]
+        try:
+            value = await self.api.read_secret_key(*ref)
+        except NotFoundError:
+            self._token_error = f"Secret {ref[0]}/{ref[1]} (spec.tokenSecret) does not exist"
+            return None
+        except KeyError as exc:
+            self._token_error = f"spec.tokenSecret: {exc.args[0]}"
+            return None
+        if not value:
+            self._token_error = f"spec.tokenSecret: key {ref[2]!r} of Secret {ref[1]} is empty"
+            return None
+        self._token, self._token_error = (ref, value), ""
+        return value
+
+    async def _clear_abort(self, obj: Mapping[str, Any], state: StoreState) -> StoreState:
+        if state.aborted_by:
+            await self.store.clear_abort()
+            log.info("policy.abort_cleared", policy=self.name, was=state.aborted_by)
+            with contextlib.suppress(Exception):
+                await self.api.post_event(
+                    object_ref(dict(obj)),
+                    "AbortCleared",
+                    f"abort by {state.aborted_by} cleared; transitions resume",
+                )
+        await self.api.remove_policy_annotation(self.namespace, self.name, CLEAR_ABORT)
+        return await self.store.read()
+
+    def _observed(self, spec: PolicySpec, found: Discovered, state: StoreState) -> Observed:
+        name, outcome, message = self._last
+        return Observed(
+            generation=self._generation,
+            token_error=self._token_error,
+            paused=spec.paused,
+            committed_version=state.record.version,
+            aborted_by=state.aborted_by,
+            producers_expected=spec.producers,
+            trainers=len(found.trainers),
+            trainers_ready=len(found.ready_trainers),
+            rollouts=len(found.rollouts),
+            rollouts_ready=len(found.ready_rollouts),
+            current=self._current,
+            current_summary=self._current_summary,
+            last=name,
+            last_outcome=outcome,
+            last_message=message,
+            error=self._error,
+            coordinator=self.settings.identity,
+        )
+
+    async def _write_status(self, obj: Mapping[str, Any], observed: Observed) -> None:
+        previous = self._status if self._status is not None else obj.get("status")
+        status = policy_status(observed, previous)
+        if same_status(previous, status):
+            return
+        await self.api.patch_policy_status(self.namespace, self.name, status)
+        self._status = status
+
+    async def _sleep(self, seconds: float) -> None:
+        deadline = asyncio.get_running_loop().time() + seconds
+        while not self.stopped():
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(left, 0.2))
+
+
+class _NullSink:
+    """Progress of `recover()` (no transition object of its own)."""
+
+    async def update(self, progress: Any) -> None:
+        return None
+
+
+async def _aggregate(membership: PodMembership) -> dict[str, int]:
+    """Staged and applied payloads summed over the attempt's receivers."""
+    clients = [membership.client(n) for n in membership.nodes]
+    answers = await asyncio.gather(
+        *(asyncio.wait_for(c.status(), 2.0) for c in clients), return_exceptions=True
+    )
+    ok = [a for a in answers if not isinstance(a, BaseException)]
+    return {
+        "staged": sum(a.staged for a in ok),
+        "applied": sum(a.applied for a in ok),
+        "nodes": len(ok),
+    }

@@ -1,0 +1,143 @@
+"""A RefitPolicy's spec as a typed model, and the checks its schema cannot express.
+
+Kubernetes 1.20 has no CEL, so rules that span fields (S3 settings are required with transport
+`s3`) are checked here; the operator reports a failure in the policy's Ready condition with
+reason `InvalidSpec` and a message that names the field. Defaults equal the CRD's, so a spec
+written before a default existed reads the same.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from refit_operator.coordinator import CoordinatorConfig
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class SelectorRequirement(_Spec):
+    key: str
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = Field(default_factory=list)
+
+
+class LabelSelector(_Spec):
+    """A Kubernetes label selector; the empty selector matches every pod."""
+
+    match_labels: dict[str, str] = Field(default_factory=dict)
+    match_expressions: list[SelectorRequirement] = Field(default_factory=list)
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        if any(labels.get(k) != v for k, v in self.match_labels.items()):
+            return False
+        for req in self.match_expressions:
+            present = req.key in labels
+            if req.operator == "Exists" and not present:
+                return False
+            if req.operator == "DoesNotExist" and present:
+                return False
+            if req.operator == "In" and (not present or labels[req.key] not in req.values):
+                return False
+            if req.operator == "NotIn" and present and labels[req.key] in req.values:
+                return False
+        return True
+
+
+class Selectors(_Spec):
+    trainer: LabelSelector = Field(default_factory=LabelSelector)
+    rollout: LabelSelector = Field(default_factory=LabelSelector)
+
+
+class SecretKeyRef(_Spec):
+    name: str = Field(min_length=1)
+    key: str = "token"
+
+
+class S3Spec(_Spec):
+    bucket: str = ""
+    endpoint_url: str = Field("", alias="endpointUrl")
+    region: str = "us-east-1"
+    prefix: str = "kuberefit"
+    credentials_secret: str = ""
+
+
+class EncodingSpec(_Spec):
+    zstd_level: int = Field(1, ge=1, le=22)
+    shuffle: bool = True
+
+
+class BaselineSpec(_Spec):
+    storage: Literal["file", "memory"] = "file"
+
+
+class RestoreSpec(_Spec):
+    checkpoint_template: str = ""
+
+
+class PolicySpec(_Spec):
+    """`spec` of a RefitPolicy (field names as in the CRD, camelCase)."""
+
+    selector: Selectors = Field(default_factory=Selectors)
+    producers: int = Field(1, ge=1)
+    token_secret: SecretKeyRef
+    transport: Literal["zmq", "s3"] = "zmq"
+    s3: S3Spec | None = None
+    encoding: EncodingSpec = Field(default_factory=EncodingSpec)
+    chunk_bytes: int = Field(256 << 20, ge=1)
+    bucket_bytes: int = Field(512 << 20, ge=1)
+    baseline: BaselineSpec = Field(default_factory=BaselineSpec)
+    post_apply_checks: int = Field(0, ge=-1)
+    mode: Literal["sync", "async"] = "sync"
+    restore: RestoreSpec = Field(default_factory=RestoreSpec)
+    commit_timeout_seconds: int = Field(600, ge=1)
+    control_timeout_seconds: int = Field(60, ge=1)
+    flush_timeout_seconds: int = Field(600, ge=1)
+    max_attempts: int = Field(5, ge=1)
+    rejected_backoff_seconds: int = Field(5, ge=1)
+    paused: bool = False
+    keep_transitions: int = Field(20, ge=1)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> PolicySpec:
+        if self.transport == "s3" and (self.s3 is None or not self.s3.bucket):
+            raise ValueError("spec.s3.bucket is required when spec.transport is s3")
+        template = self.restore.checkpoint_template
+        if template and "{version}" not in template:
+            raise ValueError(
+                "spec.restore.checkpointTemplate must contain {version}, e.g. /ckpt/v{version}"
+            )
+        return self
+
+    def coordinator_config(self) -> CoordinatorConfig:
+        return CoordinatorConfig(
+            sync=self.mode == "sync",
+            relay_tree=self.transport == "zmq",
+            commit_timeout_s=float(self.commit_timeout_seconds),
+            control_timeout_s=float(self.control_timeout_seconds),
+            flush_timeout_s=float(self.flush_timeout_seconds),
+            max_attempts=self.max_attempts,
+            check_samples=self.post_apply_checks,
+        )
+
+
+class SpecError(ValueError):
+    """The spec violates a rule; the message names the field (`spec.<path>`)."""
+
+
+def parse_spec(spec: dict[str, object]) -> PolicySpec:
+    """Validate a RefitPolicy spec; raises SpecError naming the first bad field."""
+    try:
+        return PolicySpec.model_validate(spec)
+    except ValidationError as exc:
+        messages = []
+        for err in exc.errors():
+            path = ".".join(str(p) for p in err["loc"])
+            where = f"spec.{path}" if path else "spec"
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            messages.append(msg if msg.startswith("spec.") else f"{where}: {msg}")
+        raise SpecError("; ".join(messages)) from None

@@ -1,0 +1,348 @@
+"""RefitTransition objects: the coordinator's progress as users see it in kubectl.
+
+`TransitionRecorder` is the coordinator's `ProgressSink` for one transition: it creates (or,
+after a takeover, continues) the RefitTransition, merge-patches its `/status` on every phase
+change and at most once per `min_interval_s` otherwise, aggregates the receivers' staged and
+applied payload counts while the attempt streams, and posts an Event for every phase change,
+retry, takeover, restore and the outcome. The rendering is pure (`progress_status`,
+`outcome_status`) so it is tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+
+import structlog
+
+from refit_operator.coordinator import TransitionResult
+from refit_operator.kube.api import (
+    ConflictError,
+    KubeApi,
+    NotFoundError,
+    Obj,
+    now_iso,
+    object_ref,
+    owner_reference,
+)
+from refit_operator.kube.names import API_VERSION, POLICY
+from refit_operator.ports import TransitionProgress
+
+log = structlog.get_logger("kuberefit.transitions")
+
+TERMINAL = frozenset({"Committed", "Rejected", "Conflict", "Aborted", "Failed"})
+OUTCOME_PHASE = {
+    "committed": "Committed",
+    "rejected": "Rejected",
+    "conflict": "Conflict",
+    "aborted": "Aborted",
+}
+#: Polls the attempt's receivers: {"staged": n, "applied": n, "nodes": n} summed over them.
+ProgressPoll = Callable[[], Awaitable[Mapping[str, int]]]
+
+
+def transition_name(policy: str, to_version: int, retry: int = 0) -> str:
+    """`<policy>-v000005` (names sort in version order); `-2`, `-3` for later tries."""
+    base = f"{policy}-v{to_version:06d}"
+    return f"{base}-{retry + 1}" if retry else base
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_seconds(s: float) -> str:
+    return f"{s * 1000:.0f}ms" if s < 1 else f"{s:.2f}s" if s < 60 else f"{s / 60:.1f}m"
+
+
+def progress_status(p: TransitionProgress) -> Obj:
+    """The status fields a progress update sets."""
+    out: Obj = {
+        "phase": p.phase,
+        "attempt": p.attempt,
+        "attemptId": p.attempt_id or None,
+        "mode": p.mode,
+        "message": p.message or None,
+    }
+    if p.payloads or p.wire_bytes:
+        out.update(
+            payloads=p.payloads,
+            wireBytes=p.wire_bytes,
+            wireBytesHuman=human_bytes(p.wire_bytes),
+        )
+    if p.total_elements:
+        out.update(
+            changedElements=p.changed_elements,
+            totalElements=p.total_elements,
+            changedPercent=f"{100 * p.changed_elements / p.total_elements:.2f}%",
+        )
+    if p.timings:
+        out["timings"] = {k: round(v, 6) for k, v in p.timings.items()}
+    if "latency_s" in p.timings:
+        out["latencySeconds"] = round(p.timings["latency_s"], 6)
+        out["latency"] = human_seconds(p.timings["latency_s"])
+    return out
+
+
+def failure_reason(outcome: str, message: str) -> str:
+    """A CamelCase reason for a transition that did not commit."""
+    if outcome == "rejected":
+        return "PrepareRejected"
+    if outcome == "conflict":
+        return "CoordinatorConflict"
+    if "neither acknowledges stop" in message:
+        return "ReceiverUnresponsive"
+    if "attempts failed" in message:
+        return "RetriesExhausted"
+    if "no receiver left" in message:
+        return "NoReceivers"
+    return "Aborted" if outcome == "aborted" else "Failed"
+
+
+def outcome_status(result: TransitionResult) -> Obj:
+    """The status fields of a finished transition (on top of the last progress)."""
+    out: Obj = {"phase": OUTCOME_PHASE.get(result.outcome, "Failed"), "completionTime": now_iso()}
+    if result.attempts:  # 0: finished by `recover` (the attempts are already recorded)
+        out.update(modes=list(result.modes), attempt=result.attempts)
+    if result.outcome != "committed":
+        out["reason"] = failure_reason(result.outcome, result.message)
+        out["message"] = result.message or out["reason"]
+    return out
+
+
+def progress_summary(counts: Mapping[str, int]) -> str:
+    nodes = max(1, counts.get("nodes", 1))
+    expected = counts.get("expected", 0)
+    of = f"/{expected * nodes}" if expected else ""
+    return f"staged {counts.get('staged', 0)}{of}, applied {counts.get('applied', 0)}{of}"
+
+
+class TransitionRecorder:
+    """ProgressSink writing one RefitTransition (see the module docstring)."""
+
+    def __init__(
+        self,
+        api: KubeApi,
+        policy: Obj,
+        from_version: int,
+        to_version: int,
+        *,
+        coordinator: str,
+        poll: ProgressPoll | None = None,
+        min_interval_s: float = 1.0,
+    ) -> None:
+        self.api = api
+        self.policy = policy
+        self.namespace = policy["metadata"]["namespace"]
+        self.policy_name = policy["metadata"]["name"]
+        self.from_version = from_version
+        self.to_version = to_version
+        self.coordinator = coordinator
+        self.poll = poll
+        self.min_interval_s = min_interval_s
+        self.name = ""
+        self.ref: Obj = {}
+        self.takeovers = 0
+        self.restored: list[str] = []
+        self._phase = ""
+        self._attempt = 0  # the last attempt number shown
+        self._base = 0  # attempts made by coordinators before a takeover
+        self._modes: list[str] = []  # mode of every attempt shown, in order
+        self._last_patch = 0.0
+        self._poller: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def open(self, *, create: bool = True) -> bool:
+        """Continue the newest unfinished RefitTransition of this version, or create one.
+
+        Returns True when an unfinished one existed (a takeover). With `create` False only an
+        existing one is continued."""
+        existing = await self._for_version()
+        unfinished = [t for t in existing if t.get("status", {}).get("phase") not in TERMINAL]
+        if unfinished:
+            obj = unfinished[-1]
+            self.name = obj["metadata"]["name"]
+            self.ref = object_ref(obj)
+            status = obj.get("status") or {}
+            self.takeovers = int(status.get("takeovers") or 0) + 1
+            self.restored = list((status.get("receivers") or {}).get("restored") or [])
+            self._phase = status.get("phase", "")
+            self._base = self._attempt = int(status.get("attempt") or 0)
+            self._modes = list(status.get("modes") or [])[: self._base]
+            await self._patch(
+                {"takeovers": self.takeovers, "coordinator": self.coordinator}, force=True
+            )
+            await self._event(
+                "TakenOver",
+                f"{self.coordinator} continues this transition after its previous coordinator "
+                f"stopped (takeover {self.takeovers})",
+            )
+            return True
+        if not create:
+            return False
+        self.name = transition_name(self.policy_name, self.to_version, len(existing))
+        body = {
+            "apiVersion": API_VERSION,
+            "kind": "RefitTransition",
+            "metadata": {
+                "name": self.name,
+                "namespace": self.namespace,
+                "labels": {POLICY: self.policy_name},
+                "ownerReferences": [owner_reference(self.policy)],
+            },
+            "spec": {
+                "policy": self.policy_name,
+                "fromVersion": self.from_version,
+                "toVersion": self.to_version,
+            },
+        }
+        try:
+            obj = await self.api.create_transition(self.namespace, body)
+        except ConflictError:  # created by a coordinator that stopped right after
+            obj = await self.api.get_transition(self.namespace, self.name)
+        self.ref = object_ref(obj)
+        await self._patch(
+            {
+                "phase": "Pending",
+                "startTime": now_iso(),
+                "coordinator": self.coordinator,
+                "takeovers": 0,
+            },
+            force=True,
+        )
+        await self._event("Started", f"v{self.from_version} -> v{self.to_version}")
+        return False
+
+    async def update(self, progress: TransitionProgress) -> None:
+        """ProgressSink: every phase change is written and announced; the rest rate-limited.
+
+        Attempts continue the count of the coordinators before a takeover."""
+        changed = progress.phase != self._phase
+        attempt = self._base + progress.attempt
+        retry = attempt > max(self._attempt, 1)
+        status = progress_status(progress)
+        status["attempt"] = attempt
+        if attempt > len(self._modes):
+            self._modes.append(progress.mode)
+            status["modes"] = list(self._modes)
+        if progress.phase != "Streaming":
+            await self._stop_poller()
+        await self._patch(status, force=changed or retry)
+        if retry:
+            why = progress.message or "after a takeover"
+            await self._event(
+                "Retry", f"attempt {attempt} in {progress.mode} mode: {why}", warning=True
+            )
+        self._attempt = max(self._attempt, attempt)
+        if changed:
+            self._phase = progress.phase
+            await self._event(
+                progress.phase,
+                f"attempt {attempt} ({progress.mode}): {progress.phase.lower()}"
+                + (f": {progress.message}" if progress.message else ""),
+                warning=progress.phase in ("Failed", "Aborted"),
+            )
+            if progress.phase == "Streaming" and self.poll is not None:
+                self._poller = asyncio.create_task(self._poll_progress())
+
+    async def restored_node(self, node: str, how: str) -> None:
+        self.restored.append(node)
+        await self._patch({"receivers": {"restored": sorted(set(self.restored))}}, force=True)
+        await self._event("Restored", f"{node}: {how}")
+
+    async def finish(self, result: TransitionResult, required: list[str]) -> None:
+        """The outcome; `required` are the receivers of the last attempt."""
+        await self._stop_poller()
+        status = progress_status(result.progress) if result.progress else {}
+        status.update(outcome_status(result))
+        if result.attempts:
+            status["attempt"] = self._base + result.attempts
+            status["modes"] = self._modes[: self._base] + list(result.modes)
+        status["receivers"] = {
+            "required": sorted(required),
+            "retired": sorted(set(result.retired)),
+            "restored": sorted(set(self.restored)),
+        }
+        self._phase = status["phase"]
+        await self._patch(status, force=True)
+        ok = result.outcome == "committed"
+        what = (
+            f"v{self.to_version} committed after {self._base + result.attempts} attempt(s) "
+            f"({', '.join(status.get('modes') or self._modes)})"
+            if ok
+            else f"{status['reason']}: {status['message']}"
+        )
+        await self._event(status["phase"], what, warning=not ok)
+
+    async def close(self) -> None:
+        await self._stop_poller()
+
+    # -- helpers --------------------------------------------------------------------------------
+    async def _for_version(self) -> list[Obj]:
+        items = await self.api.list_transitions(self.namespace)
+        mine = [
+            t
+            for t in items
+            if t.get("spec", {}).get("policy") == self.policy_name
+            and t.get("spec", {}).get("toVersion") == self.to_version
+        ]
+        return sorted(mine, key=lambda t: str(t["metadata"]["name"]))
+
+    async def _patch(self, status: Obj, *, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_patch < self.min_interval_s:
+            return
+        self._last_patch = now
+        try:
+            await self.api.patch_transition_status(self.namespace, self.name, status)
+        except NotFoundError:
+            log.warning("transition.gone", name=self.name)
+
+    async def _event(self, reason: str, message: str, *, warning: bool = False) -> None:
+        try:
+            await self.api.post_event(self.ref, reason, message, warning=warning)
+        except Exception as exc:  # an Event is best effort: never fail a transition for one
+            log.warning("event.failed", name=self.name, reason=reason, error=str(exc))
+
+    async def _poll_progress(self) -> None:
+        assert self.poll is not None
+        while True:
+            await asyncio.sleep(self.min_interval_s)
+            try:
+                counts = dict(await self.poll())
+            except Exception as exc:
+                log.info("transition.progress_poll_failed", error=str(exc))
+                continue
+            counts["summary"] = progress_summary(counts)  # type: ignore[assignment]
+            await self._patch({"progress": counts}, force=True)
+
+    async def _stop_poller(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._poller
+            self._poller = None
+
+
+def sorted_finished(items: list[Obj], policy: str) -> list[Obj]:
+    """The policy's finished transitions, oldest first."""
+    done = [
+        t
+        for t in items
+        if t.get("spec", {}).get("policy") == policy
+        and t.get("status", {}).get("phase") in TERMINAL
+    ]
+    return sorted(done, key=lambda t: (int(t["spec"]["toVersion"]), str(t["metadata"]["name"])))
+
+
+def to_prune(items: list[Obj], policy: str, keep: int) -> list[str]:
+    """Names of finished transitions beyond the newest `keep`."""
+    done = sorted_finished(items, policy)
+    return [str(t["metadata"]["name"]) for t in done[: max(0, len(done) - keep)]]

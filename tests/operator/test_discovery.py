@@ -1,0 +1,93 @@
+"""Which pods take part in a policy, and at which address (pure functions over Pod dicts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refit_operator.discovery import discover, pod_view
+from refit_operator.policy_spec import parse_spec
+
+
+def _pod(name: str, role: str, **kw: Any) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "uid": kw.get("uid", f"uid-{name}"),
+            "labels": kw.get("labels", {}),
+            "annotations": {"kuberefit.io/inject": role, "kuberefit.io/policy": "p"},
+            **({"deletionTimestamp": "2026-01-01T00:00:00Z"} if kw.get("deleting") else {}),
+        },
+        "spec": {
+            "containers": [
+                {"name": "main"},
+                {
+                    "name": "kuberefit-sidecar",
+                    "ports": [
+                        {"name": "refit-control", "containerPort": kw.get("port", 9000)},
+                        {"name": "refit-relay", "containerPort": 9001},
+                    ],
+                },
+            ]
+        },
+        "status": {
+            "phase": kw.get("phase", "Running"),
+            "podIP": kw.get("ip", "10.0.0.7"),
+            "containerStatuses": [
+                {"name": "main", "restartCount": 5},
+                {"name": "kuberefit-sidecar", "restartCount": kw.get("restarts", 0)},
+            ],
+        },
+    }
+
+
+def test_address_and_identity_from_the_pod() -> None:
+    view = pod_view(_pod("r0", "rollout"))
+    assert view is not None
+    assert view.url == "http://10.0.0.7:9000"
+    assert view.relay_endpoint == "tcp://10.0.0.7:9001"
+    assert view.incarnation == ("uid-r0", 0)  # the main container's restarts do not count
+    v6 = pod_view(_pod("r1", "rollout", ip="fd00::7"))
+    assert v6 is not None
+    assert v6.url == "http://[fd00::7]:9000"
+    restarted = pod_view(_pod("r0", "rollout", restarts=1))
+    assert restarted is not None
+    assert restarted.incarnation != view.incarnation
+
+
+def test_pods_without_both_annotations_are_not_members() -> None:
+    pod = _pod("x", "rollout")
+    del pod["metadata"]["annotations"]["kuberefit.io/policy"]
+    assert pod_view(pod) is None
+
+
+def test_default_ports_when_the_sidecar_names_none() -> None:
+    pod = _pod("t", "trainer")
+    pod["spec"]["containers"][1]["ports"] = []
+    view = pod_view(pod)
+    assert view is not None
+    assert view.control_port == 8471
+    assert view.relay_endpoint == ""
+
+
+def test_discover_splits_roles_applies_selectors_and_readiness() -> None:
+    spec = parse_spec(
+        {
+            "tokenSecret": {"name": "t"},
+            "selector": {"rollout": {"matchLabels": {"app": "r"}}},
+        }
+    )
+    pods = [
+        pod_view(_pod("t0", "trainer")),
+        pod_view(_pod("r1", "rollout", labels={"app": "r"})),
+        pod_view(_pod("r0", "rollout", labels={"app": "r"})),
+        pod_view(_pod("r2", "rollout", labels={"app": "r"}, phase="Pending")),
+        pod_view(_pod("r3", "rollout", labels={"app": "r"}, deleting=True)),
+        pod_view(_pod("r4", "rollout", labels={"app": "other"})),
+        pod_view(_pod("x", "sidecar")),
+    ]
+    found = discover([p for p in pods if p is not None], spec)
+    assert [p.name for p in found.trainers] == ["t0"]
+    assert [p.name for p in found.rollouts] == ["r0", "r1", "r2", "r3"]
+    assert [p.name for p in found.ready_rollouts] == ["r0", "r1"]
+    assert [p.name for p in found.unknown_role] == ["x"]

@@ -1,0 +1,168 @@
+"""The operator on a real API server without rollouts: what kubectl users see when they get
+something wrong, and that the operator stays out of the commit record's way.
+
+One operator process (least-privilege user, as in the chart) serves a namespace of its own for
+every test here; the refit path itself is the e2e (tests/test_operator_e2e.py).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kubernetes.client.rest import ApiException
+
+from tests.harness.kube import KubeCluster
+from tests.harness.operator_env import GROUP, VERSION, OperatorEnv, wait_for
+from tests.harness.procs import ManagedProcess
+
+
+@pytest.fixture(scope="module")
+def env(refit_crds: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorEnv]:
+    e = OperatorEnv(refit_crds, tmp_path_factory.mktemp("operator"), f"op-{uuid.uuid4().hex[:6]}")
+    e.setup()
+    e.start_operator("solo")
+    try:
+        yield e
+    finally:
+        e.stop()
+
+
+@pytest.fixture(scope="module")
+def operator(env: OperatorEnv) -> ManagedProcess:
+    return env.operators[0]
+
+
+def test_schema_refuses_bad_fields(env: OperatorEnv) -> None:
+    for bad in ({"transport": "carrier-pigeon"}, {"producers": 0}, {"postApplyChecks": -2}):
+        with pytest.raises(ApiException) as err:
+            env.custom.create_namespaced_custom_object(
+                GROUP, VERSION, env.namespace, "refitpolicies", env.policy("bad", bad)
+            )
+        assert err.value.status == 422, bad
+        field = next(iter(bad))
+        assert f"spec.{field}" in str(err.value.body), err.value.body
+    body = env.policy("bad", {})
+    del body["spec"]["tokenSecret"]
+    with pytest.raises(ApiException) as err:  # no token Secret named at all
+        env.custom.create_namespaced_custom_object(
+            GROUP, VERSION, env.namespace, "refitpolicies", body
+        )
+    assert "spec.tokenSecret" in str(err.value.body)
+
+
+def test_cross_field_rule_reported_in_a_condition_and_cleared_when_fixed(env: OperatorEnv) -> None:
+    env.apply(env.policy("s3-half", {"transport": "s3"}))
+    ready = wait_for(
+        "InvalidSpec condition",
+        lambda: (c := env.condition("s3-half", "Ready")).get("reason") == "InvalidSpec" and c,
+    )
+    assert ready["status"] == "False"
+    assert "spec.s3.bucket" in ready["message"]
+    status = env.get("refitpolicies", "s3-half")["status"]
+    assert status["observedGeneration"] == 1
+    assert env.condition("s3-half", "Degraded")["status"] == "True"
+    # Fixing the spec is observed at the new generation.
+    env.patch_spec("s3-half", {"s3": {"bucket": "weights"}})
+    wait_for(
+        "condition at generation 2",
+        lambda: env.get("refitpolicies", "s3-half")["status"].get("observedGeneration") == 2,
+    )
+    ready = env.condition("s3-half", "Ready")
+    assert ready["reason"] == "WaitingForTrainers", ready
+    assert "0 of 1 trainer pods" in ready["message"]
+
+
+def test_missing_token_secret_is_reported(env: OperatorEnv) -> None:
+    body = env.policy("no-secret", {})
+    body["spec"]["tokenSecret"] = {"name": "does-not-exist"}
+    env.apply(body)
+    ready = wait_for(
+        "TokenSecretMissing",
+        lambda: (
+            (c := env.condition("no-secret", "Ready")).get("reason") == "TokenSecretMissing" and c
+        ),
+    )
+    assert "does-not-exist" in ready["message"]
+    assert "spec.tokenSecret" in ready["message"]
+
+
+def test_pod_naming_a_missing_policy_gets_an_event(env: OperatorEnv) -> None:
+    env.create_pod("stray", "rollout", "no-such-policy", {"refit-control": 1})
+    events = wait_for("PolicyNotFound event", lambda: env.events("stray"))
+    assert events[0]["reason"] == "PolicyNotFound"
+    assert events[0]["type"] == "Warning"
+    assert "no-such-policy" in events[0]["message"]
+
+
+def test_paused_policy_is_not_ready_and_says_why(env: OperatorEnv) -> None:
+    env.apply(env.policy("paused", {"paused": True}))
+    ready = wait_for(
+        "Paused", lambda: (c := env.condition("paused", "Ready")).get("reason") == "Paused" and c
+    )
+    assert "spec.paused" in ready["message"]
+    env.patch_spec("paused", {"paused": False})
+    wait_for(
+        "unpaused",
+        lambda: env.condition("paused", "Ready").get("reason") == "WaitingForTrainers",
+    )
+
+
+def test_policy_version_created_untouched_by_kopf_and_deletion_completes(
+    env: OperatorEnv, operator: ManagedProcess
+) -> None:
+    env.apply(env.policy("gone", {}))
+    pv = wait_for(
+        "PolicyVersion with a record",
+        lambda: (p := _maybe(env, "policyversions", "gone")) and "status" in p and p,
+    )
+    assert pv["status"]["version"] == 0
+    assert pv["spec"]["policy"] == "gone"
+    policy = wait_for(
+        "finalizer",
+        lambda: (p := env.get("refitpolicies", "gone"))["metadata"].get("finalizers") and p,
+    )
+    assert policy["metadata"]["finalizers"] == ["kuberefit.io/finalizer"]
+    annotations = policy["metadata"].get("annotations") or {}
+    assert not [k for k in annotations if "kopf" in k], annotations
+    pv = env.get("policyversions", "gone")
+    assert not pv["metadata"].get("annotations"), pv
+    assert not pv["metadata"].get("finalizers"), pv
+    # Deleting the policy stops its coordinator and releases the finalizer.
+    env.kube.kubectl("delete", "-n", env.namespace, "refitpolicy", "gone", "--timeout=30s")
+    assert _maybe(env, "refitpolicies", "gone") is None
+    wait_for(
+        "policy.stopped logged",
+        lambda: any(
+            '"policy.stopped"' in line and '"gone"' in line
+            for line in operator.log_path.read_text().splitlines()
+        ),
+    )
+
+
+def test_health_and_metrics(env: OperatorEnv, operator: ManagedProcess) -> None:
+    base = operator.metrics_url  # type: ignore[attr-defined]
+    for path in ("/healthz", "/readyz"):
+        with urllib.request.urlopen(base + path, timeout=5) as resp:
+            assert resp.status == 200
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert "kuberefit_operator_policy_leader" in text
+    assert 'policy="s3-half"' in text
+
+
+def test_operator_role_suffices(env: OperatorEnv) -> None:
+    """Everything above ran as the operator's own user under the chart's ClusterRole."""
+    denials = env.kube.audit_denials(env.kube.operator_user)
+    assert denials == [], [(d["verb"], d["requestURI"]) for d in denials]
+
+
+def _maybe(env: OperatorEnv, plural: str, name: str) -> dict | None:  # type: ignore[type-arg]
+    try:
+        return env.get(plural, name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise

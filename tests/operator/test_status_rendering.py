@@ -1,0 +1,134 @@
+"""What kubectl shows, computed without a cluster: RefitPolicy conditions and RefitTransition
+status (the e2e checks the same fields on a real API server)."""
+
+from __future__ import annotations
+
+from refit_operator.coordinator import TransitionResult
+from refit_operator.policy_status import Observed, policy_status, same_status
+from refit_operator.ports import TransitionProgress
+from refit_operator.transitions import (
+    failure_reason,
+    human_bytes,
+    outcome_status,
+    progress_status,
+    to_prune,
+    transition_name,
+)
+
+HEALTHY = Observed(
+    generation=3,
+    committed_version=7,
+    trainers=1,
+    trainers_ready=1,
+    rollouts=2,
+    rollouts_ready=2,
+    coordinator="op-a",
+)
+
+
+def _conds(o: Observed) -> dict[str, dict[str, object]]:
+    return {c["type"]: c for c in policy_status(o, None)["conditions"]}
+
+
+def test_healthy_policy() -> None:
+    status = policy_status(HEALTHY, None)
+    assert status["trainers"] == "1/1"
+    assert status["rollouts"] == "2/2"
+    assert status["observedGeneration"] == 3
+    conds = _conds(HEALTHY)
+    assert conds["Ready"]["status"] == "True"
+    assert conds["Degraded"]["reason"] == "AsExpected"
+    assert conds["Progressing"]["status"] == "False"
+
+
+def test_reasons_in_priority_order() -> None:
+    cases = [
+        (Observed(1, spec_error="spec.mode: bad"), "InvalidSpec"),
+        (Observed(1, token_error="no Secret"), "TokenSecretMissing"),
+        (Observed(1, aborted_by="op-a: stuck", trainers_ready=1, rollouts_ready=1), "Aborted"),
+        (Observed(1, paused=True, trainers_ready=1, rollouts_ready=1), "Paused"),
+        (Observed(1, producers_expected=2, trainers=2, trainers_ready=1), "WaitingForTrainers"),
+        (Observed(1, trainers_ready=1, rollouts=1), "WaitingForRollouts"),
+    ]
+    for observed, reason in cases:
+        ready = _conds(observed)["Ready"]
+        assert (ready["status"], ready["reason"]) == ("False", reason), observed
+    aborted = _conds(cases[2][0])
+    assert aborted["Degraded"]["reason"] == "Aborted"
+    assert "kuberefit.io/clear-abort" in str(aborted["Ready"]["message"])
+
+
+def test_degraded_after_a_failed_transition_and_transition_time_kept() -> None:
+    failed = Observed(**{**HEALTHY.__dict__, "last": "p-v000008", "last_outcome": "rejected"})
+    assert _conds(failed)["Degraded"]["reason"] == "LastRejected"
+    first = policy_status(HEALTHY, None)
+    again = policy_status(HEALTHY, first)
+    assert same_status(first, again)
+    assert [c["lastTransitionTime"] for c in again["conditions"]] == [
+        c["lastTransitionTime"] for c in first["conditions"]
+    ]
+    running = Observed(**{**HEALTHY.__dict__, "current": "p-v000008"})
+    assert not same_status(first, policy_status(running, first))
+    assert policy_status(running, first)["phase"] == "Transitioning"
+
+
+def test_transition_status_columns() -> None:
+    p = TransitionProgress("p", 4, 5, phase="Committed", attempt=2, mode="overwrite")
+    p.wire_bytes, p.payloads = 3 * 1024 * 1024 + 512 * 1024, 2
+    p.changed_elements, p.total_elements = 1234, 100_000
+    p.timings = {"latency_s": 2.345}
+    status = progress_status(p)
+    assert status["wireBytesHuman"] == "3.5 MiB"
+    assert status["changedPercent"] == "1.23%"
+    assert status["latency"] == "2.35s"
+    assert status["mode"] == "overwrite"
+    assert human_bytes(900) == "900 B"
+    assert transition_name("p", 5) == "p-v000005"
+    assert transition_name("p", 5, retry=1) == "p-v000005-2"
+    assert sorted([transition_name("p", 10), transition_name("p", 9)])[0] == "p-v000009"
+
+
+def test_every_failure_has_a_reason() -> None:
+    for outcome, message, reason in [
+        ("rejected", "node0: holds v3", "PrepareRejected"),
+        ("conflict", "epoch", "CoordinatorConflict"),
+        (
+            "aborted",
+            "receiver n1 neither acknowledges stop nor is confirmed dead",
+            "ReceiverUnresponsive",
+        ),
+        ("aborted", "4 attempts failed", "RetriesExhausted"),
+        ("aborted", "no receiver left to refit", "NoReceivers"),
+    ]:
+        assert failure_reason(outcome, message) == reason
+        status = outcome_status(TransitionResult(outcome, 3, 1, ["mixed"], message=message))  # type: ignore[arg-type]
+        assert status["reason"] == reason
+        assert status["message"] == message
+    done = outcome_status(TransitionResult("committed", 4, 2, ["mixed", "overwrite"]))
+    assert "reason" not in done
+    assert done["modes"] == ["mixed", "overwrite"]
+    recovered = outcome_status(TransitionResult("committed", 4, 0))
+    assert "attempt" not in recovered  # finished by recover(): the attempts are already recorded
+
+
+def test_pruning_keeps_the_newest_finished() -> None:
+    def t(name: str, to: int, phase: str) -> dict[str, object]:
+        return {
+            "metadata": {"name": name},
+            "spec": {"policy": "p", "toVersion": to},
+            "status": {"phase": phase},
+        }
+
+    items = [
+        t("p-v000001", 1, "Committed"),
+        t("p-v000002", 2, "Aborted"),
+        t("p-v000002-2", 2, "Committed"),
+        t("p-v000003", 3, "Streaming"),
+        {
+            "metadata": {"name": "q-v000001"},
+            "spec": {"policy": "q", "toVersion": 1},
+            "status": {"phase": "Committed"},
+        },
+    ]
+    assert to_prune(items, "p", keep=2) == ["p-v000001"]  # type: ignore[arg-type]
+    assert to_prune(items, "p", keep=5) == []  # type: ignore[arg-type]
