@@ -60,24 +60,24 @@ def test_missing_kubectl_fails_with_instructions(
         kubectl_binary()
 
 
-def _pod_list_denials(kube: KubeCluster, namespace: str) -> list[dict[str, Any]]:
+def _configmap_list_denials(kube: KubeCluster, namespace: str) -> list[dict[str, Any]]:
     return [
         e
         for e in kube.audit_denials(OPERATOR_USER)
         if e["verb"] == "list"
-        and e.get("objectRef", {}).get("resource") == "pods"
+        and e.get("objectRef", {}).get("resource") == "configmaps"
         and e.get("objectRef", {}).get("namespace") == namespace
     ]
 
 
-def _pod_lister_rbac(namespace: str) -> list[dict[str, Any]]:
+def _configmap_lister_rbac(namespace: str) -> list[dict[str, Any]]:
     meta = {"name": "pod-lister", "namespace": namespace}
     return [
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": meta,
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list"]}],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -98,31 +98,33 @@ def _pod_lister_rbac(namespace: str) -> list[dict[str, Any]]:
 def test_operator_is_denied_and_audited_until_a_role_is_bound(
     kube: KubeCluster, namespace: str, tmp_path: Path
 ) -> None:
+    # configmaps: a resource the operator's own ClusterRole (bound by the operator tests of the
+    # same session) never grants.
     operator = kube.operator_kubeconfig
     with pytest.raises(AssertionError) as err:
-        kube.kubectl("get", "pods", "-n", "default", kubeconfig=operator)
+        kube.kubectl("get", "configmaps", "-n", "default", kubeconfig=operator)
     assert "Forbidden" in str(err.value)
-    assert f'User "{OPERATOR_USER}" cannot list resource "pods"' in str(err.value)
-    denied = _poll("403 in the audit log", lambda: _pod_list_denials(kube, "default"))
+    assert f'User "{OPERATOR_USER}" cannot list resource "configmaps"' in str(err.value)
+    denied = _poll("403 in the audit log", lambda: _configmap_list_denials(kube, "default"))
     assert denied[-1]["annotations"]["authorization.k8s.io/decision"] == "forbid"
 
     # The fresh namespace is no different until the binding exists.
     with pytest.raises(AssertionError, match="Forbidden"):
-        kube.kubectl("get", "pods", "-n", namespace, kubeconfig=operator)
+        kube.kubectl("get", "configmaps", "-n", namespace, kubeconfig=operator)
     manifest = tmp_path / "rbac.yaml"
-    manifest.write_text(yaml.safe_dump_all(_pod_lister_rbac(namespace)))
+    manifest.write_text(yaml.safe_dump_all(_configmap_lister_rbac(namespace)))
     kube.kubectl("apply", "-f", str(manifest))
 
-    def lists_pods() -> bool:
+    def lists_configmaps() -> bool:
         try:
-            kube.kubectl("get", "pods", "-n", namespace, kubeconfig=operator)
+            kube.kubectl("get", "configmaps", "-n", namespace, kubeconfig=operator)
         except AssertionError:
             return False  # RBAC's informer has not seen the binding yet
         return True
 
-    _poll("operator lists pods once bound", lists_pods)
+    _poll("operator lists configmaps once bound", lists_configmaps)
     # Only that namespace: default still refuses, and only the operator and admin are audited.
     with pytest.raises(AssertionError, match="Forbidden"):
-        kube.kubectl("get", "pods", "-n", "default", kubeconfig=operator)
+        kube.kubectl("get", "configmaps", "-n", "default", kubeconfig=operator)
     users = {e["user"]["username"] for e in kube.audit_events()}
     assert users <= {OPERATOR_USER, "kuberefit-admin"}, users

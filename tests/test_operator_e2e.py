@@ -225,6 +225,14 @@ class World:
             f"{p.name}-v{version}-"
         )
 
+    def lease_holders(self) -> set[str]:
+        from kubernetes import client
+
+        leases = client.CoordinationV1Api(self.env.api_client).list_namespaced_lease(
+            self.env.namespace
+        )
+        return {str(lease.spec.holder_identity) for lease in leases.items}
+
     def release(self, p: Policy, version: int) -> None:
         (p.release / str(version)).touch()
 
@@ -290,6 +298,7 @@ def test_operator_journey(world: World) -> None:
     env.apply(env.policy("alpha", w.policy_spec(alpha, mode="async")))
     env.apply(env.policy("beta", w.policy_spec(beta, mode="sync")))
     w.start_operator("op-a")
+    wait_for("op-a holds both Leases", lambda: w.lease_holders() == {"op-a"})
     standby = w.start_operator("op-b")  # a second replica: must never coordinate
     pv = wait_for(
         "alpha's PolicyVersion",
@@ -460,7 +469,12 @@ def test_operator_journey(world: World) -> None:
         f'{{namespace="{env.namespace}",outcome="committed",policy="alpha"}}'
     )
     assert committed in metrics
-    assert "kuberefit_operator_restores_total" in metrics
+    restores = re.search(
+        rf'kuberefit_operator_restores_total{{namespace="{env.namespace}",policy="alpha"}} (\S+)',
+        metrics,
+    )
+    assert restores is not None, metrics
+    assert float(restores.group(1)) >= 1  # alpha-1's dense restore at v5
     # Deleting a policy stops its coordinator and completes (no stuck finalizer).
     env.kube.kubectl("delete", "-n", env.namespace, "refitpolicy", "beta", "--timeout=60s")
     wait_for(
@@ -480,9 +494,41 @@ def test_operator_journey(world: World) -> None:
     assert record["coordinator"] == "op-b"
     assert record["epoch"] > epoch
     assert w.transition(alpha, 8)["status"]["coordinator"] == "op-b"
+
+    # v9: op-b is frozen (SIGSTOP) while an attempt streams, longer than its Lease; a restarted
+    # op-a takes the Lease and the transition over. When op-b wakes, it finds its Lease lapsed
+    # and stops: it commits nothing and leaves the RefitTransition to op-a.
+    w.start_operator("op-a")
+    worker = _worker(alpha.rollouts[1])
+    worker.send_signal(signal.SIGSTOP)
+    w.release(alpha, 9)
+    wait_for("alpha-0 gated for v9", lambda: w.gate_closed_for(alpha.rollouts[0], alpha, 9))
+    standby.kill(signal.SIGSTOP)
+    worker.send_signal(signal.SIGCONT)
+    w.commit_and_check(alpha, 9, timeout=120)
+    standby.kill(signal.SIGCONT)
+    wait_for(
+        "op-b stood down",
+        lambda: any(
+            e.get("event") == "policy.coordinator_dropped" and e.get("policy") == "alpha"
+            for e in log_events(standby)
+        ),
+    )
+    status = w.transition(alpha, 9)["status"]
+    assert (status["phase"], status["coordinator"], status["takeovers"]) == (
+        "Committed",
+        "op-a",
+        1,
+    )
+    assert env.get("policyversions", "alpha")["status"]["coordinator"] == "op-a"
+    assert not [
+        e
+        for e in log_events(standby)
+        if e.get("event") == "transition.done" and e.get("version") == 9
+    ]
+    assert "Conflict" in w.events(alpha, 9)  # op-b said why it stopped, and wrote nothing else
     # The operators' own identity never needed more than its ClusterRole.
-    denials = env.kube.audit_denials(env.kube.operator_user)
-    assert denials == [], [(d["verb"], d["requestURI"]) for d in denials]
+    assert env.denials() == []
 
 
 def _check_kubectl(w: World) -> None:

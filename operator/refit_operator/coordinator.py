@@ -52,7 +52,9 @@ from refit_protocol.receiver_api import (
 
 log = structlog.get_logger("kuberefit.coordinator")
 T = TypeVar("T")
-Outcome = Literal["committed", "rejected", "conflict", "aborted"]
+#: "failed" is never the coordinator's own outcome: the operator records it when the
+#: coordinator itself raised (e.g. the API server failed); the next coordinator takes over.
+Outcome = Literal["committed", "rejected", "conflict", "aborted", "failed"]
 
 
 class CoordinatorConfig(BaseModel):
@@ -99,6 +101,7 @@ class TransitionResult:
     retired: list[str] = field(default_factory=list)
     receivers: list[str] = field(default_factory=list)  # those of the last attempt
     message: str = ""
+    reason: str = ""  # CamelCase cause of an outcome other than committed
     progress: TransitionProgress | None = None
     latency_s: float = 0.0  # timed window: first producer start .. last baseline update
     finalization_s: float = 0.0  # flush acknowledged .. last baseline update
@@ -157,7 +160,9 @@ class Coordinator:
         t_flushed = 0.0
         while True:
             if result.attempts >= self.config.max_attempts:
-                return await self._abort(result, f"{result.attempts} attempts failed")
+                return await self._abort(
+                    result, f"{result.attempts} attempts failed", "RetriesExhausted"
+                )
             result.attempts += 1
             result.modes.append(mode)
             result.receivers = [r.node for r in receivers]
@@ -203,6 +208,7 @@ class Coordinator:
                 if not admitted:
                     await self._clear(tau)
                     result.outcome, result.message = "rejected", str(exc)
+                    result.reason = "PrepareRejected"
                     await self._phase(progress, "Failed", str(exc))
                     return result
                 # Alive but not on the transition's base (e.g. restarted between attempts): it
@@ -239,7 +245,7 @@ class Coordinator:
                 except CommitConflictError as exc:
                     outcome, result.message = "conflict", str(exc)
                 except InterventionRequiredError as exc:
-                    return await self._abort(result, str(exc))
+                    return await self._abort(result, str(exc), "ReceiverUnresponsive")
                 if outcome == "conflict":
                     result.outcome = "conflict"
                     await self._phase(progress, "Failed", f"conflict: {result.message}")
@@ -247,7 +253,7 @@ class Coordinator:
             if admitted:
                 mode = "overwrite"
             if not receivers:
-                return await self._abort(result, "no receiver left to refit")
+                return await self._abort(result, "no receiver left to refit", "NoReceivers")
 
     # ------------------------------------------------------------------------------ pieces
     async def recover(self) -> bool:
@@ -547,10 +553,10 @@ class Coordinator:
         if tau is not None:
             await self.store.mark_obsolete(self.epoch, tau)
 
-    async def _abort(self, result: TransitionResult, why: str) -> TransitionResult:
+    async def _abort(self, result: TransitionResult, why: str, reason: str) -> TransitionResult:
         """Operator intervention needed: stop, keep the gate closed, say why."""
         await self.store.abort(f"{self.name}: {why}")
-        result.outcome, result.message = "aborted", why
+        result.outcome, result.message, result.reason = "aborted", why, reason
         assert result.progress is not None
         await self._phase(
             result.progress,

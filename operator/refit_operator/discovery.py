@@ -100,6 +100,23 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
     )
 
 
+def pod_problem(view: PodView, policy_exists: bool) -> tuple[str, str] | None:
+    """Why an annotated pod cannot take part (an Event reason and message), or None."""
+    if view.role not in ("trainer", "rollout"):
+        return (
+            "UnknownRole",
+            f"annotation {INJECT}={view.role} is neither trainer nor rollout; this pod takes "
+            "no part in any refit",
+        )
+    if not policy_exists:
+        return (
+            "PolicyNotFound",
+            f"annotation {POLICY}={view.policy} names no RefitPolicy in namespace "
+            f"{view.namespace}; this pod takes no part in any refit",
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Discovered:
     """The pods of one policy by role: all that name it, and those that can take part now."""

@@ -29,7 +29,7 @@ def default_identity() -> str:
 
 
 class OperatorConfig(BaseModel):
-    """Settings of `kuberefit operator` (each one is a command-line flag)."""
+    """Settings of `kuberefit operator` (all but `status_interval_s` are command-line flags)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -34,7 +34,7 @@ from refit_operator.commit_store import StoreState
 from refit_operator.commit_store.kube import KubernetesCommitStore
 from refit_operator.coordinator import Coordinator, TransitionResult
 from refit_operator.discovery import Discovered, PodView, discover
-from refit_operator.kube.api import KubeApi, NotFoundError, object_ref
+from refit_operator.kube.api import KubeApi, NotFoundError, SecretRefusedError, object_ref
 from refit_operator.kube.lease import PolicyLease
 from refit_operator.kube.names import CLEAR_ABORT
 from refit_operator.pod_membership import PodMembership
@@ -49,6 +49,11 @@ from refit_protocol.tensors import TensorMetaModel
 log = structlog.get_logger("kuberefit.policy")
 
 INITIAL_BASELINE = "g-initial"
+#: While it holds the Lease only this operator writes the record, so a pass reads it at most
+#: this often (plus after each transition and abort clearing): the record is a GET per read.
+RECORD_REFRESH_S = 5.0
+#: How long a token read from the policy's Secret is used before it is read again.
+TOKEN_REFRESH_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -97,9 +102,14 @@ class PolicyRunner:
         self._current_summary = ""
         self._last: tuple[str, str, str] = ("", "", "")
         self._token: tuple[tuple[str, str, str], str] | None = None
-        self._token_error = ""
+        self._token_error: tuple[str, str] | None = None
+        self._token_at = 0.0
         self._error = ""  # the last pass's failure, until a pass succeeds
         self._generation = 0
+        self._state: StoreState | None = None
+        self._observed_last: Observed | None = None
+        self._producer_error = ""
+        self._state_at = 0.0
 
     # -- the loop -------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -135,8 +145,10 @@ class PolicyRunner:
         try:
             spec = self.spec = parse_spec(dict(obj.get("spec") or {}))
         except SpecError as exc:
-            if self.lease.held:
-                await self._write_status(obj, Observed(generation, spec_error=str(exc)))
+            if self.lease.held:  # what was last observed still holds; only the spec is bad
+                last = self._observed_last or Observed(generation)
+                observed = replace(last, generation=generation, spec_error=str(exc))
+                await self._write_status(obj, observed)
             return
         if not self.lease.held:
             self._drop_coordinator("lease not held")
@@ -146,7 +158,7 @@ class PolicyRunner:
         if not self._store_ready:
             await self.store.initialize(CommitRecord(0, INITIAL_BASELINE))
             self._store_ready = True
-        state = await self.store.read()
+        state = await self._record_state()
         if CLEAR_ABORT in (obj.get("metadata", {}).get("annotations") or {}):
             state = await self._clear_abort(obj, state)
         metrics.COMMITTED_VERSION.labels(**self.labels).set(state.record.version)
@@ -160,9 +172,11 @@ class PolicyRunner:
         if self.coordinator is None:
             await self._become_coordinator(obj, spec, token, producers)
             return
-        if spec.paused:
-            return
         target = state.record.version + 1
+        active = state.active
+        admitted = active is not None and active.target_version == target and not active.obsolete
+        if spec.paused and not admitted:  # an attempt already admitted is finished first
+            return
         if not await self._staged(producers, target, spec.control_timeout_seconds):
             return
         await self._transition(obj, spec, found, token, producers)
@@ -175,7 +189,7 @@ class PolicyRunner:
             except Exception as exc:  # the API server may be briefly unreachable
                 log.warning("lease.renew_failed", policy=self.name, error=str(exc))
                 held = False
-                self.lease.held = False
+                self.lease.lost()
             metrics.LEADER.labels(**self.labels).set(1 if held else 0)
             await asyncio.sleep(self.settings.lease_s / 3)
 
@@ -186,6 +200,8 @@ class PolicyRunner:
         token: str,
         producers: list[HttpProducerClient],
     ) -> None:
+        if not await self.lease.acquire_or_renew():  # fresh, right before taking the record
+            return
         membership = self.membership = self._membership(spec, token)
         coordinator = Coordinator(
             self.name,
@@ -197,20 +213,20 @@ class PolicyRunner:
             name=self.settings.identity,
         )
         await coordinator.start()
-        self._status = None  # another operator may have written the status meanwhile
+        self._status = self._state = None  # another operator may have written meanwhile
+        recovered = await coordinator.recover()
         kv = (await self.store.read()).record
-        # A transition whose commit took effect but whose coordinator stopped: finish it.
+        self.coordinator = coordinator
+        # A transition whose commit took effect but whose coordinator stopped: it is finished
+        # now (`recover`); its RefitTransition says so.
         recorder = TransitionRecorder(
             self.api, dict(obj), kv.version - 1, kv.version, coordinator=coordinator.name
         )
-        continued = kv.version > 0 and await recorder.open(create=False)
-        recovered = await coordinator.recover()
-        if continued:
+        if kv.version > 0 and await recorder.open(create=False):
+            result = TransitionResult("committed", kv.version, 0, message="recovered")
             metrics.TAKEOVERS.labels(**self.labels).inc()
-            await recorder.finish(
-                TransitionResult("committed", kv.version, 0, message="recovered"), []
-            )
-        self.coordinator = coordinator
+            await recorder.finish(result, None)
+            self._record(result, recorder.name)
         log.info(
             "policy.coordinating",
             policy=self.name,
@@ -262,14 +278,31 @@ class PolicyRunner:
         self._current_summary = f"v{kv.version} -> v{kv.version + 1}"
         await self._write_status(obj, self._observed(spec, found, state))
         try:
-            result = await self.coordinator.run_transition(frozenset(membership.incompatible))
+            result = await self._run_while_leader(
+                self.coordinator.run_transition(frozenset(membership.incompatible))
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the API server or a bug: the next coordinator takes over
+            log.exception("transition.error", policy=self.name, error=str(exc))
+            result = TransitionResult(
+                "failed", kv.version, 0, message=f"{type(exc).__name__}: {exc}"
+            )
+            result.reason = "OperatorError"
         finally:
             self._current = ""
             self._recorder = None
             await recorder.close()
+        if result.outcome == "failed":
+            # Not finished by this coordinator: drop it, so the next pass acquires the record
+            # again and recovers or takes over the attempt (as after a restart).
+            await recorder.finish(result, None)
+            self._last = (recorder.name, "failed", result.message)
+            self._drop_coordinator(result.message)
+            return
         await recorder.finish(result, result.receivers)
         self._record(result, recorder.name)
-        after = await self.store.read()
+        after = await self._record_state(fresh=True)
         metrics.COMMITTED_VERSION.labels(**self.labels).set(after.record.version)
         await self._write_status(obj, self._observed(spec, discover(self.pods(), spec), after))
         await self._prune(spec)
@@ -277,6 +310,27 @@ class PolicyRunner:
             self._drop_coordinator(result.message)
         elif result.outcome == "rejected":
             await self._sleep(spec.rejected_backoff_seconds)
+
+    async def _run_while_leader(self, work: Awaitable[TransitionResult]) -> TransitionResult:
+        """Await `work`, cancelling it if this operator stops holding the Lease: another one
+        may coordinate now, and its newer epoch fences this one's writes anyway."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=1.0)
+                if done:
+                    return task.result()
+                if not self.lease.held:
+                    log.warning("transition.lease_lost", policy=self.name)
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    return TransitionResult(
+                        "conflict", 0, 0, message="lease lost", reason="LeaseLost"
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def _record(self, result: TransitionResult, name: str) -> None:
         metrics.TRANSITIONS.labels(**self.labels, outcome=result.outcome).inc()
@@ -342,43 +396,56 @@ class PolicyRunner:
     async def _producers(
         self, found: Discovered, spec: PolicySpec, token: str, record: CommitRecord
     ) -> list[HttpProducerClient] | None:
-        """Clients of every expected producer in index order; None until all answer.
+        """Clients of every expected producer in index order; None until all answer (the
+        reason goes to the Ready condition).
 
         A producer without a baseline (a restarted sidecar) is told the committed record, so
         the trainer's first export after its restart is checked against the right version."""
-        assert self.session is not None
-        ready = found.ready_trainers
-        if len(ready) < spec.producers:
+        self._producer_error = ""
+        clients = await self._probe_producers(found, spec, token, record)
+        if clients is None:
             return None
+        if sorted(clients) != list(range(spec.producers)):
+            self._producer_error = (
+                f"trainer sidecars report producer indices {sorted(clients)}; spec.producers "
+                f"is {spec.producers}, so indices 0..{spec.producers - 1} are expected"
+            )
+            return None
+        return [clients[i] for i in range(spec.producers)]
+
+    async def _probe_producers(
+        self, found: Discovered, spec: PolicySpec, token: str, record: CommitRecord
+    ) -> dict[int, HttpProducerClient] | None:
+        assert self.session is not None
+        timeout = min(5.0, float(spec.control_timeout_seconds))
         clients: dict[int, HttpProducerClient] = {}
-        for pod in ready:
+        for pod in found.ready_trainers:
             probe = HttpProducerClient(0, pod.url, token=token, session=self.session)
             try:
-                status = await asyncio.wait_for(probe.status(), spec.control_timeout_seconds)
+                status = await asyncio.wait_for(probe.status(), timeout)
             except (EndpointError, TimeoutError) as exc:
-                log.info("producer.not_ready", pod=pod.name, error=str(exc))
+                why = str(exc) or f"no answer within {timeout:g}s"
+                self._producer_error = f"trainer pod {pod.name}: {why}"
+                return None
+            if status.producer in clients:
+                self._producer_error = (
+                    f"trainer pod {pod.name} reports producer index {status.producer}, "
+                    "which another trainer pod reports too"
+                )
                 return None
             client = HttpProducerClient(status.producer, pod.url, token=token, session=self.session)
             clients[status.producer] = client
             held = CommitRecord(status.committed_version, status.committed_baseline)
             if not status.baseline_ready and held != record:
                 try:
-                    await asyncio.wait_for(
-                        client.learn_committed(record), spec.control_timeout_seconds
-                    )
+                    await asyncio.wait_for(client.learn_committed(record), timeout)
                 except (EndpointError, TimeoutError) as exc:
-                    log.warning("producer.committed_refused", pod=pod.name, error=str(exc))
+                    self._producer_error = (
+                        f"trainer pod {pod.name} refused v{record.version}: {exc}"
+                    )
                     return None
                 log.info("producer.told_committed", pod=pod.name, version=record.version)
-        if sorted(clients) != list(range(spec.producers)):
-            log.warning(
-                "producer.indices",
-                policy=self.name,
-                found=sorted(clients),
-                expected=spec.producers,
-            )
-            return None
-        return [clients[i] for i in range(spec.producers)]
+        return clients
 
     @staticmethod
     async def _staged(producers: list[HttpProducerClient], version: int, timeout_s: float) -> bool:
@@ -392,21 +459,27 @@ class PolicyRunner:
         return all(s.candidate_version == version for s in statuses)
 
     async def _read_token(self, spec: PolicySpec) -> str | None:
+        """The policy's token (re-read every TOKEN_REFRESH_S: Secrets rotate)."""
         ref = (self.namespace, spec.token_secret.name, spec.token_secret.key)
-        if self._token is not None and self._token[0] == ref:
+        now = asyncio.get_running_loop().time()
+        if (
+            self._token is not None
+            and self._token[0] == ref
+            and now - self._token_at < TOKEN_REFRESH_S
+        ):
             return self._token[1]
         try:
             value = await self.api.read_secret_key(*ref)
         except NotFoundError:
-            self._token_error = f"Secret {ref[0]}/{ref[1]} (spec.tokenSecret) does not exist"
+            self._token_error = (
+                "TokenSecretMissing",
+                f"Secret {ref[0]}/{ref[1]} (spec.tokenSecret) does not exist",
+            )
             return None
-        except KeyError as exc:
-            self._token_error = f"spec.tokenSecret: {exc.args[0]}"
+        except SecretRefusedError as exc:
+            self._token_error = ("TokenSecretRefused", f"spec.tokenSecret: {exc}")
             return None
-        if not value:
-            self._token_error = f"spec.tokenSecret: key {ref[2]!r} of Secret {ref[1]} is empty"
-            return None
-        self._token, self._token_error = (ref, value), ""
+        self._token, self._token_at, self._token_error = (ref, value), now, None
         return value
 
     async def _clear_abort(self, obj: Mapping[str, Any], state: StoreState) -> StoreState:
@@ -420,7 +493,14 @@ class PolicyRunner:
                     f"abort by {state.aborted_by} cleared; transitions resume",
                 )
         await self.api.remove_policy_annotation(self.namespace, self.name, CLEAR_ABORT)
-        return await self.store.read()
+        return await self._record_state(fresh=True)
+
+    async def _record_state(self, *, fresh: bool = False) -> StoreState:
+        """The commit record, read at most every RECORD_REFRESH_S unless `fresh`."""
+        now = asyncio.get_running_loop().time()
+        if fresh or self._state is None or now - self._state_at > RECORD_REFRESH_S:
+            self._state, self._state_at = await self.store.read(), now
+        return self._state
 
     def _observed(self, spec: PolicySpec, found: Discovered, state: StoreState) -> Observed:
         name, outcome, message = self._last
@@ -441,10 +521,13 @@ class PolicyRunner:
             last_outcome=outcome,
             last_message=message,
             error=self._error,
+            producers_error=self._producer_error,
             coordinator=self.settings.identity,
         )
 
     async def _write_status(self, obj: Mapping[str, Any], observed: Observed) -> None:
+        if not observed.spec_error:
+            self._observed_last = observed
         previous = self._status if self._status is not None else obj.get("status")
         status = policy_status(observed, previous)
         if same_status(previous, status):

@@ -20,7 +20,7 @@ class Observed:
 
     generation: int
     spec_error: str = ""
-    token_error: str = ""
+    token_error: tuple[str, str] | None = None  # (reason, message)
     paused: bool = False
     committed_version: int | None = None
     aborted_by: str | None = None
@@ -35,6 +35,7 @@ class Observed:
     last_outcome: str = ""
     last_message: str = ""
     error: str = ""  # the operator's own last failure (e.g. the API server unreachable)
+    producers_error: str = ""  # why the running trainer pods cannot be used as producers
     coordinator: str = ""
 
 
@@ -42,7 +43,7 @@ def _ready(o: Observed) -> tuple[bool, str, str]:
     if o.spec_error:
         return False, "InvalidSpec", o.spec_error
     if o.token_error:
-        return False, "TokenSecretMissing", o.token_error
+        return False, *o.token_error
     if o.aborted_by:
         return (
             False,
@@ -59,6 +60,8 @@ def _ready(o: Observed) -> tuple[bool, str, str]:
             f"{o.trainers_ready} of {o.producers_expected} trainer pods running "
             f"({o.trainers} annotated)",
         )
+    if o.producers_error:
+        return False, "ProducersNotReady", o.producers_error
     if o.rollouts_ready == 0:
         return False, "WaitingForRollouts", f"no rollout pod running ({o.rollouts} annotated)"
     return (

@@ -38,6 +38,7 @@ OUTCOME_PHASE = {
     "rejected": "Rejected",
     "conflict": "Conflict",
     "aborted": "Aborted",
+    "failed": "Failed",
 }
 #: Polls the attempt's receivers: {"staged": n, "applied": n, "nodes": n} summed over them.
 ProgressPoll = Callable[[], Awaitable[Mapping[str, int]]]
@@ -47,6 +48,16 @@ def transition_name(policy: str, to_version: int, retry: int = 0) -> str:
     """`<policy>-v000005` (names sort in version order); `-2`, `-3` for later tries."""
     base = f"{policy}-v{to_version:06d}"
     return f"{base}-{retry + 1}" if retry else base
+
+
+def try_number(obj: Obj) -> int:
+    """0 for `<policy>-v000005`, 1 for `…-2`, 2 for `…-3` (the inverse of `transition_name`)."""
+    _, _, suffix = str(obj["metadata"]["name"]).rpartition("-")
+    return int(suffix) - 1 if suffix.isdigit() else 0
+
+
+def _order(obj: Obj) -> tuple[int, int]:
+    return int(obj["spec"]["toVersion"]), try_number(obj)
 
 
 def human_bytes(n: int) -> str:
@@ -91,19 +102,14 @@ def progress_status(p: TransitionProgress) -> Obj:
     return out
 
 
-def failure_reason(outcome: str, message: str) -> str:
-    """A CamelCase reason for a transition that did not commit."""
-    if outcome == "rejected":
-        return "PrepareRejected"
-    if outcome == "conflict":
-        return "CoordinatorConflict"
-    if "neither acknowledges stop" in message:
-        return "ReceiverUnresponsive"
-    if "attempts failed" in message:
-        return "RetriesExhausted"
-    if "no receiver left" in message:
-        return "NoReceivers"
-    return "Aborted" if outcome == "aborted" else "Failed"
+def failure_reason(result: TransitionResult) -> str:
+    """A CamelCase reason for a transition that did not commit (the coordinator's own when it
+    gave one)."""
+    if result.reason:
+        return result.reason
+    return {"rejected": "PrepareRejected", "conflict": "CoordinatorConflict"}.get(
+        result.outcome, "Aborted" if result.outcome == "aborted" else "Failed"
+    )
 
 
 def outcome_status(result: TransitionResult) -> Obj:
@@ -112,16 +118,17 @@ def outcome_status(result: TransitionResult) -> Obj:
     if result.attempts:  # 0: finished by `recover` (the attempts are already recorded)
         out.update(modes=list(result.modes), attempt=result.attempts)
     if result.outcome != "committed":
-        out["reason"] = failure_reason(result.outcome, result.message)
+        out["reason"] = failure_reason(result)
         out["message"] = result.message or out["reason"]
     return out
 
 
 def progress_summary(counts: Mapping[str, int]) -> str:
-    nodes = max(1, counts.get("nodes", 1))
-    expected = counts.get("expected", 0)
-    of = f"/{expected * nodes}" if expected else ""
-    return f"staged {counts.get('staged', 0)}{of}, applied {counts.get('applied', 0)}{of}"
+    """e.g. "staged 12, applied 9 on 2 nodes" (payload counts summed over the nodes)."""
+    return (
+        f"staged {counts.get('staged', 0)}, applied {counts.get('applied', 0)} "
+        f"on {counts.get('nodes', 0)} nodes"
+    )
 
 
 class TransitionRecorder:
@@ -187,7 +194,32 @@ class TransitionRecorder:
             return True
         if not create:
             return False
-        self.name = transition_name(self.policy_name, self.to_version, len(existing))
+        first = max((try_number(t) + 1 for t in existing), default=0)
+        created: Obj | None = None
+        for n in range(first, first + 8):
+            self.name = transition_name(self.policy_name, self.to_version, n)
+            created = await self._create()
+            if created is not None:
+                break
+        if created is None:
+            raise ConflictError(f"no free RefitTransition name for v{self.to_version}")
+        self.ref = object_ref(created)
+        await self._patch(
+            {
+                "phase": "Pending",
+                "startTime": now_iso(),
+                "coordinator": self.coordinator,
+                "takeovers": 0,
+            },
+            force=True,
+        )
+        await self._event("Started", f"v{self.from_version} -> v{self.to_version}")
+        return False
+
+    async def _create(self) -> Obj | None:
+        """Create `self.name`; None if a finished one already has that name (pruned lists lag,
+        a coordinator that stopped right after creating it leaves an unfinished one: that one
+        is continued)."""
         body = {
             "apiVersion": API_VERSION,
             "kind": "RefitTransition",
@@ -204,26 +236,17 @@ class TransitionRecorder:
             },
         }
         try:
-            obj = await self.api.create_transition(self.namespace, body)
-        except ConflictError:  # created by a coordinator that stopped right after
+            return await self.api.create_transition(self.namespace, body)
+        except ConflictError:
             obj = await self.api.get_transition(self.namespace, self.name)
-        self.ref = object_ref(obj)
-        await self._patch(
-            {
-                "phase": "Pending",
-                "startTime": now_iso(),
-                "coordinator": self.coordinator,
-                "takeovers": 0,
-            },
-            force=True,
-        )
-        await self._event("Started", f"v{self.from_version} -> v{self.to_version}")
-        return False
+            return None if obj.get("status", {}).get("phase") in TERMINAL else obj
 
     async def update(self, progress: TransitionProgress) -> None:
         """ProgressSink: every phase change is written and announced; the rest rate-limited.
 
         Attempts continue the count of the coordinators before a takeover."""
+        if progress.phase in TERMINAL:
+            return  # the outcome is written once, by `finish`
         changed = progress.phase != self._phase
         attempt = self._base + progress.attempt
         retry = attempt > max(self._attempt, 1)
@@ -247,7 +270,6 @@ class TransitionRecorder:
                 progress.phase,
                 f"attempt {attempt} ({progress.mode}): {progress.phase.lower()}"
                 + (f": {progress.message}" if progress.message else ""),
-                warning=progress.phase in ("Failed", "Aborted"),
             )
             if progress.phase == "Streaming" and self.poll is not None:
                 self._poller = asyncio.create_task(self._poll_progress())
@@ -257,25 +279,34 @@ class TransitionRecorder:
         await self._patch({"receivers": {"restored": sorted(set(self.restored))}}, force=True)
         await self._event("Restored", f"{node}: {how}")
 
-    async def finish(self, result: TransitionResult, required: list[str]) -> None:
-        """The outcome; `required` are the receivers of the last attempt."""
+    async def finish(self, result: TransitionResult, required: list[str] | None) -> None:
+        """Write the outcome once. `required`: the receivers of the last attempt (None keeps
+        what is recorded). A coordinator fenced by a newer one (`conflict`) only posts an
+        Event: the object may already be continued by the coordinator that took over."""
         await self._stop_poller()
+        ok = result.outcome == "committed"
+        if result.outcome == "conflict":
+            await self._event(
+                "Conflict",
+                f"{self.coordinator} stopped: {result.message or 'another coordinator took over'}",
+                warning=True,
+            )
+            return
         status = progress_status(result.progress) if result.progress else {}
         status.update(outcome_status(result))
         if result.attempts:
             status["attempt"] = self._base + result.attempts
             status["modes"] = self._modes[: self._base] + list(result.modes)
-        status["receivers"] = {
-            "required": sorted(required),
-            "retired": sorted(set(result.retired)),
-            "restored": sorted(set(self.restored)),
-        }
+        receivers: Obj = {"retired": sorted(set(result.retired))}
+        receivers["restored"] = sorted(set(self.restored))
+        if required is not None:
+            receivers["required"] = sorted(required)
+        status["receivers"] = receivers
         self._phase = status["phase"]
         await self._patch(status, force=True)
-        ok = result.outcome == "committed"
         what = (
-            f"v{self.to_version} committed after {self._base + result.attempts} attempt(s) "
-            f"({', '.join(status.get('modes') or self._modes)})"
+            f"v{self.to_version} committed after {status.get('attempt', self._attempt)} "
+            f"attempt(s) ({', '.join(status.get('modes') or self._modes)})"
             if ok
             else f"{status['reason']}: {status['message']}"
         )
@@ -293,7 +324,7 @@ class TransitionRecorder:
             if t.get("spec", {}).get("policy") == self.policy_name
             and t.get("spec", {}).get("toVersion") == self.to_version
         ]
-        return sorted(mine, key=lambda t: str(t["metadata"]["name"]))
+        return sorted(mine, key=_order)
 
     async def _patch(self, status: Obj, *, force: bool) -> None:
         now = time.monotonic()
@@ -304,6 +335,9 @@ class TransitionRecorder:
             await self.api.patch_transition_status(self.namespace, self.name, status)
         except NotFoundError:
             log.warning("transition.gone", name=self.name)
+        except Exception as exc:  # best effort: the next update writes the phase again
+            log.warning("transition.patch_failed", name=self.name, error=str(exc))
+            self._phase = ""
 
     async def _event(self, reason: str, message: str, *, warning: bool = False) -> None:
         try:
@@ -339,7 +373,7 @@ def sorted_finished(items: list[Obj], policy: str) -> list[Obj]:
         if t.get("spec", {}).get("policy") == policy
         and t.get("status", {}).get("phase") in TERMINAL
     ]
-    return sorted(done, key=lambda t: (int(t["spec"]["toVersion"]), str(t["metadata"]["name"])))
+    return sorted(done, key=_order)
 
 
 def to_prune(items: list[Obj], policy: str, keep: int) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import secrets
@@ -127,14 +128,16 @@ class KubeCluster:
                 continue
         return events
 
-    def audit_denials(self, user: str) -> list[dict[str, Any]]:
-        """Requests by `user` that the apiserver answered 403: proves what RBAC refused, and why."""
+    def audit_denials(self, user: str, since: dt.datetime | None = None) -> list[dict[str, Any]]:
+        """Requests by `user` that the apiserver answered 403 (received at or after `since`):
+        proves what RBAC refused, and why."""
         return [
             e
             for e in self.audit_events()
             if e.get("stage") == "ResponseComplete"
             and e.get("user", {}).get("username") == user
             and e.get("responseStatus", {}).get("code") == 403
+            and (since is None or _received(e) >= since)
         ]
 
     def stop(self) -> None:
@@ -290,3 +293,8 @@ def _audit_policy(workdir: Path) -> Path:
         )
     )
     return path
+
+
+def _received(event: dict[str, Any]) -> dt.datetime:
+    stamp = str(event.get("requestReceivedTimestamp", "")).replace("Z", "+00:00")
+    return dt.datetime.fromisoformat(stamp)

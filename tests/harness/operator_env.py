@@ -4,6 +4,7 @@ role bound to the operator's own user, `kuberefit operator` processes, and pods 
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import secrets
@@ -51,6 +52,12 @@ class OperatorEnv:
         self.custom = client.CustomObjectsApi(self.api_client)
         self.token = secrets.token_hex(16)
         self.operators: list[ManagedProcess] = []
+        self.started = dt.datetime.now(dt.UTC)
+
+    def denials(self) -> list[tuple[str, str]]:
+        """What the API server refused the operator's user since this environment started."""
+        found = self.kube.audit_denials(self.kube.operator_user, since=self.started)
+        return [(d["verb"], d["requestURI"]) for d in found]
 
     def setup(self) -> OperatorEnv:
         """The namespace, the token Secret, and the operator role bound to its user."""
@@ -77,7 +84,10 @@ class OperatorEnv:
         self.apply(binding)
         self.core.create_namespaced_secret(
             self.namespace,
-            {"metadata": {"name": "refit-token"}, "stringData": {"token": self.token}},
+            {
+                "metadata": {"name": "refit-token", "labels": {"kuberefit.io/token": "true"}},
+                "stringData": {"token": self.token},
+            },
         )
         return self
 

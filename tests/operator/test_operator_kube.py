@@ -26,6 +26,9 @@ def env(refit_crds: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> It
     e.start_operator("solo")
     try:
         yield e
+        # Everything the tests made the operator do, it did as its own user under the chart's
+        # ClusterRole: the API server refused it nothing.
+        assert e.denials() == []
     finally:
         e.stop()
 
@@ -75,7 +78,7 @@ def test_cross_field_rule_reported_in_a_condition_and_cleared_when_fixed(env: Op
     assert "0 of 1 trainer pods" in ready["message"]
 
 
-def test_missing_token_secret_is_reported(env: OperatorEnv) -> None:
+def test_missing_or_unmarked_token_secret_is_reported(env: OperatorEnv) -> None:
     body = env.policy("no-secret", {})
     body["spec"]["tokenSecret"] = {"name": "does-not-exist"}
     env.apply(body)
@@ -87,14 +90,34 @@ def test_missing_token_secret_is_reported(env: OperatorEnv) -> None:
     )
     assert "does-not-exist" in ready["message"]
     assert "spec.tokenSecret" in ready["message"]
+    # A Secret not marked for KubeRefit is never read (nor sent to any pod).
+    env.core.create_namespaced_secret(
+        env.namespace, {"metadata": {"name": "db-password"}, "stringData": {"token": "hunter2"}}
+    )
+    body = env.policy("wrong-secret", {})
+    body["spec"]["tokenSecret"] = {"name": "db-password"}
+    env.apply(body)
+    ready = wait_for(
+        "TokenSecretRefused",
+        lambda: (
+            (c := env.condition("wrong-secret", "Ready")).get("reason") == "TokenSecretRefused"
+            and c
+        ),
+    )
+    assert "kuberefit.io/token=true" in ready["message"]
+    assert "hunter2" not in str(env.get("refitpolicies", "wrong-secret"))
 
 
-def test_pod_naming_a_missing_policy_gets_an_event(env: OperatorEnv) -> None:
+def test_pods_that_cannot_take_part_get_an_event(env: OperatorEnv) -> None:
     env.create_pod("stray", "rollout", "no-such-policy", {"refit-control": 1})
     events = wait_for("PolicyNotFound event", lambda: env.events("stray"))
-    assert events[0]["reason"] == "PolicyNotFound"
-    assert events[0]["type"] == "Warning"
+    assert [(e["reason"], e["type"]) for e in events] == [("PolicyNotFound", "Warning")]
     assert "no-such-policy" in events[0]["message"]
+    env.apply(env.policy("roles", {}))
+    env.create_pod("odd-role", "sidecar", "roles", {"refit-control": 1})
+    events = wait_for("UnknownRole event", lambda: env.events("odd-role"))
+    assert events[0]["reason"] == "UnknownRole"
+    assert "neither trainer nor rollout" in events[0]["message"]
 
 
 def test_paused_policy_is_not_ready_and_says_why(env: OperatorEnv) -> None:
@@ -147,16 +170,17 @@ def test_health_and_metrics(env: OperatorEnv, operator: ManagedProcess) -> None:
     for path in ("/healthz", "/readyz"):
         with urllib.request.urlopen(base + path, timeout=5) as resp:
             assert resp.status == 200
-    with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    assert "kuberefit_operator_policy_leader" in text
-    assert 'policy="s3-half"' in text
+    env.apply(env.policy("metered", {}))
+    leader = f'kuberefit_operator_policy_leader{{namespace="{env.namespace}",policy="metered"}} 1.0'
 
+    def scrape() -> str:
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
+            return str(resp.read().decode())
 
-def test_operator_role_suffices(env: OperatorEnv) -> None:
-    """Everything above ran as the operator's own user under the chart's ClusterRole."""
-    denials = env.kube.audit_denials(env.kube.operator_user)
-    assert denials == [], [(d["verb"], d["requestURI"]) for d in denials]
+    version = (
+        f'kuberefit_operator_committed_version{{namespace="{env.namespace}",policy="metered"}} 0.0'
+    )
+    wait_for("leader and version gauges", lambda: leader in (text := scrape()) and version in text)
 
 
 def _maybe(env: OperatorEnv, plural: str, name: str) -> dict | None:  # type: ignore[type-arg]

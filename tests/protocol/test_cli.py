@@ -17,7 +17,14 @@ from refit_protocol import cli
 
 def test_full_install_lists_every_package_command() -> None:
     main = cli.build()
-    assert set(main.commands) == {"bench", "coordinator", "demo", "producer", "receiver"}
+    assert set(main.commands) == {
+        "bench",
+        "coordinator",
+        "demo",
+        "operator",
+        "producer",
+        "receiver",
+    }
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0
     assert "kuberefit" in result.output

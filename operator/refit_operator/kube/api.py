@@ -2,7 +2,7 @@
 
 The official client is synchronous; each call runs in a worker thread so the operator's event
 loop (kopf's) never blocks. Everything the operator writes goes through here, so this file is
-also the list its RBAC role must grant (`charts/kuberefit/files/operator-rules.yaml`).
+also the list its RBAC role must grant (`charts/kuberefit/files/operator-clusterrole.yaml`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ from refit_operator.kube.names import (
     COMPONENT,
     GROUP,
     POLICIES,
+    TOKEN_LABEL,
     TRANSITIONS,
     VERSION,
 )
 
 Obj = dict[str, Any]
+#: (connect, read) seconds of every call: a half-open connection must not hang a policy loop.
+REQUEST_TIMEOUT_S = (5.0, 30.0)
 
 
 def now_iso() -> str:
@@ -43,6 +46,10 @@ def object_ref(obj: Obj) -> Obj:
 
 class NotFoundError(LookupError):
     """The object does not exist (HTTP 404)."""
+
+
+class SecretRefusedError(ValueError):
+    """The token Secret exists but cannot be used (unmarked, key missing or empty)."""
 
 
 class ConflictError(RuntimeError):
@@ -74,6 +81,7 @@ class KubeApi:
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         from kubernetes.client.rest import ApiException
 
+        kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT_S)
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)
         except ApiException as exc:
@@ -84,12 +92,6 @@ class KubeApi:
             raise
 
     # -- RefitPolicy ------------------------------------------------------------------------
-    async def get_policy(self, namespace: str, name: str) -> Obj:
-        obj: Obj = await self._run(
-            self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, POLICIES, name
-        )
-        return obj
-
     async def patch_policy_status(self, namespace: str, name: str, status: Obj) -> None:
         await self._run(
             self.custom.patch_namespaced_custom_object_status,
@@ -160,12 +162,25 @@ class KubeApi:
 
     # -- Secrets and Events -----------------------------------------------------------------
     async def read_secret_key(self, namespace: str, name: str, key: str) -> str:
-        """The decoded value of `key` in Secret `name` (KeyError if the key is absent)."""
+        """The decoded value of `key` in Secret `name`.
+
+        Only a Secret labelled `kuberefit.io/token: "true"` is read: the operator sends the
+        value to the policy's pods, so whoever may create a RefitPolicy must not be able to
+        point it at any Secret of the namespace. SecretRefusedError otherwise."""
         secret = await self._run(self.core.read_namespaced_secret, name, namespace)
+        labels = secret.metadata.labels or {}
+        if labels.get(TOKEN_LABEL) != "true":
+            raise SecretRefusedError(
+                f"Secret {namespace}/{name} lacks the label {TOKEN_LABEL}=true that marks it "
+                f"for KubeRefit (kubectl label secret {name} {TOKEN_LABEL}=true)"
+            )
         data = secret.data or {}
         if key not in data:
-            raise KeyError(f"Secret {namespace}/{name} has no key {key!r}")
-        return base64.b64decode(data[key]).decode().strip()
+            raise SecretRefusedError(f"Secret {namespace}/{name} has no key {key!r}")
+        value = base64.b64decode(data[key]).decode().strip()
+        if not value:
+            raise SecretRefusedError(f"key {key!r} of Secret {namespace}/{name} is empty")
+        return value
 
     async def post_event(
         self, involved: Obj, reason: str, message: str, *, warning: bool = False

@@ -21,7 +21,7 @@ from typing import Any
 import kopf
 import structlog
 
-from refit_operator.discovery import pod_view
+from refit_operator.discovery import pod_problem, pod_view
 from refit_operator.kube.api import KubeApi, object_ref
 from refit_operator.kube.names import (
     FINALIZER,
@@ -45,7 +45,6 @@ class Memo:
     api: KubeApi
     settings: RunnerSettings
     warned_pods: set[tuple[str, str]] = field(default_factory=set)
-    ready: bool = False
 
 
 @kopf.on.startup(registry=registry)
@@ -58,7 +57,6 @@ def configure(settings: kopf.OperatorSettings, memo: Memo, **_: Any) -> None:
     settings.scanning.disabled = True
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = "kuberefit-operator"
-    memo.ready = True
 
 
 @kopf.index("pods", annotations={POLICY: kopf.PRESENT}, registry=registry)
@@ -111,23 +109,26 @@ async def pod_policy_exists(
     policy_names: kopf.Index[tuple[str, str], bool],
     **_: Any,
 ) -> None:
+    """One Warning Event for an annotated pod that cannot take part: it names a policy that
+    does not exist, or a role other than trainer or rollout."""
     view = pod_view(body)
-    if view is None or type == "DELETED":
+    if view is None:
         return
     key = (view.uid, view.policy)
-    if (view.namespace, view.policy) in policy_names:
+    if type == "DELETED":
+        memo.warned_pods.discard(key)
+        return
+    problem = pod_problem(view, (view.namespace, view.policy) in policy_names)
+    if problem is None:
         memo.warned_pods.discard(key)
         return
     if key in memo.warned_pods:
         return
     memo.warned_pods.add(key)
-    log.warning("pod.unknown_policy", pod=view.name, policy=view.policy)
+    reason, message = problem
+    log.warning("pod.ignored", pod=view.name, policy=view.policy, reason=reason)
     await memo.api.post_event(
-        object_ref({**body, "apiVersion": "v1", "kind": "Pod"}),
-        "PolicyNotFound",
-        f"annotation {POLICY}={view.policy} names no RefitPolicy in namespace "
-        f"{view.namespace}; this pod takes no part in any refit",
-        warning=True,
+        object_ref({**body, "apiVersion": "v1", "kind": "Pod"}), reason, message, warning=True
     )
 
 

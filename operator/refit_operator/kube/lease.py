@@ -11,6 +11,7 @@ expired: its next compare-and-set fails and it backs off.
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any
 
 import structlog
@@ -25,7 +26,14 @@ def lease_name(policy: str) -> str:
 
 
 class PolicyLease:
-    """The Lease of one policy, held by `identity` while it renews in time."""
+    """The Lease of one policy, held by `identity` while it renews in time.
+
+    Expiry is judged as client-go does: by how long this process has seen the Lease unchanged
+    (holder, renew time, resourceVersion) on its own monotonic clock, never by comparing its
+    clock with the holder's. And `held` lapses by itself two thirds of a duration after the
+    last successful renewal, before any other replica can take the Lease: an operator whose
+    renewals hang (a half-open connection) stops coordinating on time.
+    """
 
     def __init__(
         self, api: KubeApi, namespace: str, policy: str, identity: str, duration_s: int = 15
@@ -35,11 +43,23 @@ class PolicyLease:
         self.name = lease_name(policy)
         self.identity = identity
         self.duration_s = duration_s
-        self.held = False
         self.holder = ""
+        self._renewed_at: float | None = None
+        self._seen: tuple[str, str, str] | None = None
+        self._seen_at = 0.0
+
+    @property
+    def held(self) -> bool:
+        renewed = self._renewed_at
+        return renewed is not None and time.monotonic() - renewed < self.duration_s * 2 / 3
+
+    def lost(self) -> None:
+        """Stop holding at once (e.g. the renewal failed)."""
+        self._set(False, self.holder)
 
     async def acquire_or_renew(self) -> bool:
         """Take or renew the Lease; True while this identity holds it."""
+        started = time.monotonic()
         now = dt.datetime.now(dt.UTC)
         spec = {
             "holderIdentity": self.identity,
@@ -54,9 +74,9 @@ class PolicyLease:
                 await self.api.create_lease(self.namespace, body)
             except ConflictError:
                 return self._set(False, "")
-            return self._set(True, self.identity)
+            return self._set(True, self.identity, started)
         holder = lease.spec.holder_identity or ""
-        if holder != self.identity and not _expired(lease, now):
+        if holder != self.identity and not self._expired(lease, holder):
             return self._set(False, holder)
         transitions = int(lease.spec.lease_transitions or 0) + (holder != self.identity)
         acquired = lease.spec.acquire_time if holder == self.identity else now
@@ -75,22 +95,24 @@ class PolicyLease:
             await self.api.replace_lease(self.namespace, self.name, body)
         except (ConflictError, NotFoundError):
             return self._set(False, holder)
-        return self._set(True, self.identity)
+        return self._set(True, self.identity, started)
 
-    def _set(self, held: bool, holder: str) -> bool:
+    def _expired(self, lease: Any, holder: str) -> bool:
+        """True once this process has seen the Lease unchanged for a whole duration."""
+        seen = (holder, str(lease.spec.renew_time), str(lease.metadata.resource_version))
+        now = time.monotonic()
+        if seen != self._seen:
+            self._seen, self._seen_at = seen, now
+            return not holder
+        duration = int(lease.spec.lease_duration_seconds or self.duration_s)
+        return now - self._seen_at > duration
+
+    def _set(self, held: bool, holder: str, renewed_at: float | None = None) -> bool:
         if held != self.held:
             log.info("lease.changed", lease=self.name, held=held, holder=holder or None)
-        self.held, self.holder = held, holder
+        self._renewed_at = renewed_at if held else None
+        self.holder = holder
         return held
-
-
-def _expired(lease: Any, now: dt.datetime) -> bool:
-    renew = lease.spec.renew_time or lease.spec.acquire_time
-    if renew is None:
-        return True
-    if renew.tzinfo is None:
-        renew = renew.replace(tzinfo=dt.UTC)
-    return bool(now > renew + dt.timedelta(seconds=int(lease.spec.lease_duration_seconds or 0)))
 
 
 def _micro(t: dt.datetime) -> str:

@@ -8,6 +8,8 @@ POLICIES, TRANSITIONS, POLICY_VERSIONS = "refitpolicies", "refittransitions", "p
 
 #: Pod opt-in: `kuberefit.io/inject: trainer|rollout` and `kuberefit.io/policy: <RefitPolicy>`.
 INJECT, POLICY = "kuberefit.io/inject", "kuberefit.io/policy"
+#: The label that marks a Secret as a KubeRefit token (the operator reads no other Secret).
+TOKEN_LABEL = "kuberefit.io/token"  # noqa: S105 - a label key, not a secret
 #: RefitPolicy annotation that clears an abort (any value); the operator removes it after.
 CLEAR_ABORT = "kuberefit.io/clear-abort"
 #: kopf's own bookkeeping, kept under our prefix so it does not change with kopf's version.

@@ -77,6 +77,9 @@ def _rank(rank: int, port: int, out: str) -> None:
         full = {k: v.full_tensor() for k, v in sd.items()}  # a collective: both ranks
         if rank == 0:
             save_file(full, os.path.join(out, "full.safetensors"))
+        # Both ranks leave together: a rank that tears gloo down while its peer still uses the
+        # group makes the peer abort ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

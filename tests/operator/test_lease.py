@@ -1,0 +1,57 @@
+"""Per-policy Leases on the real API server: one holder at a time, expiry judged on the
+observer's own clock (as client-go does), a holder whose renewals stop stops holding before
+anyone else may take over, and a restarted holder (same identity) takes its Lease back at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+from kubernetes import client
+
+from refit_operator.kube.api import KubeApi
+from refit_operator.kube.lease import PolicyLease
+from tests.harness.kube import KubeCluster
+
+
+@pytest.fixture
+def api(kube: KubeCluster) -> KubeApi:
+    return KubeApi(kube.api_client())
+
+
+@pytest.fixture
+def namespace(api: KubeApi) -> str:
+    name = f"lease-{uuid.uuid4().hex[:8]}"
+    client.CoreV1Api(api.api_client).create_namespace({"metadata": {"name": name}})
+    return name
+
+
+async def test_one_holder_expiry_and_restart(api: KubeApi, namespace: str) -> None:
+    a = PolicyLease(api, namespace, "p", "op-a", duration_s=3)
+    b = PolicyLease(api, namespace, "p", "op-b", duration_s=3)
+    assert await a.acquire_or_renew()
+    assert a.held
+    assert not await b.acquire_or_renew()
+    assert b.holder == "op-a"
+    # While op-a renews, op-b never takes over, however long it watches.
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 4:
+        assert await a.acquire_or_renew()
+        assert not await b.acquire_or_renew()
+        await asyncio.sleep(0.5)
+    # op-a stops renewing (frozen): it stops holding after 2/3 of the duration on its own
+    # clock, before op-b may take over (a whole unchanged duration on op-b's clock).
+    t0 = time.monotonic()
+    while await b.acquire_or_renew() is False:
+        await asyncio.sleep(0.2)
+    taken_after = time.monotonic() - t0
+    assert not a.held
+    assert 2.5 < taken_after < 5, taken_after
+    # A restarted op-b (new process, same identity) takes its Lease back at once.
+    again = PolicyLease(api, namespace, "p", "op-b", duration_s=3)
+    assert await again.acquire_or_renew()
+    lease = await api.read_lease(namespace, "kuberefit-p")
+    assert lease.spec.holder_identity == "op-b"
+    assert lease.spec.lease_transitions == 1
