@@ -524,7 +524,8 @@ def test_operator_journey(world: World) -> None:
     assert not [
         e
         for e in log_events(standby)
-        if e.get("event") == "transition.done" and e.get("version") == 9
+        if e.get("event") == "transition.done"
+        and (e.get("outcome"), e.get("version")) == ("committed", 9)
     ]
     assert "Conflict" in w.events(alpha, 9)  # op-b said why it stopped, and wrote nothing else
     # The operators' own identity never needed more than its ClusterRole.

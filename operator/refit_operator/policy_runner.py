@@ -279,7 +279,7 @@ class PolicyRunner:
         await self._write_status(obj, self._observed(spec, found, state))
         try:
             result = await self._run_while_leader(
-                self.coordinator.run_transition(frozenset(membership.incompatible))
+                self.coordinator.run_transition(frozenset(membership.incompatible)), kv.version
             )
         except asyncio.CancelledError:
             raise
@@ -311,7 +311,9 @@ class PolicyRunner:
         elif result.outcome == "rejected":
             await self._sleep(spec.rejected_backoff_seconds)
 
-    async def _run_while_leader(self, work: Awaitable[TransitionResult]) -> TransitionResult:
+    async def _run_while_leader(
+        self, work: Awaitable[TransitionResult], version: int
+    ) -> TransitionResult:
         """Await `work`, cancelling it if this operator stops holding the Lease: another one
         may coordinate now, and its newer epoch fences this one's writes anyway."""
         task = asyncio.ensure_future(work)
@@ -325,7 +327,7 @@ class PolicyRunner:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
                     return TransitionResult(
-                        "conflict", 0, 0, message="lease lost", reason="LeaseLost"
+                        "conflict", version, 0, message="lease lost", reason="LeaseLost"
                     )
         finally:
             if not task.done():

@@ -2,11 +2,12 @@
 
 - `settings`: kopf's own bookkeeping under `kuberefit.io/` (storage and finalizer), no
   cluster scanning (the resources are fixed), and no posting of handler log lines as Events.
-- `policy_pods`: an in-memory index of annotated pods by (namespace, policy). kopf writes
-  nothing to pods for an index.
+- `policy_pods`, `policy_names`: in-memory indices of annotated pods by (namespace, policy)
+  and of the RefitPolicies. kopf writes nothing to pods for an index.
 - `coordinate`: a daemon per RefitPolicy running its `PolicyRunner`; kopf stops it when the
   policy is deleted and then removes its finalizer.
-- `pod_policy_exists`: a pod that names a policy that does not exist gets one Event.
+- `pod_policy_exists`: an annotated pod that cannot take part (its policy does not exist, or
+  its role is neither trainer nor rollout) gets one Warning Event.
 
 Nothing here watches PolicyVersions: only the commit store writes them, with its own
 compare-and-set, and kopf's annotations would break it.
