@@ -14,8 +14,9 @@ pod index), and then, if this operator holds the policy's Lease:
    mode (Algorithm B.2), and its RefitTransition continues;
 5. writes the RefitPolicy status when it changed.
 
-A coordinator fenced by a newer epoch (outcome `conflict`) drops its coordinator and goes back
-to waiting for the Lease. Nothing here touches payload bytes.
+A coordinator fenced by a newer epoch, or whose Lease lapsed mid-transition (outcome
+`conflict`), writes nothing more (one Event), drops its coordinator and goes back to waiting
+for the Lease. Nothing here touches payload bytes.
 """
 
 from __future__ import annotations
@@ -293,22 +294,19 @@ class PolicyRunner:
             self._current = ""
             self._recorder = None
             await recorder.close()
-        if result.outcome == "failed":
-            # Not finished by this coordinator: drop it, so the next pass acquires the record
-            # again and recovers or takes over the attempt (as after a restart).
-            await recorder.finish(result, None)
-            self._last = (recorder.name, "failed", result.message)
+        await recorder.finish(result, None if result.outcome == "failed" else result.receivers)
+        self._record(result, recorder.name)
+        if result.outcome in ("failed", "conflict"):
+            # Not finished by this coordinator: a newer one fenced it (it writes nothing more),
+            # or it failed (the next pass acquires the record again and recovers or takes the
+            # attempt over, as after a restart).
             self._drop_coordinator(result.message)
             return
-        await recorder.finish(result, result.receivers)
-        self._record(result, recorder.name)
         after = await self._record_state(fresh=True)
         metrics.COMMITTED_VERSION.labels(**self.labels).set(after.record.version)
         await self._write_status(obj, self._observed(spec, discover(self.pods(), spec), after))
         await self._prune(spec)
-        if result.outcome == "conflict":
-            self._drop_coordinator(result.message)
-        elif result.outcome == "rejected":
+        if result.outcome == "rejected":
             await self._sleep(spec.rejected_backoff_seconds)
 
     async def _run_while_leader(
