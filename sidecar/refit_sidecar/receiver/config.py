@@ -19,7 +19,8 @@ class ApplierConfig(BaseModel):
     kind: Literal["inprocess", "vllm", "factory"] = Field(
         default="vllm",
         description="inprocess: `factory` returns a torch module with load_weights (local mode, "
-        "tests); vllm: the vLLM server's /collective_rpc; factory: `factory` returns an Applier.",
+        "tests); vllm: the vLLM server's refit control path; factory: `factory` returns an "
+        "Applier.",
     )
     factory: str = Field(
         default="", description="'module:callable' for kinds inprocess and factory."
@@ -31,7 +32,11 @@ class ApplierConfig(BaseModel):
     vllm_url: str = Field(
         default="http://127.0.0.1:8000", description="vllm: base URL of the OpenAI server."
     )
-    vllm_api_key: SecretStr | None = Field(default=None, description="vllm: its --api-key.")
+    control_token: SecretStr | None = Field(
+        default=None,
+        description="vllm: bearer token of the refit control path in the server "
+        "(`refit_sidecar.vllm.control_path`); default: this receiver's own token.",
+    )
     shm_dir: Path = Field(
         default=Path("/dev/shm/kuberefit"),
         description="vllm: shared-memory directory the workers read staged payload files from.",

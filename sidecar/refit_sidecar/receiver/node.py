@@ -7,6 +7,7 @@ import signal
 
 import structlog
 from aiohttp import web
+from pydantic import SecretStr
 
 from refit_protocol.auth import endpoint_host, require_token_or_loopback, resolve_token
 from refit_sidecar.receiver import appliers
@@ -37,6 +38,16 @@ class ReceiverNode:
             log.warning("receiver.no_token", node=config.node, hosts=hosts)
         self.metrics = ReceiverMetrics()
         fetcher = S3Fetcher(config.s3) if config.s3 is not None else None
+        if applier is None and config.applier.control_token is None and self.token:
+            # The vLLM server in this pod checks the pod's token on its refit control path.
+            config = config.model_copy(
+                update={
+                    "applier": config.applier.model_copy(
+                        update={"control_token": SecretStr(self.token)}
+                    )
+                }
+            )
+            self.config = config
         self.applier = applier if applier is not None else appliers.make(config.applier)
         self.core = ReceiverCore(config, self.applier, metrics=self.metrics, fetcher=fetcher)
         self.relay: RelayNode | None = None

@@ -1,9 +1,10 @@
 """A local rollout node: a vLLM OpenAI server with the worker extension, and its receiver.
 
-Both are real processes: `python -m vllm.entrypoints.openai.api_server` (dev mode, so it answers
-/collective_rpc, /pause and /resume) and `python -m refit_sidecar.receiver` (control plane,
-relay-tree node, applier that reaches the server's /collective_rpc with payload files on
-/dev/shm). Killing the node kills both, as losing a pod would.
+Both are real processes: `python -m vllm.entrypoints.openai.api_server` with the refit control
+path loaded through `--middleware` (`refit_sidecar.vllm.control_path`: the refit worker methods,
+pause and resume, for a loopback peer with the node's token; never vLLM's development mode) and
+`python -m refit_sidecar.receiver` (control plane, relay-tree node, applier that reaches that path
+with payload files on /dev/shm). Killing the node kills both, as losing a pod would.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from refit_sidecar.vllm.control_path import MIDDLEWARE_QUALNAME
+from refit_sidecar.vllm.control_path import PREFIX as CONTROL_PREFIX
 from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
 from refit_sidecar.vllm.worker_extension import EXTENSION_QUALNAME
 from refit_tools.local.procs import ManagedProcess, free_ports
@@ -28,11 +31,12 @@ def _get_ok(url: str) -> bool:
         return bool(resp.status == 200)
 
 
-def vllm_rpc(base_url: str, method: str, *args: Any, timeout: float = 600) -> list[Any]:
-    """POST /collective_rpc on a local vLLM server; returns one result per worker."""
+def vllm_rpc(base_url: str, token: str, method: str, *args: Any, timeout: float = 600) -> list[Any]:
+    """A refit worker method on every worker of a local vLLM server, through its control path."""
     body = json.dumps({"method": method, "args": list(args), "timeout": timeout}).encode()
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
     req = urllib.request.Request(  # noqa: S310 - loopback only
-        base_url + "/collective_rpc", data=body, headers={"Content-Type": "application/json"}
+        f"{base_url}{CONTROL_PREFIX}/rpc", data=body, headers=headers
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback only
         out = json.loads(resp.read())
@@ -82,7 +86,8 @@ class LocalNode:
         # Fresh ports per start: the dead generation's ports may have been reused meanwhile.
         # The coordinator passes the current relay endpoints with every prepare.
         self.vllm_port, self.http_port, self.relay_port = ports or free_ports(3)
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", KUBEREFIT_TOKEN=self.token)
+        env.pop("VLLM_SERVER_DEV_MODE", None)
         env[ENV_SWITCH] = "1"
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.vllm = ManagedProcess(
@@ -105,6 +110,8 @@ class LocalNode:
                 "256",
                 "--worker-extension-cls",
                 EXTENSION_QUALNAME,
+                "--middleware",
+                MIDDLEWARE_QUALNAME,
             ],
             self.workdir / f"{self.name}-vllm-{self.generation}.log",
             env=env,
@@ -167,7 +174,7 @@ class LocalNode:
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
     def rpc(self, method: str, *args: Any) -> list[Any]:
-        return vllm_rpc(self.vllm_url, method, *args)
+        return vllm_rpc(self.vllm_url, self.token, method, *args)
 
 
 def _shm_root() -> Path:

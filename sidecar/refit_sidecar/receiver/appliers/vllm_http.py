@@ -1,12 +1,14 @@
 """The vLLM applier: a vLLM OpenAI server in the same pod, started with
 `--worker-extension-cls refit_sidecar.vllm.worker_extension.RefitWorkerExtension`.
 
-Every call is `POST /collective_rpc` (which vLLM serves only in its development mode; a guarded
-control path is to replace it) with JSON arguments (tensors cannot travel there): prewarm
-sends canonical metadata as lists; each payload, decoded once by the receiver, is written to a
-decoded payload file on the shared-memory volume (`codec.decoded_file`) and applied with
-`refit_apply(path, check_samples)` on every worker, which only reads it. The request gate is
-vLLM's own `/pause` (mode=wait: in-flight requests finish first) and `/resume`.
+Every call goes to the refit control path the server loads with `--middleware
+refit_sidecar.vllm.control_path.RefitControlMiddleware` (loopback peer and the pod's token;
+never vLLM's development mode): `POST /kuberefit/v1/rpc` runs one of the worker extension's refit
+methods with JSON arguments (tensors cannot travel there): prewarm sends canonical metadata as
+lists; each payload, decoded once by the receiver, is written to a decoded payload file on the
+shared-memory volume (`codec.decoded_file`) and applied with `refit_apply(path, check_samples)`
+on every worker, which only reads it. The request gate is the engine's own pause
+(`/kuberefit/v1/pause?mode=wait`: in-flight requests finish first) and resume.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
 from refit_sidecar.receiver.config import ApplierConfig
+from refit_sidecar.vllm.control_path import PREFIX as CONTROL_PREFIX
 from refit_sidecar.vllm.rpc_args import metas_to_wire
 
 
@@ -39,10 +42,10 @@ class VllmHttpApplier:
         self.shm_dir = config.shm_dir
         self.shm_dir.mkdir(parents=True, exist_ok=True)
         self._http = urllib3.PoolManager(maxsize=4, retries=False)
-        key = config.vllm_api_key.get_secret_value() if config.vllm_api_key else ""
+        token = config.control_token.get_secret_value() if config.control_token else ""
         self._headers = {"Content-Type": "application/json"}
-        if key:
-            self._headers["Authorization"] = f"Bearer {key}"
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
 
     # -- HTTP --------------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any] | None = None, **query: str) -> Any:
@@ -62,7 +65,7 @@ class VllmHttpApplier:
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         out = self._post(
-            "/collective_rpc",
+            f"{CONTROL_PREFIX}/rpc",
             {"method": method, "args": list(args), "timeout": self.config.rpc_timeout_s},
         )
         results = out.get("results") if isinstance(out, dict) else None
@@ -122,9 +125,9 @@ class VllmHttpApplier:
 
     def gate(self, closed: bool) -> None:
         if closed:
-            self._post("/pause", mode=self.config.pause_mode)
+            self._post(f"{CONTROL_PREFIX}/pause", mode=self.config.pause_mode)
         else:
-            self._post("/resume")
+            self._post(f"{CONTROL_PREFIX}/resume")
 
     def restore(self, source: str) -> set[str]:
         """The workers read the checkpoint themselves (`refit_dense_load`, vLLM's loader);

@@ -1,0 +1,179 @@
+"""The refit control path inside vLLM's OpenAI server, without its development mode.
+
+vLLM serves `/collective_rpc`, `/pause` and `/resume` only with `VLLM_SERVER_DEV_MODE=1`; those
+routes run any worker method and `--api-key` does not cover them. Instead the rollout pod
+starts vLLM with
+
+    --middleware refit_sidecar.vllm.control_path.RefitControlMiddleware
+
+and this ASGI middleware answers exactly three requests under `/kuberefit/v1/`, from a loopback
+peer (the sidecar in the same pod) carrying the pod's bearer token (`$KUBEREFIT_TOKEN` or the
+file `$KUBEREFIT_TOKEN_FILE`):
+
+- `POST /kuberefit/v1/rpc {"method", "args", "timeout"}`: the engine's `collective_rpc` for the
+  refit worker methods in `ALLOWED` only (prewarm, apply, dense load, fingerprint);
+- `POST /kuberefit/v1/pause?mode=wait|abort|keep` and `POST /kuberefit/v1/resume`: the
+  engine's own pause and resume (the request gate).
+
+Everything else under the prefix is refused with a JSON error; every other path goes to vLLM
+untouched. Without a configured token the path refuses everything (fail closed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+from refit_protocol.auth import bearer_ok, is_loopback_host, resolve_token
+
+PREFIX = "/kuberefit/v1"
+#: What `vllm ... --middleware` takes.
+MIDDLEWARE_QUALNAME = "refit_sidecar.vllm.control_path.RefitControlMiddleware"
+#: The worker extension's methods the control path runs; nothing else reaches a worker.
+ALLOWED = frozenset({"refit_prewarm", "refit_apply", "refit_dense_load", "refit_fingerprint"})
+PAUSE_MODES = frozenset({"wait", "abort", "keep"})
+#: Requests carry metadata and file paths, never tensors.
+MAX_BODY_BYTES = 8 << 20
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class _RefusedError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def pod_token() -> str | None:
+    """The pod's token, as every sidecar resolves it ($KUBEREFIT_TOKEN_FILE, $KUBEREFIT_TOKEN)."""
+    path = os.environ.get("KUBEREFIT_TOKEN_FILE")
+    return resolve_token(None, Path(path) if path else None)
+
+
+class RefitControlMiddleware:
+    """ASGI middleware serving the refit control path (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, token: str | None = None) -> None:
+        self.app = app
+        self.token = token if token is not None else pod_token()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http" or not str(scope.get("path", "")).startswith(PREFIX):
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._admit(scope)
+            body = await _read_body(receive, _content_length(scope))
+            status, answer = 200, await self._dispatch(scope, body)
+        except _RefusedError as exc:
+            status, answer = exc.status, {"error": str(exc)}
+        except Exception as exc:  # the engine failed: say what, never a traceback
+            status, answer = 500, {"error": f"{type(exc).__name__}: {exc}"}
+        await _respond(send, status, answer)
+
+    def _admit(self, scope: Scope) -> None:
+        client = scope.get("client") or ("", 0)
+        if not is_loopback_host(str(client[0])):
+            raise _RefusedError(403, "the refit control path answers loopback peers only")
+        if not self.token:
+            raise _RefusedError(
+                503, "no token configured ($KUBEREFIT_TOKEN or $KUBEREFIT_TOKEN_FILE)"
+            )
+        if not bearer_ok(self.token, _header(scope, b"authorization")):
+            raise _RefusedError(401, "missing or invalid bearer token")
+        if scope.get("method") != "POST":
+            raise _RefusedError(405, "only POST")
+
+    async def _dispatch(self, scope: Scope, body: bytes) -> dict[str, Any]:
+        path = str(scope["path"])[len(PREFIX) :]
+        if path == "/rpc":
+            method, args, timeout = _rpc_request(body)  # checked before the engine is touched
+            results = await _engine(scope).collective_rpc(method=method, timeout=timeout, args=args)
+            return {"results": [_plain(r) for r in results or []]}
+        if path == "/pause":
+            query = parse_qs(scope.get("query_string", b"").decode())
+            mode = (query.get("mode") or ["wait"])[0]
+            if mode not in PAUSE_MODES:
+                raise _RefusedError(400, f"mode must be one of {sorted(PAUSE_MODES)}, not {mode!r}")
+            await _engine(scope).pause_generation(mode=mode)
+            return {"status": "paused"}
+        if path == "/resume":
+            await _engine(scope).resume_generation()
+            return {"status": "resumed"}
+        raise _RefusedError(404, f"no such refit operation: {path or '/'}")
+
+
+def _engine(scope: Scope) -> Any:
+    """vLLM's engine client (the server keeps it on the app's state)."""
+    return scope["app"].state.engine_client
+
+
+def _rpc_request(body: bytes) -> tuple[str, tuple[Any, ...], float | None]:
+    try:
+        req = json.loads(body or b"{}")
+    except ValueError as exc:
+        raise _RefusedError(400, f"body is not JSON: {exc}") from exc
+    if not isinstance(req, dict):
+        raise _RefusedError(400, "body must be a JSON object")
+    method, args, timeout = req.get("method"), req.get("args", []), req.get("timeout")
+    if method not in ALLOWED:
+        raise _RefusedError(403, f"method {method!r} is not a refit operation ({sorted(ALLOWED)})")
+    if not isinstance(args, list):
+        raise _RefusedError(400, "args must be a list")
+    if timeout is not None and not isinstance(timeout, int | float):
+        raise _RefusedError(400, "timeout must be a number")
+    return str(method), tuple(args), None if timeout is None else float(timeout)
+
+
+def _plain(result: Any) -> Any:
+    return result if result is None or isinstance(result, dict | list) else str(result)
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope.get("headers") or []:
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return ""
+
+
+def _content_length(scope: Scope) -> int | None:
+    raw = _header(scope, b"content-length")
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise _RefusedError(400, "bad Content-Length")
+    return int(raw)
+
+
+async def _read_body(receive: Receive, declared: int | None) -> bytes:
+    """The request body, refused before reading past MAX_BODY_BYTES."""
+    if declared is not None and declared > MAX_BODY_BYTES:
+        raise _RefusedError(413, f"body of {declared} bytes exceeds {MAX_BODY_BYTES}")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message.get("type") != "http.request":
+            break
+        chunk = bytes(message.get("body") or b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _RefusedError(413, f"body exceeds {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+async def _respond(send: Send, status: int, answer: dict[str, Any]) -> None:
+    body = json.dumps(answer).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
