@@ -1,6 +1,6 @@
 """The refit control path inside vLLM's OpenAI server, without its development mode.
 
-vLLM serves `/collective_rpc`, `/pause` and `/resume` only with `VLLM_SERVER_DEV_MODE=1`; those
+vLLM serves `/collective_rpc`, `/pause` and `/resume` only in its development mode; those
 routes run any worker method and `--api-key` does not cover them. Instead the rollout pod
 starts vLLM with
 
