@@ -30,6 +30,7 @@ import pytest
 from refit_protocol.receiver_api import API_PREFIX
 from refit_tools.local.nodes import LocalNode
 from refit_tools.local.procs import ManagedProcess, free_ports
+from refit_tools.local.trainer_pod import LocalTrainerPod
 from refit_tools.tiny_models import write_tiny_model
 
 STEPS = 20
@@ -51,8 +52,9 @@ class Cluster:
         self.progress = root / "progress.jsonl"
         self.nodes = [LocalNode(f"node{i}", root, self.token) for i in range(2)]
         self.reference = LocalNode("reference", root, self.token)
-        self.trainer: ManagedProcess | None = None
-        self.producer: ManagedProcess | None = None
+        self.pod = LocalTrainerPod(
+            "trainer", root, 0, self.token_file, self.ckpt, STEPS, release_dir=self.release
+        )
         self.coordinators: list[ManagedProcess] = []
 
     def start(self) -> None:
@@ -66,43 +68,10 @@ class Cluster:
         for n in self.nodes:
             n.relay_nodes = [m.relay_endpoint for m in self.nodes]
             n.start_receiver(held_version=0)
-        self.trainer_port = ports[-1]
-        sidecar = {
-            "port": self.trainer_port,
-            "token_file": str(self.token_file),
-            "baseline": {"directory": str(self.root / "baseline"), "export_chunk_bytes": 256 << 10},
-            "staging": {
-                "inbox": str(self.root / "inbox"),
-                "candidate_dir": str(self.root / "candidates"),
-                "reference_checkpoint": str(v0),
-            },
-            "transport": {"root": "", "stop_timeout_s": 10},
-        }
-        sidecar_path = self.root / "producer.json"
-        sidecar_path.write_text(json.dumps(sidecar))
-        self.producer = ManagedProcess(
-            "producer",
-            [sys.executable, "-m", "refit_sidecar.producer", "--config", str(sidecar_path)],
-            self.root / "producer.log",
-        ).start(lambda: _get(f"http://127.0.0.1:{self.trainer_port}/healthz"), timeout=120)
-        trainer = {
-            "publisher": {
-                "url": f"http://127.0.0.1:{self.trainer_port}",
-                "inbox": str(self.root / "inbox"),
-                "token_file": str(self.token_file),
-            },
-            "checkpoints": str(self.ckpt),
-            "workdir": str(self.root / "trainer"),
-            "steps": STEPS,
-            "release_dir": str(self.release),
-        }
-        path = self.root / "trainer.json"
-        path.write_text(json.dumps(trainer))
-        self.trainer = ManagedProcess(
-            "trainer",
-            [sys.executable, "-m", "refit_tools.local.trainer_node", "--config", str(path)],
-            self.root / "trainer.log",
-        ).launch()
+        self.pod.port = ports[-1]
+        self.pod.launch_producer()
+        self.pod.wait_producer()
+        self.pod.start_trainer()
 
     def start_coordinator(self) -> ManagedProcess:
         n = len(self.coordinators)
@@ -110,7 +79,7 @@ class Cluster:
             "policy": "failover",
             "name": f"coordinator-{n}",
             "store_path": str(self.root / "commit.db"),
-            "producers": [f"http://127.0.0.1:{self.trainer_port}"],
+            "producers": [self.pod.url],
             "nodes": [
                 {"name": m.name, "url": m.url, "relay_endpoint": m.relay_endpoint}
                 for m in self.nodes
@@ -159,16 +128,9 @@ class Cluster:
     def stop(self) -> None:
         for c in self.coordinators:
             c.stop()
-        for p in (self.trainer, self.producer):
-            if p is not None:
-                p.stop()
+        self.pod.stop()
         for n in [*self.nodes, self.reference]:
             n.stop()
-
-
-def _get(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=2) as resp:
-        return bool(resp.status == 200)
 
 
 def _events(path: Path, seen: int) -> tuple[list[dict[str, Any]], int]:
@@ -192,7 +154,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 def test_twenty_transitions_survive_killed_receivers_and_coordinators(cluster: Cluster) -> None:
     c = cluster
     coordinator = c.start_coordinator()
-    (c.release / "1").touch()
+    c.pod.release(1)
     seen = 0
     receiver_kills: dict[int, str] = {}
     coordinator_kills: list[int] = []
@@ -224,7 +186,7 @@ def test_twenty_transitions_survive_killed_receivers_and_coordinators(cluster: C
                 assert ev["outcome"] == "committed", ev
         for v in range(max(checked, default=0) + 1, c.committed_version() + 1):
             checked[v] = _check_version(c, v)
-            (c.release / str(v + 1)).touch()
+            c.pod.release(v + 1)
         if not events:
             code = coordinator.proc.poll() if coordinator.proc else None
             assert code in (None, 0), f"coordinator exited with {code}"

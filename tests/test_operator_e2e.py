@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -39,6 +38,7 @@ from refit_protocol.producer_api import PRODUCER_PREFIX
 from refit_protocol.receiver_api import API_PREFIX
 from refit_tools.local.nodes import LocalNode
 from refit_tools.local.procs import ManagedProcess, free_ports
+from refit_tools.local.trainer_pod import LocalTrainerPod
 from refit_tools.tiny_models import write_tiny_model
 from tests.harness.kube import KubeCluster
 from tests.harness.operator_env import OperatorEnv, log_events, wait_for
@@ -53,10 +53,18 @@ class Policy:
     name: str
     root: Path
     seed: int
+    token_file: Path
     rollouts: list[LocalNode] = field(default_factory=list)
-    trainer: ManagedProcess | None = None
-    producer: ManagedProcess | None = None
-    producer_port: int = 0
+    pod: LocalTrainerPod = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pod = LocalTrainerPod(
+            self.name, self.root, 0, self.token_file, self.ckpt, 20, self.seed, self.release
+        )
+
+    @property
+    def producer(self) -> ManagedProcess | None:
+        return self.pod.producer
 
     @property
     def ckpt(self) -> Path:
@@ -71,10 +79,10 @@ class World:
     def __init__(self, env: OperatorEnv, root: Path) -> None:
         self.env = env
         self.root = root
-        self.alpha = Policy("alpha", root / "alpha", seed=0)
-        self.beta = Policy("beta", root / "beta", seed=1)
-        self.reference = LocalNode("reference", root, env.token)
         self.token_file = root / "token"
+        self.alpha = Policy("alpha", root / "alpha", 0, self.token_file)
+        self.beta = Policy("beta", root / "beta", 1, self.token_file)
+        self.reference = LocalNode("reference", root, env.token)
         self.operator: ManagedProcess | None = None
 
     # -- start-up -------------------------------------------------------------------------------
@@ -90,9 +98,9 @@ class World:
         for i, node in enumerate([*nodes, self.reference]):
             owner = self.alpha if node in self.alpha.rollouts else self.beta
             node.start_vllm(owner.ckpt / "v0", ports[3 * i : 3 * i + 3])
-        self.alpha.producer_port, self.beta.producer_port = ports[-2:]
+        self.alpha.pod.port, self.beta.pod.port = ports[-2:]
         for p in (self.alpha, self.beta):
-            self._start_producer(p)
+            p.pod.launch_producer()
         for node in [*nodes, self.reference]:
             node.wait_vllm()
         # The sidecars' ports are picked once the servers run: a port picked earlier may have
@@ -109,7 +117,7 @@ class World:
                 f"{p.name}-trainer",
                 "trainer",
                 p.name,
-                {"refit-control": p.producer_port},
+                {"refit-control": p.pod.port},
                 labels={"app": f"{p.name}-trainer"},
             )
         # A pod of alpha's policy that its rollout selector leaves out: never a member.
@@ -117,7 +125,8 @@ class World:
             "alpha-canary", "rollout", "alpha", {"refit-control": 1}, labels={"app": "canary"}
         )
         for p in (self.alpha, self.beta):
-            self._start_trainer(p)
+            p.pod.wait_producer()
+            p.pod.start_trainer()
 
     def _rollout_pod(self, p: Policy, node: LocalNode) -> str:
         return self.env.create_pod(
@@ -127,51 +136,6 @@ class World:
             {"refit-control": node.http_port, "refit-relay": node.relay_port},
             labels={"app": f"{p.name}-rollout"},
         )
-
-    def _start_producer(self, p: Policy) -> None:
-        config = {
-            "port": p.producer_port,
-            "token_file": str(self.token_file),
-            "baseline": {"directory": str(p.root / "baseline"), "export_chunk_bytes": 256 << 10},
-            "staging": {
-                "inbox": str(p.root / "inbox"),
-                "candidate_dir": str(p.root / "candidates"),
-                "reference_checkpoint": str(p.ckpt / "v0"),
-            },
-            "transport": {"root": "", "stop_timeout_s": 10},
-        }
-        path = p.root / "producer.json"
-        path.write_text(json.dumps(config))
-        p.producer = ManagedProcess(
-            f"{p.name}-producer",
-            [sys.executable, "-m", "refit_sidecar.producer", "--config", str(path)],
-            p.root / "producer.log",
-        ).launch()
-
-    def _start_trainer(self, p: Policy) -> None:
-        assert p.producer is not None
-        p.producer.wait_ready(
-            lambda: _ok(f"http://127.0.0.1:{p.producer_port}/healthz"), timeout=120
-        )
-        config = {
-            "publisher": {
-                "url": f"http://127.0.0.1:{p.producer_port}",
-                "inbox": str(p.root / "inbox"),
-                "token_file": str(self.token_file),
-            },
-            "checkpoints": str(p.ckpt),
-            "workdir": str(p.root / "trainer"),
-            "steps": 20,
-            "seed": p.seed,
-            "release_dir": str(p.release),
-        }
-        path = p.root / "trainer.json"
-        path.write_text(json.dumps(config))
-        p.trainer = ManagedProcess(
-            f"{p.name}-trainer",
-            [sys.executable, "-m", "refit_tools.local.trainer_node", "--config", str(path)],
-            p.root / "trainer.log",
-        ).launch()
 
     def policy_spec(self, p: Policy, **extra: Any) -> dict[str, Any]:
         return {
@@ -193,9 +157,7 @@ class World:
     def stop(self) -> None:
         self.env.stop()
         for p in (self.alpha, self.beta):
-            for proc in (p.trainer, p.producer):
-                if proc is not None:
-                    proc.stop()
+            p.pod.stop()
             for node in p.rollouts:
                 node.stop()
         self.reference.stop()
@@ -216,9 +178,7 @@ class World:
         return _get_json(node.url + f"{API_PREFIX}/status", self.env.token)
 
     def producer(self, p: Policy) -> dict[str, Any]:
-        return _get_json(
-            f"http://127.0.0.1:{p.producer_port}{PRODUCER_PREFIX}/status", self.env.token
-        )
+        return _get_json(f"{p.pod.url}{PRODUCER_PREFIX}/status", self.env.token)
 
     def gate_closed_for(self, node: LocalNode, p: Policy, version: int) -> bool:
         s = self.receiver(node)
@@ -235,7 +195,7 @@ class World:
         return {str(lease.spec.holder_identity) for lease in leases.items}
 
     def release(self, p: Policy, version: int) -> None:
-        (p.release / str(version)).touch()
+        p.pod.release(version)
 
     def commit_and_check(self, p: Policy, version: int, timeout: float = 180) -> None:
         wait_for(f"{p.name} v{version} committed", lambda: self.committed(p) >= version, timeout)
@@ -280,11 +240,6 @@ def _status(url: str, body: bytes, token: str | None) -> int:
             return int(resp.status)
     except urllib.error.HTTPError as exc:
         return int(exc.code)
-
-
-def _ok(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=2) as resp:
-        return bool(resp.status == 200)
 
 
 def _get_json(url: str, token: str) -> dict[str, Any]:

@@ -25,10 +25,9 @@ from refit_operator.commit_store.sqlite import SqliteCommitStore
 from refit_operator.coordinator import Coordinator, CoordinatorConfig, TransitionResult
 from refit_operator.http_membership import HttpMembership, NodeEndpoint
 from refit_operator.ports import TransitionProgress
-from refit_operator.producer_client import HttpProducerClient
+from refit_operator.producer_client import HttpProducerClient, all_staged
 from refit_protocol.auth import resolve_token
 from refit_protocol.commit import CommitRecord
-from refit_protocol.errors import EndpointError
 
 log = structlog.get_logger("kuberefit.coordinator_service")
 
@@ -134,7 +133,7 @@ async def serve(config: CoordinatorServiceConfig) -> int:
             kv = (await store.read()).record
             if config.until_version is not None and kv.version >= config.until_version:
                 return EXIT_DONE
-            if not await _candidates_staged(producers, kv.version + 1):
+            if not await all_staged(producers, kv.version + 1):
                 await asyncio.sleep(config.poll_s)
                 continue
             result = await coordinator.run_transition(frozenset(membership.incompatible))
@@ -145,15 +144,6 @@ async def serve(config: CoordinatorServiceConfig) -> int:
                 return EXIT_ABORTED
             if result.outcome == "conflict":
                 return EXIT_CONFLICT
-
-
-async def _candidates_staged(producers: list[HttpProducerClient], version: int) -> bool:
-    try:
-        statuses = await asyncio.gather(*(p.status() for p in producers))
-    except EndpointError as exc:
-        log.info("producer.not_ready", error=str(exc))
-        return False
-    return all(s.candidate_version == version for s in statuses)
 
 
 def _report(sink: JsonLinesSink, result: TransitionResult) -> None:

@@ -110,6 +110,7 @@ class PolicyRunner:
         self._state: StoreState | None = None
         self._observed_last: Observed | None = None
         self._producer_error = ""
+        self._candidates: dict[int, int | None] = {}  # producer -> staged version, this pass
         self._state_at = 0.0
 
     # -- the loop -------------------------------------------------------------------------------
@@ -178,8 +179,8 @@ class PolicyRunner:
         admitted = active is not None and active.target_version == target and not active.obsolete
         if spec.paused and not admitted:  # an attempt already admitted is finished first
             return
-        if not await self._staged(producers, target, spec.control_timeout_seconds):
-            return
+        if any(v != target for v in self._candidates.values()):
+            return  # not every producer has staged v+1 yet (as its status said this pass)
         await self._transition(obj, spec, found, token, producers)
 
     # -- leadership -----------------------------------------------------------------------------
@@ -402,6 +403,7 @@ class PolicyRunner:
         A producer without a baseline (a restarted sidecar) is told the committed record, so
         the trainer's first export after its restart is checked against the right version."""
         self._producer_error = ""
+        self._candidates = {}
         clients = await self._probe_producers(found, spec, token, record)
         if clients is None:
             return None
@@ -435,6 +437,7 @@ class PolicyRunner:
                 return None
             client = HttpProducerClient(status.producer, pod.url, token=token, session=self.session)
             clients[status.producer] = client
+            self._candidates[status.producer] = status.candidate_version
             held = CommitRecord(status.committed_version, status.committed_baseline)
             if not status.baseline_ready and held != record:
                 try:
@@ -446,17 +449,6 @@ class PolicyRunner:
                     return None
                 log.info("producer.told_committed", pod=pod.name, version=record.version)
         return clients
-
-    @staticmethod
-    async def _staged(producers: list[HttpProducerClient], version: int, timeout_s: float) -> bool:
-        try:
-            statuses = await asyncio.gather(
-                *(asyncio.wait_for(p.status(), timeout_s) for p in producers)
-            )
-        except (EndpointError, TimeoutError) as exc:
-            log.info("producer.not_ready", error=str(exc) or type(exc).__name__)
-            return False
-        return all(s.candidate_version == version for s in statuses)
 
     async def _read_token(self, spec: PolicySpec) -> str | None:
         """The policy's token (re-read every TOKEN_REFRESH_S: Secrets rotate)."""

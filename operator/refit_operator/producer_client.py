@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import aiohttp
+import structlog
 from pydantic import BaseModel
 
 from refit_protocol.commit import CommitRecord
@@ -22,6 +25,7 @@ from refit_protocol.producer_api import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+log = structlog.get_logger("kuberefit.producer_client")
 
 
 class _Ack(BaseModel):
@@ -101,3 +105,18 @@ class HttpProducerClient:
         """Tell a producer without a baseline (restarted) which version is committed."""
         req = CommittedRecordRequest(version=record.version, baseline_id=record.baseline_id)
         await self._call("POST", "/committed", req, _Ack)
+
+
+async def all_staged(
+    producers: Sequence[HttpProducerClient], version: int, timeout_s: float | None = None
+) -> bool:
+    """True when every producer has staged `version` (its candidate), the condition for the next
+    transition to start; a producer that does not answer (within `timeout_s`) means not yet."""
+    try:
+        statuses = await asyncio.gather(
+            *(asyncio.wait_for(p.status(), timeout_s) for p in producers)
+        )
+    except (EndpointError, TimeoutError) as exc:
+        log.info("producer.not_ready", error=str(exc) or type(exc).__name__)
+        return False
+    return all(s.candidate_version == version for s in statuses)

@@ -10,7 +10,6 @@ import os
 import secrets
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,7 +17,7 @@ from typing import Any, TypeVar
 import yaml
 
 from tests.harness.kube import KubeCluster
-from tests.harness.procs import ManagedProcess, free_port
+from tests.harness.procs import ManagedProcess, free_port, http_ok
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_ROLE = REPO / "charts" / "kuberefit" / "files" / "operator-clusterrole.yaml"
@@ -226,7 +225,7 @@ class OperatorEnv:
             env={**os.environ, "KUBECONFIG": str(self.kube.operator_kubeconfig)},
         )
         proc.metrics_url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
-        proc.start(lambda: _get(f"http://127.0.0.1:{port}/readyz") == 200, timeout=60)
+        proc.start(lambda: http_ok(f"http://127.0.0.1:{port}/readyz"), timeout=60)
         self.operators.append(proc)
         return proc
 
@@ -244,8 +243,3 @@ def log_events(proc: ManagedProcess) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
-
-
-def _get(url: str) -> int:
-    with urllib.request.urlopen(url, timeout=2) as resp:
-        return int(resp.status)

@@ -5,7 +5,8 @@ from refit_tools.local.procs import (
     ManagedProcess,
     free_port,
     free_ports,
+    http_ok,
     log_tail,
 )
 
-__all__ = ["ComponentError", "ManagedProcess", "free_port", "free_ports", "log_tail"]
+__all__ = ["ComponentError", "ManagedProcess", "free_port", "free_ports", "http_ok", "log_tail"]

@@ -23,12 +23,7 @@ from refit_sidecar.vllm.control_path import MIDDLEWARE_QUALNAME
 from refit_sidecar.vllm.control_path import PREFIX as CONTROL_PREFIX
 from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
 from refit_sidecar.vllm.worker_extension import EXTENSION_QUALNAME
-from refit_tools.local.procs import ManagedProcess, free_ports
-
-
-def _get_ok(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - loopback only
-        return bool(resp.status == 200)
+from refit_tools.local.procs import ManagedProcess, free_ports, http_ok
 
 
 def vllm_rpc(base_url: str, token: str, method: str, *args: Any, timeout: float = 600) -> list[Any]:
@@ -119,7 +114,7 @@ class LocalNode:
 
     def wait_vllm(self, timeout: float = 300) -> None:
         assert self.vllm is not None
-        self.vllm.wait_ready(lambda: _get_ok(self.vllm_url + "/health"), timeout=timeout)
+        self.vllm.wait_ready(lambda: http_ok(self.vllm_url + "/health"), timeout=timeout)
 
     def start_receiver(self, held_version: int | None, *, s3: dict[str, Any] | None = None) -> None:
         """Start the receiver; `held_version=None` when the server's bits are not known to be a
@@ -156,7 +151,7 @@ class LocalNode:
             ],
             self.workdir / f"{self.name}-receiver-{self.generation}.log",
         )
-        self.receiver.start(lambda: _get_ok(self.url + "/healthz"), timeout=60)
+        self.receiver.start(lambda: http_ok(self.url + "/healthz"), timeout=60)
 
     def alive(self) -> bool:
         return bool(self.vllm and self.vllm.alive() and self.receiver and self.receiver.alive())

@@ -10,12 +10,19 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 
 class ComponentError(RuntimeError):
     """A real component could not be started or stopped; the message carries its log tail."""
+
+
+def http_ok(url: str) -> bool:
+    """A readiness check: GET `url` answers 200 (errors propagate; `wait_ready` retries)."""
+    with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - loopback only
+        return bool(resp.status == 200)
 
 
 def free_port() -> int:
