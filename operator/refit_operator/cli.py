@@ -79,6 +79,24 @@ def coordinator(config_path: Path) -> None:
     show_default=True,
     help="How often each policy's loop looks for staged versions and pod changes.",
 )
+@click.option(
+    "--webhook-bind",
+    default=None,
+    help="HOST:PORT of the sidecar-injecting admission webhook (HTTPS). Default: no webhook.",
+)
+@click.option(
+    "--webhook-cert-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Directory holding the webhook's tls.crt and tls.key (needed with --webhook-bind).",
+)
+@click.option(
+    "--injection-config",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="JSON of what the webhook injects (the chart's injection.json). Default: the chart's "
+    "default values.",
+)
 def operator(
     namespaces: tuple[str, ...],
     identity: str | None,
@@ -86,6 +104,9 @@ def operator(
     metrics_token_file: Path | None,
     lease_seconds: int,
     poll_seconds: float,
+    webhook_bind: str | None,
+    webhook_cert_dir: Path | None,
+    injection_config: Path | None,
 ) -> None:
     """Run the kopf operator: one coordinator per RefitPolicy, pods discovered by annotation.
 
@@ -98,22 +119,28 @@ def operator(
     from refit_protocol.logs import configure_logging
 
     configure_logging()
-    host, _, port = metrics_bind.rpartition(":")
-    if not host or not port.isdigit():
-        raise click.BadParameter(
-            f"expected HOST:PORT, got {metrics_bind!r}", param_hint="--metrics-bind"
-        )
+    host, port = _host_port(metrics_bind, "--metrics-bind")
     fields: dict[str, object] = {
         "namespaces": list(namespaces),
-        "metrics_host": host.strip("[]"),
-        "metrics_port": int(port),
+        "metrics_host": host,
+        "metrics_port": port,
         "metrics_token_file": metrics_token_file,
         "lease_s": lease_seconds,
         "poll_s": poll_seconds,
     }
+    if webhook_bind is not None:
+        fields["webhook_host"], fields["webhook_port"] = _host_port(webhook_bind, "--webhook-bind")
+    fields["webhook_cert_dir"], fields["injection_config"] = webhook_cert_dir, injection_config
     if identity:
         fields["identity"] = identity
     try:
         asyncio.run(run(OperatorConfig.model_validate(fields)))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+def _host_port(value: str, flag: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise click.BadParameter(f"expected HOST:PORT, got {value!r}", param_hint=flag)
+    return host.strip("[]"), int(port)

@@ -1,7 +1,9 @@
 """Which pods take part in a policy, and where their sidecars listen (pure functions).
 
 A pod takes part in policy P when it carries `kuberefit.io/inject: trainer|rollout` and
-`kuberefit.io/policy: P`, matches P's selector for its role, runs, and has an IP. Its sidecar's
+`kuberefit.io/policy: P`, matches P's selector for its role, has the injected sidecar, runs,
+and has an IP. An opted-in pod without the sidecar (admitted while the webhook was down) is
+reported, never used. Its sidecar's
 address is the pod IP with the sidecar container's named ports (`refit-control`,
 `refit-relay`). Identity is the pod's UID plus its sidecar's restart count: if either changes,
 the process that held an attempt's state is gone (the receiver is confirmed dead).
@@ -42,6 +44,7 @@ class PodView:
     control_port: int = 0
     relay_port: int = 0
     restarts: int = 0
+    injected: bool = True  # the pod has the sidecar container
 
     @property
     def running(self) -> bool:
@@ -74,8 +77,10 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         return None
     spec, status = pod.get("spec") or {}, pod.get("status") or {}
     ports: dict[str, int] = {}
+    injected = False
     for c in spec.get("containers") or []:
         if c.get("name") == SIDECAR_CONTAINER:
+            injected = True
             ports = {
                 p["name"]: int(p["containerPort"]) for p in c.get("ports") or [] if "name" in p
             }
@@ -97,6 +102,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         control_port=ports.get(CONTROL_PORT, DEFAULT_PORTS.get(str(role), 0)),
         relay_port=ports.get(RELAY_PORT, 0),
         restarts=restarts,
+        injected=injected,
     )
 
 
@@ -114,6 +120,14 @@ def pod_problem(view: PodView, policy_exists: bool) -> tuple[str, str] | None:
             f"annotation {POLICY}={view.policy} names no RefitPolicy in namespace "
             f"{view.namespace}; this pod takes no part in any refit",
         )
+    if not view.injected:
+        return (
+            "NotInjected",
+            f"this pod opted in ({INJECT}={view.role}) but has no {SIDECAR_CONTAINER} container: "
+            "the injection webhook did not answer when it was created (its failurePolicy is "
+            "Ignore) or the namespace is not selected. It takes no part in any refit until it is "
+            "recreated (kubectl delete pod; its controller creates an injected one)",
+        )
     return None
 
 
@@ -124,6 +138,7 @@ class Discovered:
     trainers: tuple[PodView, ...]
     rollouts: tuple[PodView, ...]
     unknown_role: tuple[PodView, ...] = ()
+    not_injected: tuple[PodView, ...] = ()  # selected, but admitted without the sidecar
 
     @property
     def ready_trainers(self) -> tuple[PodView, ...]:
@@ -136,9 +151,13 @@ class Discovered:
 
 def discover(pods: Iterable[PodView], spec: PolicySpec) -> Discovered:
     """Split the policy's annotated pods by role, keeping those its selectors match (by name)."""
-    trainers, rollouts, unknown = [], [], []
+    trainers, rollouts, unknown, missed = [], [], [], []
     for p in pods:
-        if p.role == "trainer" and spec.selector.trainer.matches(dict(p.labels)):
+        if p.role in ("trainer", "rollout") and not p.injected:
+            selector = spec.selector.trainer if p.role == "trainer" else spec.selector.rollout
+            if selector.matches(dict(p.labels)):
+                missed.append(p)
+        elif p.role == "trainer" and spec.selector.trainer.matches(dict(p.labels)):
             trainers.append(p)
         elif p.role == "rollout" and spec.selector.rollout.matches(dict(p.labels)):
             rollouts.append(p)
@@ -146,5 +165,8 @@ def discover(pods: Iterable[PodView], spec: PolicySpec) -> Discovered:
             unknown.append(p)
     key = lambda p: p.name  # noqa: E731
     return Discovered(
-        tuple(sorted(trainers, key=key)), tuple(sorted(rollouts, key=key)), tuple(unknown)
+        tuple(sorted(trainers, key=key)),
+        tuple(sorted(rollouts, key=key)),
+        tuple(unknown),
+        tuple(sorted(missed, key=key)),
     )

@@ -47,3 +47,9 @@ LEADER = Gauge(
     "1 while this operator holds the policy's Lease (coordinates it), else 0.",
     _POLICY,
 )
+ADMISSIONS = Counter(
+    "kuberefit_webhook_admissions_total",
+    "Pod admissions by result: injected, unchanged (not opted in, or injected already), "
+    "denied (opted in but cannot be injected as written), invalid (not a Pod review).",
+    ["result"],
+)

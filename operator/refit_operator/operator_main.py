@@ -3,7 +3,8 @@
 One process serves every RefitPolicy it can see (cluster-wide, or the namespaces given). Next
 to kopf it serves `/healthz` (the event loop answers), `/readyz` (kopf has started and its
 indices are filled) and `/metrics` (Prometheus; bearer token required unless bound to
-loopback) on `--metrics-bind`.
+loopback) on `--metrics-bind`, and with `--webhook-bind` the sidecar-injecting admission
+webhook over HTTPS (`refit_operator.webhook`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from refit_operator.injection.config import load_injection_config
 from refit_protocol.auth import bearer_ok, require_token_or_loopback, resolve_token
 
 log = structlog.get_logger("kuberefit.operator")
@@ -50,6 +52,16 @@ class OperatorConfig(BaseModel):
     status_interval_s: float = Field(
         1.0, gt=0, description="Least time between RefitTransition progress patches."
     )
+    webhook_host: str | None = Field(
+        None, description="Bind address of the sidecar-injecting webhook (None: no webhook)."
+    )
+    webhook_port: int = Field(9443, ge=0, le=65535, description="Its HTTPS port.")
+    webhook_cert_dir: Path | None = Field(
+        None, description="Directory with tls.crt and tls.key (the chart's serving Secret)."
+    )
+    injection_config: Path | None = Field(
+        None, description="What the webhook injects (the chart's injection.json)."
+    )
 
 
 def health_app(ready: asyncio.Event, token: str | None) -> web.Application:
@@ -81,11 +93,15 @@ async def run(config: OperatorConfig) -> None:
     from refit_operator.kube.api import KubeApi
     from refit_operator.kube.handlers import Memo, registry
     from refit_operator.policy_runner import RunnerSettings
+    from refit_operator.webhook import serve_webhook
 
     token = resolve_token(None, config.metrics_token_file)
     require_token_or_loopback(
         "operator metrics", [config.metrics_host], token, allow_insecure=False
     )
+    injection = load_injection_config(config.injection_config)
+    if config.webhook_host is not None and config.webhook_cert_dir is None:
+        raise ValueError("--webhook-bind needs --webhook-cert-dir (tls.crt and tls.key)")
     api = await asyncio.to_thread(KubeApi.from_environment)
     settings = RunnerSettings(
         identity=config.identity,
@@ -97,6 +113,11 @@ async def run(config: OperatorConfig) -> None:
     runner = web.AppRunner(health_app(ready, token), access_log=None, handle_signals=False)
     await runner.setup()
     await web.TCPSite(runner, config.metrics_host, config.metrics_port).start()
+    webhook = None
+    if config.webhook_host is not None and config.webhook_cert_dir is not None:
+        webhook = await serve_webhook(
+            api, injection, config.webhook_host, config.webhook_port, config.webhook_cert_dir
+        )
     log.info(
         "operator.starting",
         identity=config.identity,
@@ -113,4 +134,6 @@ async def run(config: OperatorConfig) -> None:
             ready_flag=ready,
         )
     finally:
+        if webhook is not None:
+            await webhook.stop()
         await runner.cleanup()

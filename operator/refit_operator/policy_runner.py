@@ -515,6 +515,7 @@ class PolicyRunner:
             error=self._error,
             producers_error=self._producer_error,
             coordinator=self.settings.identity,
+            not_injected=tuple(p.name for p in found.not_injected),
         )
 
     async def _write_status(self, obj: Mapping[str, Any], observed: Observed) -> None:

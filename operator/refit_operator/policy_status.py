@@ -37,6 +37,7 @@ class Observed:
     error: str = ""  # the operator's own last failure (e.g. the API server unreachable)
     producers_error: str = ""  # why the running trainer pods cannot be used as producers
     coordinator: str = ""
+    not_injected: tuple[str, ...] = ()  # opted-in pods admitted without the sidecar
 
 
 def _ready(o: Observed) -> tuple[bool, str, str]:
@@ -86,6 +87,7 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
     else:
         idle = reason if not ready else "Idle"
         out.append(_cond("Progressing", False, idle, "no transition running", o.generation))
+    out.append(_injected(o))
     degraded: tuple[str, str] | None = None
     if o.aborted_by:
         degraded = ("Aborted", f"aborted by {o.aborted_by}")
@@ -95,6 +97,8 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
         degraded = ("OperatorError", o.error)
     elif o.last_outcome and o.last_outcome != "committed":
         degraded = (f"Last{o.last_outcome.capitalize()}", f"{o.last}: {o.last_message}")
+    elif o.not_injected:
+        degraded = ("PodsNotInjected", out[-1]["message"])
     elif o.rollouts_ready < o.rollouts or o.trainers_ready < o.trainers:
         degraded = (
             "PodsNotRunning",
@@ -106,6 +110,27 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
     else:
         out.append(_cond("Degraded", False, "AsExpected", "nothing needs attention", o.generation))
     return out
+
+
+def _injected(o: Observed) -> dict[str, Any]:
+    """`SidecarsInjected`: every selected opted-in pod got its sidecar at admission."""
+    if not o.not_injected:
+        return _cond(
+            "SidecarsInjected",
+            True,
+            "AllInjected",
+            "every opted-in pod has its sidecar",
+            o.generation,
+        )
+    shown = ", ".join(o.not_injected[:5]) + (" ..." if len(o.not_injected) > 5 else "")
+    return _cond(
+        "SidecarsInjected",
+        False,
+        "PodsNotInjected",
+        f"{len(o.not_injected)} opted-in pod(s) were admitted without the sidecar (the webhook "
+        f"did not answer): {shown}; recreate them",
+        o.generation,
+    )
 
 
 def _cond(kind: str, status: bool, reason: str, message: str, generation: int) -> dict[str, Any]:

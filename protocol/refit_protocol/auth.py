@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 
 from pydantic import SecretStr
 
+from refit_protocol.pod_contract import TOKEN_FILE_ENV
+
 #: Environment variable read when neither a token nor a token file is configured.
 TOKEN_ENV = "KUBEREFIT_TOKEN"  # noqa: S105 - the name of a variable, not a secret
 
@@ -33,9 +35,12 @@ def bearer_ok(expected: str | None, authorization: str) -> bool:
 
 
 def resolve_token(token: SecretStr | None, token_file: Path | None) -> str | None:
-    """The token: explicit value, else a file (a mounted Secret), else $KUBEREFIT_TOKEN."""
+    """The token: explicit value, else a file (a mounted Secret), else the file named by
+    $KUBEREFIT_TOKEN_FILE (what injection sets), else $KUBEREFIT_TOKEN."""
     if token is not None and token.get_secret_value():
         return token.get_secret_value()
+    if token_file is None and os.environ.get(TOKEN_FILE_ENV):
+        token_file = Path(os.environ[TOKEN_FILE_ENV])
     if token_file is not None:
         value = token_file.read_text().strip()
         if not value:

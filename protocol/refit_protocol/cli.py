@@ -9,6 +9,7 @@ dependencies inside its commands, so `kuberefit --help` needs none of them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 import click
 
 from refit_protocol import __version__
+from refit_protocol.pod_contract import CONFIG_ENV
 
 ENTRY_POINT_GROUP = "kuberefit.commands"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -31,6 +33,28 @@ def config_file_option(help_text: str) -> Callable[[F], F]:
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
         help=help_text,
     )
+
+
+def sidecar_config_option(help_text: str) -> Callable[[F], F]:
+    """`--config FILE` (optional: an injected sidecar gets its settings in $KUBEREFIT_CONFIG),
+    passed to the command as `config_path`; read it with `read_sidecar_config`."""
+    return click.option(
+        "--config",
+        "config_path",
+        default=None,
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help=f"{help_text} Default: the JSON in ${CONFIG_ENV} (set by injection).",
+    )
+
+
+def read_sidecar_config(config_path: Path | None) -> str:
+    """The JSON settings: the `--config` file, else $KUBEREFIT_CONFIG."""
+    if config_path is not None:
+        return config_path.read_text()
+    text = os.environ.get(CONFIG_ENV, "").strip()
+    if not text:
+        raise click.UsageError(f"give --config FILE or set ${CONFIG_ENV} to the JSON settings")
+    return text
 
 
 def _load(ep: EntryPoint) -> click.Group | None:

@@ -8,15 +8,22 @@ import sys
 
 import structlog
 
+from refit_protocol.pod_contract import LOG_FORMAT_ENV
+
 
 def configure_logging(*, json: bool | None = None, level: str | None = None) -> None:
     """Configure structlog once per process.
 
-    `json=None` picks JSON when stderr is not a terminal or when running inside a pod
-    (KUBERNETES_SERVICE_HOST is set), so `kubectl logs` gets one object per line.
+    `json=None` follows $KUBEREFIT_LOG_FORMAT (json or console), else picks JSON when stderr
+    is not a terminal or when running inside a pod (KUBERNETES_SERVICE_HOST is set), so
+    `kubectl logs` gets one object per line.
     """
     if json is None:
-        json = bool(os.environ.get("KUBERNETES_SERVICE_HOST")) or not sys.stderr.isatty()
+        chosen = os.environ.get(LOG_FORMAT_ENV, "").strip().lower()
+        if chosen in ("json", "console"):
+            json = chosen == "json"
+        else:
+            json = bool(os.environ.get("KUBERNETES_SERVICE_HOST")) or not sys.stderr.isatty()
     level_name = (level or os.environ.get("KUBEREFIT_LOG_LEVEL", "INFO")).upper()
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from refit_protocol.cli import config_file_option
+from refit_protocol.cli import read_sidecar_config, sidecar_config_option
 
 
 @click.group()
@@ -21,12 +21,12 @@ def receiver() -> None:
 
 
 @receiver.command("serve")
-@config_file_option("ReceiverConfig as JSON (see docs/transports.md).")
-def receiver_serve(config_path: Path) -> None:
+@sidecar_config_option("ReceiverConfig as JSON (see docs/transports.md).")
+def receiver_serve(config_path: Path | None) -> None:
     """Run one receiver node (HTTP control plane, relay-tree node, S3 downloads) until SIGTERM."""
-    from refit_sidecar.receiver.__main__ import main as serve
+    from refit_sidecar.receiver.__main__ import serve_json
 
-    serve(["--config", str(config_path)])
+    serve_json(read_sidecar_config(config_path))
 
 
 @commands.group()
@@ -35,9 +35,9 @@ def producer() -> None:
 
 
 @producer.command("serve")
-@config_file_option("ProducerProcessConfig as JSON (see docs/trainer.md).")
-def producer_serve(config_path: Path) -> None:
+@sidecar_config_option("ProducerProcessConfig as JSON (see docs/trainer.md).")
+def producer_serve(config_path: Path | None) -> None:
     """Run one trainer sidecar (baseline, candidate inbox, producer pipeline) until SIGTERM."""
-    from refit_sidecar.producer.main import main as serve
+    from refit_sidecar.producer.main import serve_json
 
-    serve(["--config", str(config_path)])
+    serve_json(read_sidecar_config(config_path))

@@ -140,6 +140,17 @@ class KubeCluster:
             and (since is None or _received(e) >= since)
         ]
 
+    def service_account_kubeconfig(self, namespace: str, name: str, path: Path) -> Path:
+        """A kubeconfig with a token of service account `name` (TokenRequest), as a pod's
+        mounted token would be: the harness has no kubelet to mount one."""
+        from kubernetes import client
+
+        answer = client.CoreV1Api(self.api_client()).create_namespaced_service_account_token(
+            name, namespace, {"spec": {"expirationSeconds": 3600}}
+        )
+        user = f"system:serviceaccount:{namespace}:{name}"
+        return _write_kubeconfig(path, user, self.server, self.ca_path, answer.status.token)
+
     def stop(self) -> None:
         for proc in reversed(self.processes):
             proc.stop()
@@ -275,7 +286,8 @@ def _write_kubeconfig(path: Path, user: str, server: str, ca: Path, token: str) 
 
 
 def _audit_policy(workdir: Path) -> Path:
-    """Metadata for the operator's requests (tests assert what RBAC denied it) and the admin's
+    """Metadata for the operator's requests (tests assert what RBAC denied it; as its own user or
+    as the chart's service account) and the admin's
     (tests check which calls reached the server); none for the apiserver's own loopback traffic,
     which is most of the volume. One event per request: RequestReceived is omitted."""
     path = workdir / "audit-policy.yaml"
@@ -287,6 +299,8 @@ def _audit_policy(workdir: Path) -> Path:
                 "omitStages": ["RequestReceived"],
                 "rules": [
                     {"level": "Metadata", "users": [OPERATOR_USER, ADMIN_USER]},
+                    # Service accounts: the chart's operator runs as one (the Helm journey).
+                    {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
                     {"level": "None"},
                 ],
             }

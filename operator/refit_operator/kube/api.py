@@ -92,6 +92,13 @@ class KubeApi:
             raise
 
     # -- RefitPolicy ------------------------------------------------------------------------
+    async def get_policy(self, namespace: str, name: str) -> Obj:
+        """The RefitPolicy (NotFoundError when there is none)."""
+        obj: Obj = await self._run(
+            self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, POLICIES, name
+        )
+        return obj
+
     async def patch_policy_status(self, namespace: str, name: str, status: Obj) -> None:
         await self._run(
             self.custom.patch_namespaced_custom_object_status,

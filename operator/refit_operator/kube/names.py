@@ -8,6 +8,17 @@ POLICIES, TRANSITIONS, POLICY_VERSIONS = "refitpolicies", "refittransitions", "p
 
 #: Pod opt-in: `kuberefit.io/inject: trainer|rollout` and `kuberefit.io/policy: <RefitPolicy>`.
 INJECT, POLICY = "kuberefit.io/inject", "kuberefit.io/policy"
+#: Optional pod annotations: which container KubeRefit pairs with (default: the first), this
+#: trainer pod's producer index (default: its StatefulSet ordinal, else 0), and the checkpoint
+#: the rollout engines started from (the trainer sidecar checks the first export against it).
+CONTAINER, PRODUCER_INDEX = "kuberefit.io/container", "kuberefit.io/producer-index"
+REFERENCE_CHECKPOINT = "kuberefit.io/reference-checkpoint"
+#: Written by injection: the marker annotation (its value is the role injected) and the labels
+#: NetworkPolicies select on (annotations cannot be selected).
+INJECTED = "kuberefit.io/injected"
+ROLE_LABEL, POLICY_LABEL = "kuberefit.io/role", "kuberefit.io/policy"
+#: On the operator's own pods; the webhook configuration never selects them.
+COMPONENT_LABEL = "kuberefit.io/component"
 #: The label that marks a Secret as a KubeRefit token (the operator reads no other Secret).
 TOKEN_LABEL = "kuberefit.io/token"  # noqa: S105 - a label key, not a secret
 #: RefitPolicy annotation that clears an abort (any value); the operator removes it after.

@@ -144,8 +144,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m refit_sidecar.producer")
     parser.add_argument("--config", required=True, type=Path, help="ProducerProcessConfig JSON")
     args = parser.parse_args(argv)
+    serve_json(args.config.read_text())
+
+
+def serve_json(text: str) -> None:
+    """Run the sidecar described by a ProducerProcessConfig JSON document until SIGTERM."""
     configure_logging()
-    asyncio.run(serve(ProducerProcessConfig.model_validate_json(args.config.read_text())))
+    asyncio.run(serve(ProducerProcessConfig.model_validate_json(text)))
 
 
 if __name__ == "__main__":

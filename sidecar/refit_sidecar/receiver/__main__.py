@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 from refit_protocol.logs import configure_logging
-from refit_sidecar.receiver.config import load_config
+from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode
 
 
@@ -16,8 +16,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", type=Path, required=True, help="ReceiverConfig as JSON.")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO).")
     args = parser.parse_args(argv)
-    configure_logging(level=args.log_level)
-    node = ReceiverNode(load_config(args.config))
+    serve_json(args.config.read_text(), log_level=args.log_level)
+
+
+def serve_json(text: str, *, log_level: str | None = None) -> None:
+    """Run the node described by a ReceiverConfig JSON document until SIGTERM."""
+    configure_logging(level=log_level)
+    node = ReceiverNode(ReceiverConfig.model_validate_json(text))
     asyncio.run(node.run_forever())
 
 

@@ -106,7 +106,3 @@ class ReceiverConfig(BaseModel):
     def queue_capacity(self) -> int:
         """Decoded payload slots: resident groups plus one group under assembly (264)."""
         return (self.queue_groups + 1) * self.group_size
-
-
-def load_config(path: Path) -> ReceiverConfig:
-    return ReceiverConfig.model_validate_json(path.read_text())

@@ -20,6 +20,7 @@ whatever the source itself holds transiently (Bridge's gathered tensor, DTensor'
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -34,6 +35,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from refit_protocol.auth import resolve_token
+from refit_protocol.pod_contract import INBOX_ENV, PRODUCER_URL_ENV
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
     BaselineManifest,
@@ -97,6 +99,25 @@ class PublisherConfig(BaseModel):
         description="How long publish(wait=True) waits for the transition to commit, and how "
         "long publishing v+1 waits for v (asynchronous RL) before giving up.",
     )
+
+    @classmethod
+    def from_pod(cls, **overrides: object) -> PublisherConfig:
+        """The settings injection gives an opted-in trainer container: the sidecar's URL in
+        $KUBEREFIT_PRODUCER_URL, the inbox in $KUBEREFIT_INBOX, the token file in
+        $KUBEREFIT_TOKEN_FILE (read when the publisher starts)."""
+        missing = [n for n in (PRODUCER_URL_ENV, INBOX_ENV) if not os.environ.get(n)]
+        if missing:
+            raise ValueError(
+                f"{' and '.join('$' + n for n in missing)} not set: this container was not "
+                "injected by KubeRefit (annotate the pod kuberefit.io/inject=trainer) — or "
+                "configure the publisher explicitly"
+            )
+        fields: dict[str, object] = {
+            "url": os.environ[PRODUCER_URL_ENV],
+            "inbox": os.environ[INBOX_ENV],
+            **overrides,
+        }
+        return cls.model_validate(fields)
 
 
 @dataclass(frozen=True)

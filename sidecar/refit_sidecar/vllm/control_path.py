@@ -22,17 +22,16 @@ untouched. Without a configured token the path refuses everything (fail closed).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Awaitable, Callable, MutableMapping
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
 from refit_protocol.auth import bearer_ok, is_loopback_host, resolve_token
+from refit_protocol.pod_contract import VLLM_MIDDLEWARE
 
 PREFIX = "/kuberefit/v1"
 #: What `vllm ... --middleware` takes.
-MIDDLEWARE_QUALNAME = "refit_sidecar.vllm.control_path.RefitControlMiddleware"
+MIDDLEWARE_QUALNAME = VLLM_MIDDLEWARE  # what injection appends as --middleware
 #: The worker extension's methods the control path runs; nothing else reaches a worker.
 ALLOWED = frozenset({"refit_prewarm", "refit_apply", "refit_dense_load", "refit_fingerprint"})
 PAUSE_MODES = frozenset({"wait", "abort", "keep"})
@@ -54,8 +53,7 @@ class _RefusedError(Exception):
 
 def pod_token() -> str | None:
     """The pod's token, as every sidecar resolves it ($KUBEREFIT_TOKEN_FILE, $KUBEREFIT_TOKEN)."""
-    path = os.environ.get("KUBEREFIT_TOKEN_FILE")
-    return resolve_token(None, Path(path) if path else None)
+    return resolve_token(None, None)
 
 
 class RefitControlMiddleware:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from refit_protocol.pod_contract import VLLM_WORKER_EXTENSION
 from refit_sidecar.fingerprint import module_fingerprint
 from refit_sidecar.vllm import cpu_layout
 
@@ -27,7 +28,7 @@ cpu_layout.apply_if_enabled()
 if torch.cpu._is_amx_tile_supported():
     torch.cpu._init_amx()
 
-EXTENSION_QUALNAME = "refit_sidecar.vllm.worker_extension.RefitWorkerExtension"
+EXTENSION_QUALNAME = VLLM_WORKER_EXTENSION  # what injection appends as --worker-extension-cls
 
 
 class UnsupportedRuntimeError(RuntimeError):

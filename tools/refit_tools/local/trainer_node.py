@@ -36,7 +36,11 @@ class TrainerNodeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    publisher: PublisherConfig = Field(description="How to reach the trainer sidecar.")
+    publisher: PublisherConfig | None = Field(
+        None,
+        description="How to reach the trainer sidecar. None: what injection put in this "
+        "container's environment (PublisherConfig.from_pod).",
+    )
     checkpoints: Path = Field(
         description="Checkpoint root: v0/ is the initial model; v1/, v2/ ... are written here."
     )
@@ -58,7 +62,7 @@ def run(config: TrainerNodeConfig) -> None:
     config.workdir.mkdir(parents=True, exist_ok=True)
     v0 = config.checkpoints / "v0"
     state = dict(sorted(load_file(str(next(iter(sorted(v0.glob("*.safetensors")))))).items()))
-    publisher = Publisher(config.publisher)
+    publisher = Publisher(config.publisher or PublisherConfig.from_pod())
     _wait_for_sidecar(publisher)
     first = publisher.initialize(StateDictSource(state))
     log.info("trainer_node.initialized", fingerprint=first.fingerprint, chunks=first.chunks_sent)

@@ -1,0 +1,23 @@
+"""Sidecar injection: the settings (`config`), the pure patch builder (`patch`), the
+AdmissionReview codec (`review`); `refit_operator.webhook` serves them over HTTPS."""
+
+from refit_operator.injection.config import (
+    InjectionConfig,
+    InjectionConfigError,
+    load_injection_config,
+)
+from refit_operator.injection.patch import Injection, PolicyFacts, inject, wants_injection
+from refit_operator.injection.review import ReviewError, parse_review, review_response
+
+__all__ = [
+    "Injection",
+    "InjectionConfig",
+    "InjectionConfigError",
+    "PolicyFacts",
+    "ReviewError",
+    "inject",
+    "load_injection_config",
+    "parse_review",
+    "review_response",
+    "wants_injection",
+]

@@ -1,0 +1,89 @@
+"""What the webhook injects, as the chart renders it (`sidecar:` values -> injection.json).
+
+Field names are the chart's (camelCase); defaults equal the chart's, so an operator started
+without `--injection-config` injects what a default `helm install` would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from refit_operator.kube.names import DEFAULT_PORTS
+
+
+class _Values(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class SidecarPorts(_Values):
+    """Container ports of the injected sidecar (named refit-control and refit-relay)."""
+
+    control: int = Field(DEFAULT_PORTS["rollout"], ge=1, le=65535, description="Receiver HTTP.")
+    producer: int = Field(DEFAULT_PORTS["trainer"], ge=1, le=65535, description="Producer HTTP.")
+    relay: int = Field(8472, ge=1, le=65535, description="Receiver's ZeroMQ relay node.")
+
+
+class TokenSecretRef(_Values):
+    name: str = Field(min_length=1)
+    key: str = Field("token", min_length=1)
+
+
+class InjectionConfig(_Values):
+    """The sidecar and its volumes (chart values under `sidecar:` plus image and log format)."""
+
+    image: str = Field("kuberefit/sidecar:0.1.0", min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    resources: dict[str, Any] = Field(
+        default_factory=lambda: {"requests": {"cpu": "1", "memory": "2Gi"}},
+        description="The sidecar container's resources (a Kubernetes ResourceRequirements).",
+    )
+    ports: SidecarPorts = Field(default_factory=SidecarPorts)
+    work_dir: str = Field(
+        "/var/lib/kuberefit", description="emptyDir for the baseline and staged candidates."
+    )
+    shm_dir: str = Field(
+        "/dev/shm/kuberefit",
+        description="Memory-backed emptyDir shared with the paired container (payload files).",
+    )
+    shm_size_limit: str = Field("8Gi", description="sizeLimit of that emptyDir ('' for none).")
+    default_token_secret: TokenSecretRef = Field(
+        default_factory=lambda: TokenSecretRef(name="kuberefit-token"),
+        description="Token Secret used when the pod's RefitPolicy does not exist at admission.",
+    )
+    env: list[dict[str, Any]] = Field(
+        default_factory=list, description="Extra env of the sidecar container."
+    )
+    vllm_container: str = Field(
+        "", description="Container paired with in rollout pods ('' : the first container)."
+    )
+    log_format: Literal["json", "console"] = "json"
+
+    @property
+    def token_dir(self) -> str:
+        return "/etc/kuberefit/token"
+
+
+class InjectionConfigError(ValueError):
+    """The injection settings file is missing or invalid (the message names the field)."""
+
+
+def load_injection_config(path: Path | None) -> InjectionConfig:
+    """The settings in `path` (JSON, as the chart renders them); defaults without a path."""
+    if path is None:
+        return InjectionConfig()
+    try:
+        return InjectionConfig.model_validate_json(path.read_text())
+    except OSError as exc:
+        raise InjectionConfigError(f"--injection-config {path}: {exc.strerror}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(document)"
+        raise InjectionConfigError(
+            f"--injection-config {path}: sidecar.{where}: {first['msg']}"
+        ) from None

@@ -1,0 +1,410 @@
+"""The sidecar injection as a pure function: an opted-in Pod in, a JSON Patch out.
+
+A pod opts in with `kuberefit.io/inject: trainer|rollout` and `kuberefit.io/policy: <name>`.
+Injection adds, once (the `kuberefit.io/injected` marker annotation makes a second admission
+or a reinvocation a no-op):
+
+- the `kuberefit-sidecar` container: `kuberefit producer serve` (trainer) or `kuberefit
+  receiver serve` (rollout), its settings as JSON in $KUBEREFIT_CONFIG, bound to the pod IP
+  (downward API) on the named ports `refit-control` (and `refit-relay` for receivers);
+- volumes: `kuberefit-work` (emptyDir: baseline, staged candidates), `kuberefit-shm`
+  (memory-backed emptyDir shared with the paired container: payload files) and
+  `kuberefit-token` (the policy's token Secret, mounted read-only as a file);
+- in the paired container (`kuberefit.io/container`, default the first): the shared volume,
+  the token file, and for trainers $KUBEREFIT_PRODUCER_URL and $KUBEREFIT_INBOX (what
+  `PublisherConfig.from_pod()` reads); for vLLM the worker extension and the guarded refit
+  control path (`--worker-extension-cls`, `--middleware`) appended to its args;
+- labels `kuberefit.io/role` and `kuberefit.io/policy`, which NetworkPolicies can select.
+
+Pods without both annotations are never changed. `$(VAR)` references are expanded by the
+kubelet from the env variables defined before them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from refit_operator.injection.config import InjectionConfig, TokenSecretRef
+from refit_operator.kube.names import (
+    CONTAINER,
+    CONTROL_PORT,
+    INJECT,
+    INJECTED,
+    POLICY,
+    POLICY_LABEL,
+    PRODUCER_INDEX,
+    REFERENCE_CHECKPOINT,
+    RELAY_PORT,
+    ROLE_LABEL,
+    SIDECAR_CONTAINER,
+)
+from refit_protocol.pod_contract import (
+    CONFIG_ENV,
+    INBOX_ENV,
+    LOG_FORMAT_ENV,
+    POD_IP_ENV,
+    POD_NAME_ENV,
+    PRODUCER_URL_ENV,
+    TOKEN_FILE_ENV,
+    VLLM_MIDDLEWARE,
+    VLLM_WORKER_EXTENSION,
+)
+
+Obj = dict[str, Any]
+WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME = "kuberefit-work", "kuberefit-shm", "kuberefit-token"
+ROLES = ("trainer", "rollout")
+#: StatefulSet pods carry this label from creation; its ordinal is the default producer index.
+STATEFULSET_POD_NAME = "statefulset.kubernetes.io/pod-name"
+DEFAULT_VLLM_PORT = 8000
+
+
+@dataclass(frozen=True)
+class PolicyFacts:
+    """What admission knows of the pod's RefitPolicy (looked up by the webhook)."""
+
+    exists: bool
+    token_secret: TokenSecretRef
+    producers: int = 1
+
+
+@dataclass
+class Injection:
+    """The answer for one pod: a patch (empty: nothing to do), warnings, or a refusal."""
+
+    patch: list[Obj] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    denied: str | None = None
+
+
+class InjectionRefusedError(ValueError):
+    """The pod opted in but cannot be injected as written (the message says what to fix)."""
+
+
+def wants_injection(pod: Mapping[str, Any]) -> bool:
+    """True for a pod that opted in and was not injected yet."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    return bool(annotations.get(INJECT)) and INJECTED not in annotations
+
+
+def inject(pod: Mapping[str, Any], config: InjectionConfig, policy: PolicyFacts) -> Injection:
+    """The JSON Patch that injects `pod` (see the module docstring); never raises."""
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    if not wants_injection(pod):
+        return Injection()
+    if _has_container(pod, SIDECAR_CONTAINER):
+        return Injection()  # injected by hand or by an older marker-less release: leave it
+    role, policy_name = str(annotations.get(INJECT)), str(annotations.get(POLICY) or "")
+    if role not in ROLES:
+        return Injection(
+            warnings=[f"{INJECT}={role} is neither trainer nor rollout: pod not injected"]
+        )
+    if not policy_name:
+        return Injection(warnings=[f"{INJECT} is set but {POLICY} is missing: pod not injected"])
+    try:
+        patch = _build(pod, role, policy_name, config, policy)
+    except InjectionRefusedError as exc:
+        return Injection(denied=str(exc))
+    warnings = []
+    if not policy.exists:
+        warnings.append(
+            f"RefitPolicy {policy_name} does not exist yet: the token comes from Secret "
+            f"{policy.token_secret.name} (key {policy.token_secret.key}); the policy's "
+            "spec.tokenSecret must name the same Secret"
+        )
+    return Injection(patch=patch, warnings=warnings)
+
+
+# -- building -----------------------------------------------------------------------------------
+def _build(
+    pod: Mapping[str, Any], role: str, policy_name: str, cfg: InjectionConfig, policy: PolicyFacts
+) -> list[Obj]:
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    containers: list[Obj] = list(spec.get("containers") or [])
+    annotations = meta.get("annotations") or {}
+    index = _paired_index(containers, str(annotations.get(CONTAINER) or cfg.vllm_container))
+    existing = {v.get("name") for v in spec.get("volumes") or []}
+    clash = existing & {WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME}
+    if clash:
+        raise InjectionRefusedError(f"the pod already has volume(s) {sorted(clash)}: rename them")
+    token_file = f"{cfg.token_dir}/{policy.token_secret.key}"
+    paired = containers[index]
+    if role == "trainer":
+        reference = str(annotations.get(REFERENCE_CHECKPOINT) or "")
+        producer = _producer_index(meta, policy)
+        sidecar = _producer(cfg, token_file, producer, policy.producers, reference)
+        sidecar["volumeMounts"] += _reference_mounts(paired, annotations)
+        paired_env = [
+            _field_env(POD_IP_ENV, "status.podIP"),
+            _env(PRODUCER_URL_ENV, f"http://$({POD_IP_ENV}):{cfg.ports.producer}"),
+            _env(INBOX_ENV, f"{cfg.shm_dir}/inbox"),
+        ]
+        extra_args: list[str] = []
+    else:
+        sidecar = _receiver(cfg, token_file, _vllm_port(paired))
+        paired_env = []
+        extra_args = _vllm_args(paired)
+    paired_env += [_env(TOKEN_FILE_ENV, token_file)]
+    ops: list[Obj] = []
+    ops += _merge_map(meta, "/metadata/annotations", {INJECTED: role})
+    labels = {ROLE_LABEL: role}
+    if _label_value_ok(policy_name):
+        labels[POLICY_LABEL] = policy_name
+    ops += _merge_map(meta, "/metadata/labels", labels)
+    ops += _append(spec, "/spec/volumes", _volumes(cfg, policy.token_secret))
+    base = f"/spec/containers/{index}"
+    ops += _append(paired, f"{base}/env", _without_names(paired.get("env"), paired_env))
+    ops += _append(paired, f"{base}/volumeMounts", _mounts(cfg, paired))
+    if extra_args:
+        ops += _append(paired, f"{base}/args", extra_args)
+    ops.append({"op": "add", "path": "/spec/containers/-", "value": sidecar})
+    return ops
+
+
+def _paired_index(containers: Sequence[Mapping[str, Any]], name: str) -> int:
+    if not containers:
+        raise InjectionRefusedError("the pod has no containers")
+    if not name:
+        return 0
+    for i, c in enumerate(containers):
+        if c.get("name") == name:
+            return i
+    names = [str(c.get("name")) for c in containers]
+    raise InjectionRefusedError(
+        f"container {name!r} (annotation {CONTAINER} or the chart's sidecar.vllmContainer) is "
+        f"not in the pod; its containers are {names}"
+    )
+
+
+def _common_env(cfg: InjectionConfig, token_file: str, config: Obj) -> list[Obj]:
+    return [
+        _field_env(POD_NAME_ENV, "metadata.name"),
+        _field_env(POD_IP_ENV, "status.podIP"),
+        _env(TOKEN_FILE_ENV, token_file),
+        _env(LOG_FORMAT_ENV, cfg.log_format),
+        _env(CONFIG_ENV, json.dumps(config, separators=(",", ":"), sort_keys=True)),
+        *cfg.env,
+    ]
+
+
+def _sidecar(cfg: InjectionConfig, command: list[str], env: list[Obj], ports: list[Obj]) -> Obj:
+    return {
+        "name": SIDECAR_CONTAINER,
+        "image": cfg.image,
+        "imagePullPolicy": cfg.image_pull_policy,
+        "command": command,
+        "env": env,
+        "ports": ports,
+        "resources": cfg.resources,
+        "readinessProbe": {
+            "httpGet": {"path": "/healthz", "port": CONTROL_PORT},
+            "periodSeconds": 5,
+        },
+        "volumeMounts": [
+            {"name": WORK_VOLUME, "mountPath": cfg.work_dir},
+            {"name": SHM_VOLUME, "mountPath": cfg.shm_dir},
+            {"name": TOKEN_VOLUME, "mountPath": cfg.token_dir, "readOnly": True},
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+
+
+def _receiver(cfg: InjectionConfig, token_file: str, vllm_port: int) -> Obj:
+    settings = {
+        "node": f"$({POD_NAME_ENV})",
+        "host": f"$({POD_IP_ENV})",
+        "port": cfg.ports.control,
+        "relay": {"bind": f"tcp://$({POD_IP_ENV}):{cfg.ports.relay}"},
+        "applier": {
+            "kind": "vllm",
+            "vllm_url": f"http://127.0.0.1:{vllm_port}",
+            "shm_dir": cfg.shm_dir,
+        },
+    }
+    ports = [
+        {"name": CONTROL_PORT, "containerPort": cfg.ports.control, "protocol": "TCP"},
+        {"name": RELAY_PORT, "containerPort": cfg.ports.relay, "protocol": "TCP"},
+    ]
+    command = ["kuberefit", "receiver", "serve"]
+    return _sidecar(cfg, command, _common_env(cfg, token_file, settings), ports)
+
+
+def _producer(
+    cfg: InjectionConfig, token_file: str, index: int, producers: int, reference: str
+) -> Obj:
+    staging: Obj = {"inbox": f"{cfg.shm_dir}/inbox", "candidate_dir": f"{cfg.work_dir}/candidates"}
+    if reference:
+        staging["reference_checkpoint"] = reference
+    settings = {
+        "host": f"$({POD_IP_ENV})",
+        "port": cfg.ports.producer,
+        "producer": index,
+        "producers": producers,
+        "baseline": {"directory": f"{cfg.work_dir}/baseline"},
+        "staging": staging,
+    }
+    ports = [{"name": CONTROL_PORT, "containerPort": cfg.ports.producer, "protocol": "TCP"}]
+    command = ["kuberefit", "producer", "serve"]
+    return _sidecar(cfg, command, _common_env(cfg, token_file, settings), ports)
+
+
+def _producer_index(meta: Mapping[str, Any], policy: PolicyFacts) -> int:
+    annotations = meta.get("annotations") or {}
+    given = annotations.get(PRODUCER_INDEX)
+    if given is not None:
+        if not str(given).isdigit():
+            raise InjectionRefusedError(f"{PRODUCER_INDEX}={given!r} is not a non-negative integer")
+        index = int(given)
+    else:
+        pod_name = str((meta.get("labels") or {}).get(STATEFULSET_POD_NAME) or "")
+        ordinal = pod_name.rsplit("-", 1)[-1]
+        index = int(ordinal) if "-" in pod_name and ordinal.isdigit() else 0
+    if index >= policy.producers:
+        raise InjectionRefusedError(
+            f"producer index {index} is out of range: the RefitPolicy has "
+            f"spec.producers={policy.producers} (set {PRODUCER_INDEX})"
+        )
+    return index
+
+
+def _reference_mounts(paired: Mapping[str, Any], annotations: Mapping[str, Any]) -> list[Obj]:
+    """The paired container's mounts that hold the reference checkpoint, read-only, so the
+    trainer sidecar can check the first export against it (annotation optional)."""
+    path = str(annotations.get(REFERENCE_CHECKPOINT) or "")
+    if not path:
+        return []
+    mounts = [
+        {"name": m["name"], "mountPath": m["mountPath"], "readOnly": True}
+        | ({"subPath": m["subPath"]} if m.get("subPath") else {})
+        for m in paired.get("volumeMounts") or []
+        if path == m.get("mountPath") or path.startswith(str(m.get("mountPath")).rstrip("/") + "/")
+    ]
+    if not mounts:
+        raise InjectionRefusedError(
+            f"{REFERENCE_CHECKPOINT}={path} is not under any volume mount of container "
+            f"{paired.get('name')!r}"
+        )
+    return mounts
+
+
+def _volumes(cfg: InjectionConfig, token: TokenSecretRef) -> list[Obj]:
+    shm: Obj = {"medium": "Memory"}
+    if cfg.shm_size_limit:
+        shm["sizeLimit"] = cfg.shm_size_limit
+    return [
+        {"name": WORK_VOLUME, "emptyDir": {}},
+        {"name": SHM_VOLUME, "emptyDir": shm},
+        {
+            "name": TOKEN_VOLUME,
+            "secret": {
+                "secretName": token.name,
+                "items": [{"key": token.key, "path": token.key}],
+                "defaultMode": 0o444,
+            },
+        },
+    ]
+
+
+def _mounts(cfg: InjectionConfig, paired: Mapping[str, Any]) -> list[Obj]:
+    taken = {m.get("mountPath") for m in paired.get("volumeMounts") or []}
+    wanted: list[Obj] = [
+        {"name": SHM_VOLUME, "mountPath": cfg.shm_dir},
+        {"name": TOKEN_VOLUME, "mountPath": cfg.token_dir, "readOnly": True},
+    ]
+    clash = [m["mountPath"] for m in wanted if m["mountPath"] in taken]
+    if clash:
+        raise InjectionRefusedError(
+            f"container {paired.get('name')!r} already mounts {clash}: injection mounts "
+            "KubeRefit's volumes there (change the chart's sidecar.shmDir)"
+        )
+    return wanted
+
+
+def _vllm_args(container: Mapping[str, Any]) -> list[str]:
+    words = [*(container.get("command") or []), *(container.get("args") or [])]
+    wanted = {"--worker-extension-cls": VLLM_WORKER_EXTENSION, "--middleware": VLLM_MIDDLEWARE}
+    extra = []
+    for flag, value in wanted.items():
+        given = _flag_values(words, flag)
+        if value in given:
+            continue
+        if flag == "--worker-extension-cls" and given:
+            raise InjectionRefusedError(
+                f"container {container.get('name')!r} already sets --worker-extension-cls "
+                f"{given[0]}; KubeRefit needs {value} (vLLM takes one extension class)"
+            )
+        extra.append(f"{flag}={value}")
+    return extra
+
+
+def _vllm_port(container: Mapping[str, Any]) -> int:
+    words = [*(container.get("command") or []), *(container.get("args") or [])]
+    given = _flag_values(words, "--port")
+    if not given:
+        return DEFAULT_VLLM_PORT
+    if not given[-1].isdigit():
+        raise InjectionRefusedError(f"cannot read vLLM's --port {given[-1]!r}: use a number")
+    return int(given[-1])
+
+
+def _flag_values(words: Sequence[str], flag: str) -> list[str]:
+    values = []
+    for i, word in enumerate(words):
+        if word == flag and i + 1 < len(words):
+            values.append(str(words[i + 1]))
+        elif word.startswith(flag + "="):
+            values.append(word.split("=", 1)[1])
+    return values
+
+
+# -- JSON Patch helpers -------------------------------------------------------------------------
+def _pointer(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def _merge_map(parent: Mapping[str, Any], path: str, items: Mapping[str, str]) -> list[Obj]:
+    key = path.rsplit("/", 1)[1]
+    if not parent.get(key):
+        return [{"op": "add", "path": path, "value": dict(items)}]
+    return [{"op": "add", "path": f"{path}/{_pointer(k)}", "value": v} for k, v in items.items()]
+
+
+def _append(parent: Mapping[str, Any], path: str, items: list[Any]) -> list[Obj]:
+    if not items:
+        return []
+    key = path.rsplit("/", 1)[1]
+    if not parent.get(key):
+        return [{"op": "add", "path": path, "value": list(items)}]
+    return [{"op": "add", "path": f"{path}/-", "value": item} for item in items]
+
+
+def _without_names(existing: Any, wanted: list[Obj]) -> list[Obj]:
+    """`wanted` env minus names the container already sets (the user's value wins)."""
+    taken = {e.get("name") for e in existing or []}
+    return [e for e in wanted if e["name"] not in taken]
+
+
+def _env(name: str, value: str) -> Obj:
+    return {"name": name, "value": value}
+
+
+def _field_env(name: str, field_path: str) -> Obj:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def _has_container(pod: Mapping[str, Any], name: str) -> bool:
+    return any(c.get("name") == name for c in (pod.get("spec") or {}).get("containers") or [])
+
+
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+
+
+def _label_value_ok(value: str) -> bool:
+    return len(value) <= 63 and bool(_LABEL_VALUE.match(value))

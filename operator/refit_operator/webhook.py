@@ -1,0 +1,166 @@
+"""The mutating admission webhook, served by the operator over HTTPS (`--webhook-bind`).
+
+Thin on purpose: `POST /mutate-pods` parses the AdmissionReview, looks up the pod's RefitPolicy
+(for its token Secret and producer count) and answers with what the pure `injection.inject`
+decides. The API server is the only client: TLS with the chart's serving certificate (reloaded
+when the files change, so cert-manager rotations need no restart); admission requests carry
+no token (the API server authenticates to webhooks only with client certificates, which the
+chart does not configure), so this endpoint changes nothing but the admitted object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+
+from refit_operator.injection import (
+    Injection,
+    InjectionConfig,
+    PolicyFacts,
+    ReviewError,
+    inject,
+    parse_review,
+    review_response,
+    wants_injection,
+)
+from refit_operator.injection.config import TokenSecretRef
+from refit_operator.kube.api import KubeApi, NotFoundError
+from refit_operator.kube.names import POLICY
+from refit_operator.metrics import ADMISSIONS
+from refit_operator.policy_spec import SpecError, parse_spec
+
+log = structlog.get_logger("kuberefit.webhook")
+
+PATH = "/mutate-pods"
+#: The API server sends whole Pod objects; 8 MiB is far above any real one.
+MAX_REVIEW_BYTES = 8 << 20
+CERT_RELOAD_S = 60.0
+
+
+async def policy_facts(
+    api: KubeApi, namespace: str, name: str, config: InjectionConfig
+) -> tuple[PolicyFacts, list[str]]:
+    """The pod's policy as admission needs it, plus warnings when it could not be read."""
+    default = PolicyFacts(exists=False, token_secret=config.default_token_secret)
+    try:
+        obj = await api.get_policy(namespace, name)
+    except NotFoundError:
+        return default, []
+    except Exception as exc:  # any API failure: inject with the defaults, and say so
+        return default, [f"could not read RefitPolicy {name}: {exc}; used the chart defaults"]
+    try:
+        spec = parse_spec(obj.get("spec") or {})
+    except SpecError as exc:
+        return default, [f"RefitPolicy {name} is invalid ({exc}); used the chart defaults"]
+    token = TokenSecretRef(name=spec.token_secret.name, key=spec.token_secret.key)
+    return PolicyFacts(exists=True, token_secret=token, producers=spec.producers), []
+
+
+def webhook_app(api: KubeApi, config: InjectionConfig) -> web.Application:
+    async def mutate(request: web.Request) -> web.Response:
+        try:
+            admission = parse_review(await request.read())
+        except ReviewError as exc:
+            ADMISSIONS.labels("invalid").inc()
+            return web.json_response({"error": str(exc)}, status=400)
+        pod = admission.pod
+        warnings: list[str] = []
+        facts = PolicyFacts(exists=False, token_secret=config.default_token_secret)
+        creating = admission.operation == "CREATE"  # a running pod's containers are immutable
+        if creating and wants_injection(pod):
+            policy = str(((pod.get("metadata") or {}).get("annotations") or {}).get(POLICY, ""))
+            if policy:
+                facts, warnings = await policy_facts(api, admission.namespace, policy, config)
+        decision = inject(pod, config, facts) if creating else Injection()
+        decision.warnings[:0] = warnings
+        result = "denied" if decision.denied else "injected" if decision.patch else "unchanged"
+        ADMISSIONS.labels(result).inc()
+        if result != "unchanged" or decision.warnings:
+            meta = pod.get("metadata") or {}
+            log.info(
+                "webhook.admission",
+                result=result,
+                namespace=admission.namespace,
+                pod=meta.get("name") or meta.get("generateName"),
+                dry_run=admission.dry_run,
+                reason=decision.denied,
+                warnings=decision.warnings or None,
+            )
+        return web.json_response(review_response(admission.uid, decision))
+
+    app = web.Application(client_max_size=MAX_REVIEW_BYTES)
+    app.router.add_post(PATH, mutate)
+    return app
+
+
+class ServingCert:
+    """The webhook's TLS context, reloaded when tls.crt or tls.key change on disk."""
+
+    def __init__(self, cert_dir: Path) -> None:
+        self.cert, self.key = cert_dir / "tls.crt", cert_dir / "tls.key"
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._stamp = self._load()
+
+    def _load(self) -> tuple[float, float]:
+        try:
+            stamp = (self.cert.stat().st_mtime, self.key.stat().st_mtime)
+            self.context.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"--webhook-cert-dir: cannot load {self.cert} and {self.key}: {exc}"
+            ) from None
+        return stamp
+
+    def reload_if_changed(self) -> bool:
+        try:
+            stamp = (self.cert.stat().st_mtime, self.key.stat().st_mtime)
+        except OSError:
+            return False
+        if stamp == self._stamp:
+            return False
+        try:
+            self._stamp = self._load()
+        except ValueError as exc:
+            log.warning("webhook.cert_reload_failed", error=str(exc))
+            return False
+        log.info("webhook.cert_reloaded", cert=str(self.cert))
+        return True
+
+
+@dataclass
+class WebhookServer:
+    """The running HTTPS server and its certificate reloader."""
+
+    runner: web.AppRunner
+    reloader: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.reloader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.reloader
+        await self.runner.cleanup()
+
+
+async def serve_webhook(
+    api: KubeApi, config: InjectionConfig, host: str, port: int, cert_dir: Path
+) -> WebhookServer:
+    """Start the HTTPS server on host:port with the certificate in `cert_dir`."""
+    cert = ServingCert(cert_dir)
+    runner = web.AppRunner(webhook_app(api, config), access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, ssl_context=cert.context).start()
+
+    async def reload_loop() -> None:
+        while True:
+            await asyncio.sleep(CERT_RELOAD_S)
+            cert.reload_if_changed()
+
+    log.info("webhook.serving", bind=f"{host}:{port}", path=PATH)
+    return WebhookServer(runner, asyncio.get_running_loop().create_task(reload_loop()))

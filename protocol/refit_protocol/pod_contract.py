@@ -1,0 +1,23 @@
+"""What an injected pod's containers agree on: the environment the admission webhook writes
+(`refit_operator.injection`) and the sidecars and vLLM extensions read (`refit_sidecar`).
+
+One home for these names, so the control plane never imports the data plane to name it.
+"""
+
+from __future__ import annotations
+
+#: The sidecar's whole settings as JSON (a ReceiverConfig or ProducerProcessConfig), used by
+#: `kuberefit receiver serve` / `kuberefit producer serve` when no `--config` file is given.
+CONFIG_ENV = "KUBEREFIT_CONFIG"
+#: The mounted token file (the policy's Secret); every KubeRefit process reads it.
+TOKEN_FILE_ENV = "KUBEREFIT_TOKEN_FILE"  # noqa: S105 - the name of a variable, not a secret
+#: The downward API: this pod's name and IP (the sidecars bind the pod IP).
+POD_NAME_ENV, POD_IP_ENV = "KUBEREFIT_POD_NAME", "KUBEREFIT_POD_IP"
+#: For the trainer container: its sidecar's producer URL and the shared-memory inbox.
+PRODUCER_URL_ENV, INBOX_ENV = "KUBEREFIT_PRODUCER_URL", "KUBEREFIT_INBOX"
+#: json | console (default: json inside a pod or when stderr is not a terminal).
+LOG_FORMAT_ENV = "KUBEREFIT_LOG_FORMAT"
+
+#: vLLM options that load the worker extension and the guarded refit control path.
+VLLM_WORKER_EXTENSION = "refit_sidecar.vllm.worker_extension.RefitWorkerExtension"
+VLLM_MIDDLEWARE = "refit_sidecar.vllm.control_path.RefitControlMiddleware"

@@ -1,0 +1,289 @@
+"""A kubelet stand-in: runs the containers of a Pod *as stored by the API server* as local
+processes (the harness has no kubelet, no container runtime and no controllers).
+
+What a kubelet would do, done here: `valueFrom` env (downward-API fields, Secret and ConfigMap
+keys), `$(VAR)` expansion in env values, command and args; volumes materialized as local
+directories (emptyDir — memory-backed ones under /dev/shm —, Secret and ConfigMap files,
+hostPath as is) and the pod's status written back (Running, its IP, container statuses). A
+container sees its volumes at their local directories: every absolute path in its command,
+args and env that starts with a mountPath is rewritten to the volume's directory (the stand-in
+for a mount namespace). Each pod gets its own loopback address (127.0.0.x) as its pod IP, so
+pods can bind the same container ports side by side.
+
+The image is not run: `command[0]` is looked up in `executables` (e.g. `kuberefit` and `vllm`
+from this virtual environment, `python` as this interpreter).
+
+`create_from_template` is the ReplicaSet/StatefulSet controller's part: it creates a Pod from a
+workload's template through the API server, so admission webhooks see it as in a cluster.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from refit_tools.local.procs import ManagedProcess
+
+VENV_BIN = Path(sys.executable).parent
+DEFAULT_EXECUTABLES = {
+    "kuberefit": str(VENV_BIN / "kuberefit"),
+    "vllm": str(VENV_BIN / "vllm"),
+    "python": sys.executable,
+    "python3": sys.executable,
+}
+#: Environment the "image" provides; KubeRefit settings come only from the pod spec.
+_DROPPED_ENV = re.compile(r"^(KUBEREFIT_|VLLM_SERVER_DEV_MODE$|KUBECONFIG$)")
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+_ips = itertools.count(20)
+
+
+def next_pod_ip() -> str:
+    """A fresh loopback address for one pod (127.0.0.20, .21, ...)."""
+    return f"127.0.0.{next(_ips)}"
+
+
+@dataclass
+class LocalPod:
+    """One running pod: its IP, local volume directories and container processes."""
+
+    namespace: str
+    name: str
+    uid: str
+    ip: str
+    volumes: dict[str, Path]
+    processes: dict[str, ManagedProcess] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.processes.values())):
+            proc.stop()
+        for path in self.volumes.values():
+            if str(path).startswith("/dev/shm/"):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+class LocalKubelet:
+    """Runs stored Pods locally (see the module docstring)."""
+
+    def __init__(
+        self,
+        api_client: Any,
+        root: Path,
+        *,
+        executables: Mapping[str, str] | None = None,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> None:
+        from kubernetes import client
+
+        self.core = client.CoreV1Api(api_client)
+        self.root = root
+        self.executables = {**DEFAULT_EXECUTABLES, **(executables or {})}
+        self.extra_env = dict(extra_env or {})
+        self.pods: list[LocalPod] = []
+
+    # -- the controllers' part ------------------------------------------------------------------
+    def create_from_template(
+        self, namespace: str, template: Mapping[str, Any], generate_name: str, **meta: Any
+    ) -> dict[str, Any]:
+        """Create a Pod from a workload's pod template (admission runs); returns it as stored."""
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                **dict(template.get("metadata") or {}),
+                "generateName": generate_name,
+                **meta,
+            },
+            "spec": template["spec"],
+        }
+        pod = self.core.create_namespaced_pod(namespace, body)
+        return dict(self.core.api_client.sanitize_for_serialization(pod))
+
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        pod = self.core.read_namespaced_pod(name, namespace)
+        return dict(self.core.api_client.sanitize_for_serialization(pod))
+
+    # -- the kubelet's part ---------------------------------------------------------------------
+    def run(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        only: list[str] | None = None,
+        ready: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 120,
+    ) -> LocalPod:
+        """Start the pod's containers (`only`: these names) in spec order and mark it Running.
+
+        `ready[c]`, a callable taking the LocalPod, is waited for after starting container c.
+        `env` is added to every container (e.g. KUBECONFIG standing in for the service account
+        token a kubelet would mount).
+        """
+        pod = self.get(namespace, name)
+        meta, spec = pod["metadata"], pod["spec"]
+        local = LocalPod(namespace, name, meta["uid"], next_pod_ip(), {})
+        self.pods.append(local)
+        self.set_status(local, [c["name"] for c in spec["containers"]])
+        local.volumes = self._volumes(pod)
+        for container in spec["containers"]:
+            if only is not None and container["name"] not in only:
+                continue
+            proc = self._process(pod, local, container, env or {})
+            local.processes[container["name"]] = proc
+            proc.launch()
+            check = (ready or {}).get(container["name"])
+            if check is not None:
+                proc.wait_ready(lambda check=check: bool(check(local)), timeout=timeout)
+        return local
+
+    def set_status(self, local: LocalPod, containers: list[str], restarts: int = 0) -> None:
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        status = {
+            "phase": "Running",
+            "podIP": local.ip,
+            "podIPs": [{"ip": local.ip}],
+            "containerStatuses": [
+                {
+                    "name": c,
+                    "ready": True,
+                    "restartCount": restarts,
+                    "image": "local",
+                    "imageID": "",
+                    "state": {"running": {"startedAt": now}},
+                }
+                for c in containers
+            ],
+        }
+        self.core.patch_namespaced_pod_status(local.name, local.namespace, {"status": status})
+
+    def stop(self) -> None:
+        for pod in reversed(self.pods):
+            pod.stop()
+
+    # -- volumes --------------------------------------------------------------------------------
+    def _volumes(self, pod: Mapping[str, Any]) -> dict[str, Path]:
+        meta = pod["metadata"]
+        base = self.root / f"{meta['name']}-{meta['uid'][:8]}"
+        out: dict[str, Path] = {}
+        for vol in pod["spec"].get("volumes") or []:
+            name = vol["name"]
+            if "hostPath" in vol:
+                out[name] = Path(vol["hostPath"]["path"])
+                continue
+            if (vol.get("emptyDir") or {}).get("medium") == "Memory":
+                path = Path("/dev/shm") / f"kuberefit-test-{meta['uid'][:8]}-{name}"
+            else:
+                path = base / "volumes" / name
+            path.mkdir(parents=True, exist_ok=True)
+            if "secret" in vol:
+                self._project(path, vol["secret"], self._secret(meta, vol["secret"]["secretName"]))
+            elif "configMap" in vol:
+                self._project(path, vol["configMap"], self._config_map(meta, vol["configMap"]))
+            elif "emptyDir" not in vol:
+                raise NotImplementedError(f"volume {name}: only emptyDir/secret/configMap/hostPath")
+            out[name] = path
+        return out
+
+    @staticmethod
+    def _project(path: Path, source: Mapping[str, Any], data: Mapping[str, bytes]) -> None:
+        items = source.get("items") or [{"key": k, "path": k} for k in data]
+        for item in items:
+            target = path / item["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data[item["key"]])
+            target.chmod(0o600)
+
+    def _secret(self, meta: Mapping[str, Any], name: str) -> dict[str, bytes]:
+        secret = self.core.read_namespaced_secret(name, meta["namespace"])
+        return {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+
+    def _config_map(self, meta: Mapping[str, Any], source: Mapping[str, Any]) -> dict[str, bytes]:
+        cm = self.core.read_namespaced_config_map(source["name"], meta["namespace"])
+        return {k: v.encode() for k, v in (cm.data or {}).items()}
+
+    # -- containers -----------------------------------------------------------------------------
+    def _process(
+        self,
+        pod: Mapping[str, Any],
+        local: LocalPod,
+        container: Mapping[str, Any],
+        extra: Mapping[str, str],
+    ) -> ManagedProcess:
+        mounts = sorted(
+            (
+                (m["mountPath"].rstrip("/"), local.volumes[m["name"]] / m.get("subPath", ""))
+                for m in container.get("volumeMounts") or []
+            ),
+            key=lambda pair: -len(pair[0]),
+        )
+
+        targets = {path: str(local_dir).rstrip("/") for path, local_dir in mounts}
+        pattern = re.compile(
+            r"(?<![\w/.-])(" + "|".join(re.escape(path) for path, _ in mounts) + r")(?=$|[/\"'\s,])"
+        )
+
+        def remap(text: str) -> str:
+            """Mount paths -> local directories, in one pass (a result is never remapped)."""
+            if not mounts:
+                return text
+            return pattern.sub(lambda m: targets[m[1]], text)
+
+        env = self._env(pod, local, container)
+        words = [
+            _expand(str(w), env)
+            for w in [*(container.get("command") or []), *(container.get("args") or [])]
+        ]
+        if not words:
+            raise ValueError(f"container {container['name']}: no command (images are not run)")
+        words = [remap(w) for w in words]
+        words[0] = self.executables.get(words[0], words[0])
+        base = {k: v for k, v in os.environ.items() if not _DROPPED_ENV.match(k)}
+        full_env = {**base, **self.extra_env, **extra, **{k: remap(v) for k, v in env.items()}}
+        return ManagedProcess(
+            f"{local.name}/{container['name']}",
+            words,
+            self.root / f"{local.name}-{container['name']}.log",
+            env=full_env,
+        )
+
+    def _env(
+        self, pod: Mapping[str, Any], local: LocalPod, container: Mapping[str, Any]
+    ) -> dict[str, str]:
+        meta = pod["metadata"]
+        fields = {
+            "metadata.name": meta["name"],
+            "metadata.namespace": meta["namespace"],
+            "metadata.uid": meta["uid"],
+            "status.podIP": local.ip,
+            "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default"),
+        }
+        env: dict[str, str] = {}
+        for item in container.get("env") or []:
+            source = item.get("valueFrom")
+            if source is None:
+                env[item["name"]] = _expand(str(item.get("value", "")), env)
+            elif "fieldRef" in source:
+                env[item["name"]] = fields[source["fieldRef"]["fieldPath"]]
+            elif "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                env[item["name"]] = self._secret(meta, ref["name"])[ref["key"]].decode()
+            elif "configMapKeyRef" in source:
+                ref = source["configMapKeyRef"]
+                env[item["name"]] = self._config_map(meta, ref)[ref["key"]].decode()
+            else:
+                raise NotImplementedError(f"env {item['name']}: {sorted(source)}")
+        return env
+
+
+def _expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: defined variables are replaced, others left as written."""
+    return _VAR.sub(lambda m: env.get(m[1], m[0]), text)

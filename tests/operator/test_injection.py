@@ -1,0 +1,240 @@
+"""The injection patch builder and the AdmissionReview codec (pure; the API server's own call
+to the webhook is exercised by tests/test_helm_journey.py).
+
+Patches are applied with `jsonpatch` (RFC 6902) exactly as the API server applies them, and the
+injected settings are validated by the sidecars' own config models after `$(VAR)` expansion.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import re
+from typing import Any
+
+import jsonpatch
+import pytest
+
+from refit_operator.injection import (
+    InjectionConfig,
+    PolicyFacts,
+    ReviewError,
+    inject,
+    parse_review,
+    review_response,
+)
+from refit_operator.injection.config import TokenSecretRef
+from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
+from refit_sidecar.producer.main import ProducerProcessConfig
+from refit_sidecar.receiver.config import ReceiverConfig
+
+CFG = InjectionConfig()
+POLICY = PolicyFacts(exists=True, token_secret=TokenSecretRef(name="alpha-token"), producers=2)
+
+
+def _pod(role: str | None, containers: list[dict[str, Any]] | None = None, **meta: Any) -> Any:
+    annotations = {} if role is None else {"kuberefit.io/inject": role, "kuberefit.io/policy": "a"}
+    annotations |= meta.pop("annotations", {})
+    return {
+        "metadata": {"generateName": "p-", "annotations": annotations, **meta},
+        "spec": {
+            "containers": containers
+            or [
+                {
+                    "name": "vllm",
+                    "image": "vllm/vllm-openai",
+                    "args": ["--model", "/m", "--port", "8123"],
+                }
+            ]
+        },
+    }
+
+
+def _applied(pod: Any, policy: PolicyFacts = POLICY) -> Any:
+    result = inject(pod, CFG, policy)
+    assert result.denied is None, result.denied
+    return jsonpatch.apply_patch(pod, result.patch)
+
+
+def _sidecar(pod: Any) -> dict[str, Any]:
+    (sidecar,) = [c for c in pod["spec"]["containers"] if c["name"] == "kuberefit-sidecar"]
+    return dict(sidecar)
+
+
+def _expand_env(container: dict[str, Any], fields: dict[str, str]) -> dict[str, str]:
+    """What the kubelet does: downward-API fields, then $(VAR) from earlier variables."""
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "valueFrom" in e:
+            env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), str(e["value"]))
+    return env
+
+
+FIELDS = {"metadata.name": "p-abc", "status.podIP": "10.1.2.3"}
+
+
+def test_pods_that_did_not_opt_in_are_never_changed() -> None:
+    for pod in (_pod(None), _pod(None, annotations={"kuberefit.io/policy": "a"})):
+        assert inject(pod, CFG, POLICY).patch == []
+
+
+def test_rollout_injection_is_complete_and_valid() -> None:
+    pod = _applied(_pod("rollout"))
+    meta = pod["metadata"]
+    assert meta["annotations"]["kuberefit.io/injected"] == "rollout"
+    assert meta["labels"] == {"kuberefit.io/role": "rollout", "kuberefit.io/policy": "a"}
+    sidecar = _sidecar(pod)
+    assert sidecar["command"] == ["kuberefit", "receiver", "serve"]
+    assert {p["name"]: p["containerPort"] for p in sidecar["ports"]} == {
+        "refit-control": 8470,
+        "refit-relay": 8472,
+    }
+    env = _expand_env(sidecar, FIELDS)
+    settings = ReceiverConfig.model_validate_json(env["KUBEREFIT_CONFIG"])
+    assert (settings.node, settings.host, settings.port) == ("p-abc", "10.1.2.3", 8470)
+    assert settings.relay is not None
+    assert settings.relay.bind == "tcp://10.1.2.3:8472"
+    assert settings.applier.vllm_url == "http://127.0.0.1:8123"  # read from vLLM's --port
+    assert str(settings.applier.shm_dir) == CFG.shm_dir
+    assert env["KUBEREFIT_TOKEN_FILE"] == "/etc/kuberefit/token/token"
+    vllm = pod["spec"]["containers"][0]
+    assert vllm["args"][-2:] == [
+        f"--worker-extension-cls={VLLM_WORKER_EXTENSION}",
+        f"--middleware={VLLM_MIDDLEWARE}",
+    ]
+    assert {m["mountPath"] for m in vllm["volumeMounts"]} == {CFG.shm_dir, CFG.token_dir}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["kuberefit-token"]["secret"]["secretName"] == "alpha-token"
+    assert volumes["kuberefit-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert "VLLM_SERVER_DEV_MODE" not in json.dumps(pod)
+
+
+def test_injection_happens_once() -> None:
+    once = _applied(_pod("rollout"))
+    assert inject(once, CFG, POLICY).patch == []  # reinvocation, or a second admission
+    by_hand = _pod("rollout")
+    by_hand["spec"]["containers"].append({"name": "kuberefit-sidecar", "image": "x"})
+    assert inject(by_hand, CFG, POLICY).patch == []
+
+
+def test_trainer_injection_feeds_the_publisher() -> None:
+    trainer = {"name": "train", "image": "t", "env": [{"name": "A", "value": "1"}]}
+    pod = _applied(
+        _pod(
+            "trainer",
+            [trainer, {"name": "other", "image": "o"}],
+            labels={"statefulset.kubernetes.io/pod-name": "trainer-1"},
+        )
+    )
+    sidecar = _sidecar(pod)
+    assert sidecar["command"] == ["kuberefit", "producer", "serve"]
+    settings = ProducerProcessConfig.model_validate_json(
+        _expand_env(sidecar, FIELDS)["KUBEREFIT_CONFIG"]
+    )
+    assert (settings.producer, settings.producers, settings.port) == (1, 2, 8471)
+    assert settings.staging is not None
+    assert str(settings.staging.inbox) == f"{CFG.shm_dir}/inbox"
+    env = _expand_env(pod["spec"]["containers"][0], FIELDS)
+    assert env["A"] == "1"  # the user's env is kept, ours appended
+    assert env["KUBEREFIT_PRODUCER_URL"] == "http://10.1.2.3:8471"
+    assert env["KUBEREFIT_INBOX"] == f"{CFG.shm_dir}/inbox"
+    assert "volumeMounts" not in pod["spec"]["containers"][1]  # only the paired container
+
+
+def test_reference_checkpoint_mount_is_shared_read_only() -> None:
+    trainer = {
+        "name": "train",
+        "image": "t",
+        "volumeMounts": [{"name": "ckpt", "mountPath": "/ckpt"}],
+    }
+    pod = _pod("trainer", [trainer], annotations={"kuberefit.io/reference-checkpoint": "/ckpt/v0"})
+    sidecar = _sidecar(_applied(pod))
+    assert {"name": "ckpt", "mountPath": "/ckpt", "readOnly": True} in sidecar["volumeMounts"]
+    settings = json.loads(_expand_env(sidecar, FIELDS)["KUBEREFIT_CONFIG"])
+    assert settings["staging"]["reference_checkpoint"] == "/ckpt/v0"
+
+
+@pytest.mark.parametrize(
+    ("pod", "says"),
+    [
+        (_pod("rollout", annotations={"kuberefit.io/container": "nope"}), "'nope'"),
+        (
+            _pod(
+                "rollout",
+                [{"name": "v", "image": "v", "args": ["--worker-extension-cls", "my.Ext"]}],
+            ),
+            "my.Ext",
+        ),
+        (_pod("trainer", annotations={"kuberefit.io/producer-index": "5"}), "spec.producers=2"),
+        (_pod("trainer", annotations={"kuberefit.io/producer-index": "x"}), "non-negative"),
+        (
+            _pod("trainer", annotations={"kuberefit.io/reference-checkpoint": "/elsewhere"}),
+            "not under any volume mount",
+        ),
+    ],
+)
+def test_what_cannot_be_injected_is_refused_with_the_fix(pod: Any, says: str) -> None:
+    before = copy.deepcopy(pod)
+    result = inject(pod, CFG, POLICY)
+    assert result.patch == []
+    assert result.denied is not None
+    assert says in result.denied
+    assert pod == before
+
+
+def test_own_extension_flags_are_not_repeated() -> None:
+    args = [f"--worker-extension-cls={VLLM_WORKER_EXTENSION}", "--middleware", VLLM_MIDDLEWARE]
+    pod = _applied(_pod("rollout", [{"name": "v", "image": "v", "args": args}]))
+    assert pod["spec"]["containers"][0]["args"] == args
+
+
+def test_unknown_role_and_missing_policy_are_warned_not_injected() -> None:
+    assert inject(_pod("sidekick"), CFG, POLICY).warnings
+    assert inject(_pod("sidekick"), CFG, POLICY).patch == []
+    missing = inject(_pod("rollout"), CFG, PolicyFacts(False, CFG.default_token_secret))
+    assert missing.patch
+    assert "does not exist yet" in missing.warnings[0]
+
+
+def _review(obj: Any, **request: Any) -> bytes:
+    body = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {"uid": "u1", "kind": {"kind": "Pod"}, "object": obj, **request},
+    }
+    return json.dumps(body).encode()
+
+
+def test_review_round_trip() -> None:
+    admission = parse_review(_review(_pod("rollout"), namespace="ns", dryRun=True))
+    assert (admission.uid, admission.namespace, admission.dry_run) == ("u1", "ns", True)
+    answer = review_response("u1", inject(admission.pod, CFG, POLICY))["response"]
+    assert answer["allowed"]
+    assert answer["patchType"] == "JSONPatch"
+    patch = json.loads(base64.b64decode(answer["patch"]))
+    assert jsonpatch.apply_patch(admission.pod, patch)["metadata"]["annotations"][
+        "kuberefit.io/injected"
+    ]
+    empty = _pod("trainer")
+    empty["spec"]["containers"] = []
+    refused = review_response("u2", inject(empty, CFG, POLICY))
+    assert refused["response"]["allowed"] is False
+    assert "no containers" in refused["response"]["status"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"[]",
+        json.dumps({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1beta1"}).encode(),
+        _review({"metadata": {}}, uid=""),
+        _review({"metadata": {}}, kind={"kind": "Service"}),
+    ],
+)
+def test_malformed_reviews_are_refused(body: bytes) -> None:
+    with pytest.raises(ReviewError):
+        parse_review(body)

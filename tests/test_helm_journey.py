@@ -1,0 +1,446 @@
+"""The user's journey on a cluster, on the harness's real API server: `helm install`, pods that
+carry only the opt-in annotations, injection by the API server's call to the webhook, `kubectl
+apply` of a RefitPolicy, three bit-exact transitions seen through `kubectl get`, then
+`helm upgrade` and `helm uninstall`.
+
+There is no kubelet and no controller manager: `LocalKubelet` creates the workloads' pods from
+their templates through the API server (so admission runs as in a cluster) and runs the
+containers *as stored* — the chart's operator Deployment under its service account, the
+injected sidecars, vLLM with the arguments injection appended — as local processes, each pod on
+its own loopback address.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import psutil
+import pytest
+import yaml
+from kubernetes import client
+
+from refit_tools.local.nodes import vllm_rpc
+from refit_tools.local.procs import free_ports, http_ok
+from refit_tools.tiny_models import write_tiny_model
+from tests.harness.kube import KubeCluster
+from tests.harness.kubelet import LocalKubelet, LocalPod
+from tests.harness.operator_env import wait_for
+
+pytestmark = pytest.mark.timeout(1200)
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "kuberefit"
+RELEASE = "kuberefit"
+VERSIONS = 3
+
+
+class Journey:
+    """One install of the chart and the pods of one RefitPolicy (`alpha`)."""
+
+    def __init__(self, kube: KubeCluster, root: Path) -> None:
+        self.kube, self.root = kube, root
+        suffix = secrets.token_hex(3)
+        self.system, self.ns = f"kuberefit-system-{suffix}", f"rl-{suffix}"
+        self.api = kube.api_client()
+        self.core = client.CoreV1Api(self.api)
+        self.apps = client.AppsV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+        self.kubelet = LocalKubelet(self.api, root / "pods")
+        self.helm = helm_python.Config(kubeconfig_path=kube.kubeconfig, namespace=self.system)
+        self.token = secrets.token_hex(16)
+        self.ckpt = root / "checkpoints"
+        self.webhook_port, self.metrics_port = free_ports(2)
+        self.operator: LocalPod | None = None
+        self.started = time.time()
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def values(self) -> dict[str, Any]:
+        return {
+            "webhook": {
+                "url": f"https://127.0.0.1:{self.webhook_port}",
+                "port": self.webhook_port,
+                "certIPs": ["127.0.0.1"],
+                "namespaceSelector": {"matchLabels": {"kuberefit-journey": self.ns}},
+            },
+            "operator": {
+                "watchNamespaces": [self.ns],
+                "metricsPort": self.metrics_port,
+                "leaseSeconds": 5,
+                "pollSeconds": 0.2,
+            },
+        }
+
+    def setup(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_tiny_model(self.ckpt / "v0", "qwen3", seed=3)
+        for name, labels in ((self.system, {}), (self.ns, {"kuberefit-journey": self.ns})):
+            self.core.create_namespace({"metadata": {"name": name, "labels": labels}})
+        self.core.create_namespaced_secret(
+            self.ns,
+            {
+                "metadata": {"name": "kuberefit-token", "labels": {"kuberefit.io/token": "true"}},
+                "stringData": {"token": self.token},
+            },
+        )
+
+    def kubectl(self, *args: str) -> str:
+        return self.kube.kubectl(*args)
+
+    def apply(self, obj: dict[str, Any], *extra: str) -> str:
+        path = self.root / f"{obj['kind'].lower()}-{secrets.token_hex(3)}.yaml"
+        path.write_text(yaml.safe_dump(obj))
+        return self.kubectl("apply", "-n", self.ns, "-f", str(path), *extra)
+
+    # -- the operator, as the chart's Deployment runs it ----------------------------------------
+    def start_operator(self) -> LocalPod:
+        (deployment,) = self.apps.list_namespaced_deployment(self.system).items
+        template = self.api.sanitize_for_serialization(deployment.spec.template)
+        pod = self.kubelet.create_from_template(self.system, template, "kuberefit-operator-")
+        sa = template["spec"]["serviceAccountName"]
+        kubeconfig = self.kube.service_account_kubeconfig(
+            self.system, sa, self.root / f"sa-{pod['metadata']['name']}.kubeconfig"
+        )
+        self.operator = self.kubelet.run(
+            self.system,
+            pod["metadata"]["name"],
+            env={"KUBECONFIG": str(kubeconfig)},
+            ready={"operator": lambda p: http_ok(f"http://{p.ip}:{self.metrics_port}/readyz")},
+        )
+        return self.operator
+
+    def admissions(self, result: str) -> float:
+        """The operator's kuberefit_webhook_admissions_total{result} (its /metrics, with the
+        chart's metrics token)."""
+        assert self.operator is not None
+        token = (self.operator.volumes["metrics-token"] / "token").read_text().strip()
+        import urllib.request
+
+        req = urllib.request.Request(
+            f"http://{self.operator.ip}:{self.metrics_port}/metrics",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            text = resp.read().decode()
+        found = re.search(
+            rf'^kuberefit_webhook_admissions_total{{result="{result}"}} (\S+)$', text, re.M
+        )
+        return float(found.group(1)) if found else 0.0
+
+    # -- workloads, as a user writes them ---------------------------------------------------------
+    def trainer_deployment(self) -> dict[str, Any]:
+        config = {
+            "checkpoints": str(self.ckpt),
+            "workdir": "/work",
+            "steps": VERSIONS,
+            "seed": 3,
+        }
+        self.core.create_namespaced_config_map(
+            self.ns,
+            {"metadata": {"name": "trainer-config"}, "data": {"trainer.json": json.dumps(config)}},
+        )
+        template = {
+            "metadata": {
+                "labels": {"app": "alpha-trainer"},
+                "annotations": {"kuberefit.io/inject": "trainer", "kuberefit.io/policy": "alpha"},
+            },
+            "spec": {
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "image": "example/trainer",
+                        "command": ["python", "-m", "refit_tools.local.trainer_node"],
+                        "args": ["--config", "/etc/trainer/trainer.json"],
+                        "volumeMounts": [
+                            {"name": "config", "mountPath": "/etc/trainer"},
+                            {"name": "work", "mountPath": "/work"},
+                            {"name": "checkpoints", "mountPath": str(self.ckpt)},
+                        ],
+                    }
+                ],
+                "volumes": [
+                    {"name": "config", "configMap": {"name": "trainer-config"}},
+                    {"name": "work", "emptyDir": {}},
+                    {"name": "checkpoints", "hostPath": {"path": str(self.ckpt)}},
+                ],
+            },
+        }
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "alpha-trainer"},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": {"app": "alpha-trainer"}},
+                "template": template,
+            },
+        }
+
+    def vllm_pod(self, name: str, port: int, annotated: bool = True) -> dict[str, Any]:
+        annotations = (
+            {"kuberefit.io/inject": "rollout", "kuberefit.io/policy": "alpha"} if annotated else {}
+        )
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "labels": {"app": "alpha-rollout"},
+                "annotations": annotations,
+            },
+            "spec": {
+                "containers": [
+                    {
+                        "name": "vllm",
+                        "image": "vllm/vllm-openai-cpu",
+                        "command": ["python", "-m", "vllm.entrypoints.openai.api_server"],
+                        "args": [
+                            *("--model", str(self.ckpt / "v0"), "--host", "127.0.0.1"),
+                            *("--port", str(port), "--skip-tokenizer-init", "--enforce-eager"),
+                            *("--dtype", "bfloat16", "--max-model-len", "256"),
+                        ],
+                        "env": [
+                            {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
+                            {"name": "KUBEREFIT_VLLM_CPU_UNPACKED", "value": "1"},
+                            {"name": "VLLM_LOGGING_LEVEL", "value": "WARNING"},
+                        ],
+                        "volumeMounts": [{"name": "checkpoints", "mountPath": str(self.ckpt)}],
+                    }
+                ],
+                "volumes": [{"name": "checkpoints", "hostPath": {"path": str(self.ckpt)}}],
+            },
+        }
+
+    def policy(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "refit.kuberefit.io/v1alpha1",
+            "kind": "RefitPolicy",
+            "metadata": {"name": "alpha"},
+            "spec": {
+                "tokenSecret": {"name": "kuberefit-token"},
+                "selector": {
+                    "trainer": {"matchLabels": {"app": "alpha-trainer"}},
+                    "rollout": {"matchLabels": {"app": "alpha-rollout"}},
+                },
+                "restore": {"checkpointTemplate": str(self.ckpt / "v{version}")},
+                "controlTimeoutSeconds": 20,
+                "flushTimeoutSeconds": 60,
+                "commitTimeoutSeconds": 300,
+            },
+        }
+
+    # -- reading --------------------------------------------------------------------------------
+    def pod(self, name: str) -> dict[str, Any]:
+        return self.kubelet.get(self.ns, name)
+
+    def committed(self) -> int:
+        """The committed version (-1 until the operator created the PolicyVersion)."""
+        try:
+            pv = self.custom.get_namespaced_custom_object(
+                "refit.kuberefit.io", "v1alpha1", self.ns, "policyversions", "alpha"
+            )
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return -1
+            raise
+        return int((pv.get("status") or {}).get("version", 0))
+
+    def condition(self, kind: str) -> dict[str, Any]:
+        policy = self.custom.get_namespaced_custom_object(
+            "refit.kuberefit.io", "v1alpha1", self.ns, "refitpolicies", "alpha"
+        )
+        for cond in (policy.get("status") or {}).get("conditions") or []:
+            if cond["type"] == kind:
+                return dict(cond)
+        return {}
+
+    def events(self, name: str) -> list[str]:
+        found = self.core.list_namespaced_event(
+            self.ns, field_selector=f"involvedObject.name={name}"
+        )
+        return [str(e.reason) for e in found.items]
+
+    def stop(self) -> None:
+        self.kubelet.stop()
+
+
+def _containers(pod: dict[str, Any]) -> list[str]:
+    return [c["name"] for c in pod["spec"]["containers"]]
+
+
+def _webhook_config(journey: Journey) -> dict[str, Any]:
+    api = client.AdmissionregistrationV1Api(journey.api)
+    (config,) = [
+        c
+        for c in api.list_mutating_webhook_configuration().items
+        if any(
+            w.client_config.url and str(journey.webhook_port) in w.client_config.url
+            for w in c.webhooks
+        )
+    ]
+    return dict(journey.api.sanitize_for_serialization(config))
+
+
+def _tls(journey: Journey) -> dict[str, str]:
+    (secret,) = [
+        s
+        for s in journey.core.list_namespaced_secret(journey.system).items
+        if s.type == "kubernetes.io/tls"
+    ]
+    return dict(secret.data)
+
+
+@pytest.fixture
+def journey(refit_crds: KubeCluster, tmp_path: Path) -> Iterator[Journey]:
+    j = Journey(refit_crds, tmp_path / "journey")
+    j.setup()
+    try:
+        yield j
+    finally:
+        j.stop()
+        j.helm.uninstall(RELEASE, ignore_not_found=True)
+        j.helm.close()
+
+
+def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -> None:
+    j = journey
+    # -- helm install ---------------------------------------------------------------------------
+    release = j.helm.install(CHART, RELEASE, j.values(), namespace=j.system, timeout=60)
+    assert str(release.get("info", release).get("status")) == "deployed", sorted(release)
+    operator = j.start_operator()
+    tls_before, hook_before = _tls(j), _webhook_config(j)
+    assert hook_before["webhooks"][0]["clientConfig"]["caBundle"] == tls_before["ca.crt"]
+
+    # -- annotate: the API server's call to the webhook injects the sidecars ----------------------
+    j.apply(j.trainer_deployment())
+    deployment = j.apps.read_namespaced_deployment("alpha-trainer", j.ns)
+    template = j.api.sanitize_for_serialization(deployment.spec.template)
+    assert "kuberefit-sidecar" not in _containers(template)  # templates are not mutated
+    trainer = j.kubelet.create_from_template(j.ns, template, "alpha-trainer-")
+    assert _containers(trainer) == ["trainer", "kuberefit-sidecar"]
+    assert trainer["metadata"]["annotations"]["kuberefit.io/injected"] == "trainer"
+    assert trainer["metadata"]["labels"]["kuberefit.io/role"] == "trainer"
+    vllm_ports = free_ports(2)
+    rollouts = [f"alpha-rollout-{i}" for i in range(2)]
+    for name, port in zip(rollouts, vllm_ports, strict=True):
+        j.apply(j.vllm_pod(name, port))
+        stored = j.pod(name)
+        assert _containers(stored) == ["vllm", "kuberefit-sidecar"]
+        assert stored["spec"]["containers"][0]["args"][-2].startswith("--worker-extension-cls=")
+        assert "VLLM_SERVER_DEV_MODE" not in json.dumps(stored)
+    # Not opted in: untouched. A server-side dry run shows the injection and creates nothing.
+    j.apply(j.vllm_pod("plain", 1, annotated=False))
+    assert _containers(j.pod("plain")) == ["vllm"]
+    assert "kuberefit.io/injected" not in (j.pod("plain")["metadata"].get("annotations") or {})
+    dry = yaml.safe_load(j.apply(j.vllm_pod("dry", 1), "--dry-run=server", "-o", "yaml"))
+    assert _containers(dry) == ["vllm", "kuberefit-sidecar"]
+    assert "dry" not in [p.metadata.name for p in j.core.list_namespaced_pod(j.ns).items]
+    injected_so_far = j.admissions("injected")
+    assert injected_so_far == 4  # trainer, two rollouts, the dry run
+    # The operator's own pods are never sent to the webhook (objectSelector), even in a
+    # namespace the webhook selects.
+    j.kubelet.create_from_template(
+        j.ns,
+        j.api.sanitize_for_serialization(
+            j.apps.list_namespaced_deployment(j.system).items[0].spec.template
+        ),
+        "kuberefit-operator-extra-",
+    )
+    assert j.admissions("unchanged") == 1  # only "plain" reached it unannotated
+
+    # -- run the stored pods' containers -----------------------------------------------------------
+    for name, port in zip(rollouts, vllm_ports, strict=True):
+        j.kubelet.run(
+            j.ns,
+            name,
+            ready={
+                "vllm": lambda _p, port=port: http_ok(f"http://127.0.0.1:{port}/health"),
+                "kuberefit-sidecar": lambda p: http_ok(f"http://{p.ip}:8470/healthz"),
+            },
+            timeout=300,
+        )
+    for pod in j.kubelet.pods:
+        proc = pod.processes["vllm"].proc if "vllm" in pod.processes else None
+        if proc is None:
+            continue
+        assert "VLLM_SERVER_DEV_MODE" not in psutil.Process(proc.pid).environ()
+    j.kubelet.run(j.ns, trainer["metadata"]["name"])
+
+    # -- kubectl apply a RefitPolicy, watch transitions ------------------------------------------
+    j.apply(j.policy())
+    wait_for(f"v{VERSIONS} committed", lambda: j.committed() >= VERSIONS, timeout=400)
+    rows = j.kubectl("get", "refittransitions", "-n", j.ns, "--no-headers").splitlines()
+    assert len(rows) == VERSIONS
+    assert all(" Committed " in f" {row} " for row in rows), rows
+    # Bit-exact: both nodes hold the same bits, and a dense load of v3 changes none of them.
+    want = [vllm_rpc(f"http://127.0.0.1:{p}", j.token, "refit_fingerprint") for p in vllm_ports]
+    assert want[0] == want[1]
+    vllm_rpc(
+        f"http://127.0.0.1:{vllm_ports[1]}",
+        j.token,
+        "refit_dense_load",
+        str(j.ckpt / f"v{VERSIONS}"),
+    )
+    assert vllm_rpc(f"http://127.0.0.1:{vllm_ports[1]}", j.token, "refit_fingerprint") == want[0]
+    listed = j.kubectl("get", "kuberefit", "-n", j.ns)
+    for kind in (
+        "refitpolicy.refit.kuberefit.io/alpha",
+        "policyversion.refit.kuberefit.io/alpha",
+        f"refittransition.refit.kuberefit.io/alpha-v{VERSIONS:06d}",
+    ):
+        assert kind in listed, listed
+    described = j.kubectl("describe", "refittransition", f"alpha-v{VERSIONS:06d}", "-n", j.ns)
+    assert "Phase:" in described
+    assert "Committed" in described
+    assert "Events:" in described
+    assert "Committed" in described.split("Events:")[1]
+
+    # -- the operator is down: failurePolicy Ignore admits the pod uninjected; it is reported ----
+    operator.stop()
+    j.apply(j.vllm_pod("missed", 1))
+    assert _containers(j.pod("missed")) == ["vllm"]
+    j.start_operator()
+    wait_for("NotInjected event", lambda: "NotInjected" in j.events("missed"), timeout=60)
+    cond = wait_for(
+        "SidecarsInjected=False",
+        lambda: (c := j.condition("SidecarsInjected")).get("status") == "False" and c,
+        timeout=60,
+    )
+    assert "missed" in cond["message"]
+    j.core.delete_namespaced_pod("missed", j.ns, grace_period_seconds=0)
+
+    # -- helm upgrade: same CA, same caBundle; injection keeps working ----------------------------
+    upgraded = j.values()
+    upgraded["sidecar"] = {"resources": {"requests": {"cpu": "2", "memory": "1Gi"}}}
+    j.helm.upgrade(CHART, RELEASE, upgraded, namespace=j.system, timeout=60)
+    assert _tls(j) == tls_before
+    assert _webhook_config(j)["webhooks"][0]["clientConfig"]["caBundle"] == tls_before["ca.crt"]
+    dry = yaml.safe_load(j.apply(j.vllm_pod("dry2", 1), "--dry-run=server", "-o", "yaml"))
+    assert _containers(dry) == ["vllm", "kuberefit-sidecar"]
+
+    # -- helm uninstall: pods can still be created; CRDs and objects stay -------------------------
+    assert j.operator is not None
+    j.operator.stop()  # what deleting the Deployment does to its pod (first: no RBAC race)
+    j.helm.uninstall(RELEASE, timeout=60)
+    j.apply(j.vllm_pod("after", 1))
+    assert _containers(j.pod("after")) == ["vllm"]
+    assert j.committed() == VERSIONS
+    assert len(j.kubectl("get", "refittransitions", "-n", j.ns, "--no-headers").splitlines()) == 3
+    # The chart's RBAC was enough: the API server refused its service account nothing.
+    denied = [
+        e
+        for e in j.kube.audit_events()
+        if e.get("responseStatus", {}).get("code") == 403
+        and str(e.get("user", {}).get("username", "")).startswith(
+            f"system:serviceaccount:{j.system}:"
+        )
+    ]
+    assert denied == [], [(e["verb"], e["requestURI"]) for e in denied]
+    assert base64.b64decode(tls_before["ca.crt"]).startswith(b"-----BEGIN CERTIFICATE-----")
