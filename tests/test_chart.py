@@ -233,7 +233,8 @@ def test_webhook_configuration_and_self_signed_tls(chart: helm_python.Chart) -> 
     ]
     assert hook["namespaceSelector"] == {
         "matchExpressions": [
-            {"key": "kuberefit.io/injection", "operator": "NotIn", "values": ["disabled"]}
+            {"key": "kuberefit.io/injection", "operator": "NotIn", "values": ["disabled"]},
+            {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system"]},
         ]
     }
     assert hook["objectSelector"] == {"matchExpressions": [OPERATOR_EXCLUSION]}
@@ -442,11 +443,13 @@ def test_full_values(chart: helm_python.Chart) -> None:
         ]
         relay = out.get("NetworkPolicy", "kuberefit-relay", ns)["spec"]
         assert relay["podSelector"] == kuberefit_pods
-        [rule] = relay["ingress"]
-        assert rule["ports"] == [{"port": "refit-relay", "protocol": "TCP"}]
-        assert rule["from"] == [
-            {"podSelector": kuberefit_pods},
-            {"ipBlock": {"cidr": "10.0.0.0/8"}},
+        # KubeRefit pods of the namespace: every port; relayFrom peers: the relay port only.
+        assert relay["ingress"] == [
+            {"from": [{"podSelector": kuberefit_pods}]},
+            {
+                "ports": [{"port": "refit-relay", "protocol": "TCP"}],
+                "from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}],
+            },
         ]
         open_ports = out.get("NetworkPolicy", "kuberefit-open-ports", ns)["spec"]
         assert open_ports["podSelector"] == kuberefit_pods
@@ -541,3 +544,10 @@ def test_schema_covers_every_value(chart: helm_python.Chart) -> None:
             node = resolve(node)
             assert key in node.get("properties", {}), f"values.schema.json lacks {path}"
             node = node["properties"][key]
+
+
+def test_an_existing_service_account_must_be_named(chart: helm_python.Chart) -> None:
+    with pytest.raises(helm_python.HelmError, match=r"serviceAccount\.name is required"):
+        render(chart, {"serviceAccount": {"create": False}})
+    out = render(chart, {"serviceAccount": {"create": False, "name": "ops"}})
+    assert out.kinds("ServiceAccount") == []

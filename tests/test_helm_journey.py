@@ -12,7 +12,6 @@ its own loopback address.
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import secrets
@@ -38,7 +37,6 @@ pytestmark = pytest.mark.timeout(1200)
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "kuberefit"
-RELEASE = "kuberefit"
 VERSIONS = 3
 
 
@@ -49,6 +47,9 @@ class Journey:
         self.kube, self.root = kube, root
         suffix = secrets.token_hex(3)
         self.system, self.ns = f"kuberefit-system-{suffix}", f"rl-{suffix}"
+        # A release name of its own: cluster-scoped objects (ClusterRole, webhook configuration)
+        # are named after it, and other tests share this API server.
+        self.release = f"journey-{suffix}"
         self.api = kube.api_client()
         self.core = client.CoreV1Api(self.api)
         self.apps = client.AppsV1Api(self.api)
@@ -83,13 +84,16 @@ class Journey:
         write_tiny_model(self.ckpt / "v0", "qwen3", seed=3)
         for name, labels in ((self.system, {}), (self.ns, {"kuberefit-journey": self.ns})):
             self.core.create_namespace({"metadata": {"name": name, "labels": labels}})
-        self.core.create_namespaced_secret(
-            self.ns,
-            {
-                "metadata": {"name": "kuberefit-token", "labels": {"kuberefit.io/token": "true"}},
-                "stringData": {"token": self.token},
-            },
-        )
+        # The chart's default Secret (pods created before their policy get it) and the
+        # policy's own, with the same token: pods created once the policy exists get the latter.
+        for secret in ("kuberefit-token", "alpha-token"):
+            self.core.create_namespaced_secret(
+                self.ns,
+                {
+                    "metadata": {"name": secret, "labels": {"kuberefit.io/token": "true"}},
+                    "stringData": {"token": self.token},
+                },
+            )
 
     def kubectl(self, *args: str) -> str:
         return self.kube.kubectl(*args)
@@ -115,6 +119,11 @@ class Journey:
             ready={"operator": lambda p: http_ok(f"http://{p.ip}:{self.metrics_port}/readyz")},
         )
         return self.operator
+
+    def operator_checksums(self) -> dict[str, str]:
+        (deployment,) = self.apps.list_namespaced_deployment(self.system).items
+        annotations = deployment.spec.template.metadata.annotations or {}
+        return {k: v for k, v in annotations.items() if k.startswith("checksum/")}
 
     def admissions(self, result: str) -> float:
         """The operator's kuberefit_webhook_admissions_total{result} (its /metrics, with the
@@ -224,7 +233,7 @@ class Journey:
             "kind": "RefitPolicy",
             "metadata": {"name": "alpha"},
             "spec": {
-                "tokenSecret": {"name": "kuberefit-token"},
+                "tokenSecret": {"name": "alpha-token"},
                 "selector": {
                     "trainer": {"matchLabels": {"app": "alpha-trainer"}},
                     "rollout": {"matchLabels": {"app": "alpha-rollout"}},
@@ -305,14 +314,14 @@ def journey(refit_crds: KubeCluster, tmp_path: Path) -> Iterator[Journey]:
         yield j
     finally:
         j.stop()
-        j.helm.uninstall(RELEASE, ignore_not_found=True)
+        j.helm.uninstall(j.release, ignore_not_found=True)
         j.helm.close()
 
 
 def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -> None:
     j = journey
     # -- helm install ---------------------------------------------------------------------------
-    release = j.helm.install(CHART, RELEASE, j.values(), namespace=j.system, timeout=60)
+    release = j.helm.install(CHART, j.release, j.values(), namespace=j.system, timeout=60)
     assert str(release.get("info", release).get("status")) == "deployed", sorted(release)
     operator = j.start_operator()
     tls_before, hook_before = _tls(j), _webhook_config(j)
@@ -415,20 +424,32 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
     )
     assert "missed" in cond["message"]
     j.core.delete_namespaced_pod("missed", j.ns, grace_period_seconds=0)
+    wait_for(
+        "SidecarsInjected=True",
+        lambda: j.condition("SidecarsInjected").get("status") == "True",
+        timeout=60,
+    )
 
     # -- helm upgrade: same CA, same caBundle; injection keeps working ----------------------------
     upgraded = j.values()
     upgraded["sidecar"] = {"resources": {"requests": {"cpu": "2", "memory": "1Gi"}}}
-    j.helm.upgrade(CHART, RELEASE, upgraded, namespace=j.system, timeout=60)
+    checksums_before = j.operator_checksums()
+    j.helm.upgrade(CHART, j.release, upgraded, namespace=j.system, timeout=60)
     assert _tls(j) == tls_before
     assert _webhook_config(j)["webhooks"][0]["clientConfig"]["caBundle"] == tls_before["ca.crt"]
+    checksums = j.operator_checksums()  # new sidecar values roll the operator; the cert does not
+    assert checksums["checksum/webhook-tls"] == checksums_before["checksum/webhook-tls"]
+    assert checksums["checksum/injection"] != checksums_before["checksum/injection"]
+    # Once the policy exists, injection takes the token Secret from its spec.
     dry = yaml.safe_load(j.apply(j.vllm_pod("dry2", 1), "--dry-run=server", "-o", "yaml"))
     assert _containers(dry) == ["vllm", "kuberefit-sidecar"]
+    volumes = {v["name"]: v for v in dry["spec"]["volumes"]}
+    assert volumes["kuberefit-token"]["secret"]["secretName"] == "alpha-token"
 
     # -- helm uninstall: pods can still be created; CRDs and objects stay -------------------------
     assert j.operator is not None
     j.operator.stop()  # what deleting the Deployment does to its pod (first: no RBAC race)
-    j.helm.uninstall(RELEASE, timeout=60)
+    j.helm.uninstall(j.release, timeout=60)
     j.apply(j.vllm_pod("after", 1))
     assert _containers(j.pod("after")) == ["vllm"]
     assert j.committed() == VERSIONS
@@ -443,4 +464,3 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
         )
     ]
     assert denied == [], [(e["verb"], e["requestURI"]) for e in denied]
-    assert base64.b64decode(tls_before["ca.crt"]).startswith(b"-----BEGIN CERTIFICATE-----")

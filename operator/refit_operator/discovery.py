@@ -124,9 +124,10 @@ def pod_problem(view: PodView, policy_exists: bool) -> tuple[str, str] | None:
         return (
             "NotInjected",
             f"this pod opted in ({INJECT}={view.role}) but has no {SIDECAR_CONTAINER} container: "
-            "the injection webhook did not answer when it was created (its failurePolicy is "
-            "Ignore) or the namespace is not selected. It takes no part in any refit until it is "
-            "recreated (kubectl delete pod; its controller creates an injected one)",
+            "it was not injected when it was created (the webhook was down and its "
+            "failurePolicy is Ignore, the webhook is not enabled, or its selectors leave this "
+            "pod out). It takes no part in any refit until it is recreated (kubectl delete pod; "
+            "its controller creates an injected one)",
         )
     return None
 

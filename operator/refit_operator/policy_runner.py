@@ -429,6 +429,13 @@ class PolicyRunner:
                 why = str(exc) or f"no answer within {timeout:g}s"
                 self._producer_error = f"trainer pod {pod.name}: {why}"
                 return None
+            if status.producers is not None and status.producers != spec.producers:
+                self._producer_error = (
+                    f"trainer pod {pod.name} splits the checkpoint among {status.producers} "
+                    f"producers, spec.producers is {spec.producers}: recreate the trainer pods "
+                    "(injection writes the policy's count into their sidecars)"
+                )
+                return None
             if status.producer in clients:
                 self._producer_error = (
                     f"trainer pod {pod.name} reports producer index {status.producer}, "

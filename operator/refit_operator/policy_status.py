@@ -128,7 +128,7 @@ def _injected(o: Observed) -> dict[str, Any]:
         False,
         "PodsNotInjected",
         f"{len(o.not_injected)} opted-in pod(s) were admitted without the sidecar (the webhook "
-        f"did not answer): {shown}; recreate them",
+        f"did not inject them): {shown}; recreate them",
         o.generation,
     )
 

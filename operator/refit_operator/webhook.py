@@ -30,6 +30,7 @@ from refit_operator.injection import (
     wants_injection,
 )
 from refit_operator.injection.config import TokenSecretRef
+from refit_operator.injection.patch import producer_settings
 from refit_operator.kube.api import KubeApi, NotFoundError
 from refit_operator.kube.names import POLICY
 from refit_operator.metrics import ADMISSIONS
@@ -41,28 +42,45 @@ PATH = "/mutate-pods"
 #: The API server sends whole Pod objects; 8 MiB is far above any real one.
 MAX_REVIEW_BYTES = 8 << 20
 CERT_RELOAD_S = 60.0
+#: The API server gives a webhook 5 s by default (the chart's timeoutSeconds): the policy read
+#: must answer well within it, and a flood of reviews may not starve the policy loops' threads.
+POLICY_READ_TIMEOUT_S = 3.0
+POLICY_READS_AT_ONCE = 8
 
 
 async def policy_facts(
-    api: KubeApi, namespace: str, name: str, config: InjectionConfig
+    api: KubeApi, namespace: str, name: str, config: InjectionConfig, limit: asyncio.Semaphore
 ) -> tuple[PolicyFacts, list[str]]:
     """The pod's policy as admission needs it, plus warnings when it could not be read."""
     default = PolicyFacts(exists=False, token_secret=config.default_token_secret)
     try:
-        obj = await api.get_policy(namespace, name)
+        async with limit:
+            obj = await asyncio.wait_for(api.get_policy(namespace, name), POLICY_READ_TIMEOUT_S)
     except NotFoundError:
         return default, []
     except Exception as exc:  # any API failure: inject with the defaults, and say so
-        return default, [f"could not read RefitPolicy {name}: {exc}; used the chart defaults"]
+        log.warning("webhook.policy_unreadable", namespace=namespace, policy=name, error=str(exc))
+        why = "timed out" if isinstance(exc, TimeoutError) else type(exc).__name__
+        return default, [f"could not read RefitPolicy {name} ({why}); used the chart defaults"]
     try:
         spec = parse_spec(obj.get("spec") or {})
     except SpecError as exc:
         return default, [f"RefitPolicy {name} is invalid ({exc}); used the chart defaults"]
     token = TokenSecretRef(name=spec.token_secret.name, key=spec.token_secret.key)
-    return PolicyFacts(exists=True, token_secret=token, producers=spec.producers), []
+    producer = producer_settings(
+        spec.encoding.zstd_level,
+        spec.encoding.shuffle,
+        spec.chunk_bytes,
+        spec.bucket_bytes,
+        spec.baseline.storage == "memory",
+    )
+    facts = PolicyFacts(True, token, producers=spec.producers, producer=producer)
+    return facts, []
 
 
 def webhook_app(api: KubeApi, config: InjectionConfig) -> web.Application:
+    limit = asyncio.Semaphore(POLICY_READS_AT_ONCE)
+
     async def mutate(request: web.Request) -> web.Response:
         try:
             admission = parse_review(await request.read())
@@ -76,7 +94,9 @@ def webhook_app(api: KubeApi, config: InjectionConfig) -> web.Application:
         if creating and wants_injection(pod):
             policy = str(((pod.get("metadata") or {}).get("annotations") or {}).get(POLICY, ""))
             if policy:
-                facts, warnings = await policy_facts(api, admission.namespace, policy, config)
+                facts, warnings = await policy_facts(
+                    api, admission.namespace, policy, config, limit
+                )
         decision = inject(pod, config, facts) if creating else Injection()
         decision.warnings[:0] = warnings
         result = "denied" if decision.denied else "injected" if decision.patch else "unchanged"
@@ -111,6 +131,9 @@ class ServingCert:
     def _load(self) -> tuple[float, float]:
         try:
             stamp = (self.cert.stat().st_mtime, self.key.stat().st_mtime)
+            # A pair that does not load (e.g. a rotation caught half-written) is tried on a
+            # scratch context first, so the live one keeps serving the previous certificate.
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)
             self.context.load_cert_chain(self.cert, self.key)
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(

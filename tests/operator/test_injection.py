@@ -238,3 +238,99 @@ def test_review_round_trip() -> None:
 def test_malformed_reviews_are_refused(body: bytes) -> None:
     with pytest.raises(ReviewError):
         parse_review(body)
+
+
+def test_the_vllm_container_setting_pairs_rollouts_only() -> None:
+    cfg = InjectionConfig(vllm_container="engine")
+    trainer = _pod("trainer", [{"name": "train", "image": "t"}])
+    assert inject(trainer, cfg, POLICY).denied is None
+    rollout = _pod(
+        "rollout", [{"name": "proxy", "image": "p"}, *_pod("rollout")["spec"]["containers"]]
+    )
+    rollout["spec"]["containers"][1]["name"] = "engine"
+    pod = jsonpatch.apply_patch(rollout, inject(rollout, cfg, POLICY).patch)
+    assert pod["spec"]["containers"][1]["args"][-1] == f"--middleware={VLLM_MIDDLEWARE}"
+
+
+def test_a_mesh_proxy_put_first_is_not_paired_with() -> None:
+    istio = {"name": "istio-proxy", "image": "istio/proxyv2", "args": ["proxy"]}
+    pod = _applied(_pod("rollout", [istio, *_pod("rollout")["spec"]["containers"]]))
+    assert pod["spec"]["containers"][0]["args"] == ["proxy"]
+    assert pod["spec"]["containers"][1]["args"][-1] == f"--middleware={VLLM_MIDDLEWARE}"
+
+
+@pytest.mark.parametrize(
+    ("container", "says"),
+    [
+        ({"name": "v", "image": "vllm/vllm-openai"}, "neither command nor args"),
+        ({"name": "v", "image": "v", "command": ["/bin/sh", "-c", "vllm serve m"]}, "shell"),
+        ({"name": "v", "image": "v", "args": ["--port", "\u00b2"]}, "port number"),
+        ({"name": "v", "image": "v", "args": ["--port=70000"]}, "port number"),
+    ],
+)
+def test_vllm_flags_that_could_not_reach_vllm_are_refused(
+    container: dict[str, Any], says: str
+) -> None:
+    result = inject(_pod("rollout", [container]), CFG, POLICY)
+    assert result.denied is not None
+    assert says in result.denied
+
+
+def test_an_init_container_with_the_sidecar_name_is_refused() -> None:
+    pod = _pod("rollout")
+    pod["spec"]["initContainers"] = [{"name": "kuberefit-sidecar", "image": "x"}]
+    result = inject(pod, CFG, POLICY)
+    assert result.denied is not None
+    assert "init container" in result.denied
+
+
+def test_policy_settings_reach_the_trainer_sidecar() -> None:
+    from refit_operator.injection.patch import producer_settings
+
+    facts = PolicyFacts(
+        True,
+        TokenSecretRef(name="t"),
+        producers=3,
+        producer=producer_settings(7, False, 64 << 20, 128 << 20, True),
+    )
+    pod = _pod(
+        "trainer",
+        [{"name": "train", "image": "t"}],
+        labels={"batch.kubernetes.io/job-completion-index": "2"},
+    )
+    sidecar = _sidecar(jsonpatch.apply_patch(pod, inject(pod, CFG, facts).patch))
+    text = _expand_env(sidecar, FIELDS)["KUBEREFIT_CONFIG"]
+    settings = ProducerProcessConfig.model_validate_json(text)
+    assert (settings.producer, settings.producers) == (2, 3)
+    assert settings.pipeline.codec.zstd_level == 7
+    assert settings.pipeline.codec.shuffle is False
+    assert settings.pipeline.bucket_bytes == 128 << 20
+    assert settings.baseline.export_chunk_bytes == 64 << 20
+    assert settings.baseline.in_memory is True
+    assert str(settings.baseline.directory) == f"{CFG.work_dir}/baseline"
+
+
+def test_without_the_policy_a_producer_index_is_not_judged() -> None:
+    pod = _pod("trainer", [{"name": "t", "image": "t"}])
+    pod["metadata"]["annotations"]["kuberefit.io/producer-index"] = "3"
+    unknown = PolicyFacts(False, CFG.default_token_secret)
+    result = inject(pod, CFG, unknown)
+    assert result.denied is None
+    assert result.patch
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        ({"ports": {"control": 9000, "relay": 9000}}, "must differ"),
+        ({"workDir": "/data", "shmDir": "/data/shm"}, "overlap"),
+        ({"shmDir": "relative"}, "absolute"),
+    ],
+)
+def test_injection_settings_that_would_break_every_pod_are_refused(
+    values: dict[str, Any], says: str
+) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=says):
+        InjectionConfig.model_validate(values)

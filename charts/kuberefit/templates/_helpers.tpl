@@ -3,16 +3,17 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* Resource name prefix: fullnameOverride, else <release>, else <release>-<chart>. */}}
+{{/* Resource name prefix: fullnameOverride, else <release>, else <release>-<chart>; at most
+49 characters, so the longest suffix ("-metrics-token", 14) keeps names within 63. */}}
 {{- define "kuberefit.fullname" -}}
 {{- if .Values.fullnameOverride -}}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- .Values.fullnameOverride | trunc 49 | trimSuffix "-" -}}
 {{- else -}}
 {{- $name := default .Chart.Name .Values.nameOverride -}}
 {{- if contains $name .Release.Name -}}
-{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- .Release.Name | trunc 49 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 49 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -44,7 +45,7 @@ kuberefit.io/component: operator
 {{- if .Values.serviceAccount.create -}}
 {{- default (printf "%s-operator" (include "kuberefit.fullname" .)) .Values.serviceAccount.name -}}
 {{- else -}}
-{{- default "default" .Values.serviceAccount.name -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false (the operator's RBAC is bound to it)" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from refit_operator.kube.names import DEFAULT_PORTS
@@ -67,6 +67,24 @@ class InjectionConfig(_Values):
     @property
     def token_dir(self) -> str:
         return "/etc/kuberefit/token"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> InjectionConfig:
+        """Settings that would make every injected pod invalid fail the operator's start."""
+        if self.ports.control == self.ports.relay:
+            raise ValueError("ports.control and ports.relay must differ (both are on receivers)")
+        dirs = {"workDir": self.work_dir, "shmDir": self.shm_dir, "token": self.token_dir}
+        for a, pa in dirs.items():
+            if not pa.startswith("/"):
+                raise ValueError(f"{a} must be an absolute path, got {pa!r}")
+            for b, pb in dirs.items():
+                if a < b and (
+                    pa == pb
+                    or pa.startswith(pb.rstrip("/") + "/")
+                    or pb.startswith(pa.rstrip("/") + "/")
+                ):
+                    raise ValueError(f"{a} ({pa}) and {b} ({pb}) overlap")
+        return self
 
 
 class InjectionConfigError(ValueError):

@@ -60,6 +60,12 @@ ROLES = ("trainer", "rollout")
 #: StatefulSet pods carry this label from creation; its ordinal is the default producer index.
 STATEFULSET_POD_NAME = "statefulset.kubernetes.io/pod-name"
 DEFAULT_VLLM_PORT = 8000
+#: Indexed Jobs (PyTorchJob, JobSet) label each pod with its index.
+JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+#: Containers other injectors add that are never the one to pair with.
+MESH_PROXIES = frozenset({"istio-proxy", "linkerd-proxy", "envoy-sidecar"})
+_SMALL_UINT = re.compile(r"[0-9]{1,9}")
+SHELLS = frozenset({"sh", "bash", "ash", "dash", "zsh"})
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,21 @@ class PolicyFacts:
     exists: bool
     token_secret: TokenSecretRef
     producers: int = 1
+    #: Trainer sidecar settings from the policy (`producer_settings`), merged into its config.
+    producer: Mapping[str, Any] = field(default_factory=dict)
+
+
+def producer_settings(
+    zstd_level: int, shuffle: bool, chunk_bytes: int, bucket_bytes: int, in_memory: bool
+) -> dict[str, Any]:
+    """The parts of a trainer sidecar's ProducerProcessConfig a RefitPolicy decides."""
+    return {
+        "pipeline": {
+            "bucket_bytes": bucket_bytes,
+            "codec": {"zstd_level": zstd_level, "shuffle": shuffle},
+        },
+        "baseline": {"export_chunk_bytes": chunk_bytes, "in_memory": in_memory},
+    }
 
 
 @dataclass
@@ -96,7 +117,7 @@ def inject(pod: Mapping[str, Any], config: InjectionConfig, policy: PolicyFacts)
     annotations = meta.get("annotations") or {}
     if not wants_injection(pod):
         return Injection()
-    if _has_container(pod, SIDECAR_CONTAINER):
+    if _has_container(pod, SIDECAR_CONTAINER, "containers"):
         return Injection()  # injected by hand or by an older marker-less release: leave it
     role, policy_name = str(annotations.get(INJECT)), str(annotations.get(POLICY) or "")
     if role not in ROLES:
@@ -126,8 +147,11 @@ def _build(
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
     containers: list[Obj] = list(spec.get("containers") or [])
     annotations = meta.get("annotations") or {}
-    index = _paired_index(containers, str(annotations.get(CONTAINER) or cfg.vllm_container))
+    named = str(annotations.get(CONTAINER) or (cfg.vllm_container if role == "rollout" else ""))
+    index = _paired_index(containers, named)
     existing = {v.get("name") for v in spec.get("volumes") or []}
+    if _has_container(pod, SIDECAR_CONTAINER, "initContainers", "ephemeralContainers"):
+        raise InjectionRefusedError(f"an init container is named {SIDECAR_CONTAINER}: rename it")
     clash = existing & {WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME}
     if clash:
         raise InjectionRefusedError(f"the pod already has volume(s) {sorted(clash)}: rename them")
@@ -136,7 +160,7 @@ def _build(
     if role == "trainer":
         reference = str(annotations.get(REFERENCE_CHECKPOINT) or "")
         producer = _producer_index(meta, policy)
-        sidecar = _producer(cfg, token_file, producer, policy.producers, reference)
+        sidecar = _producer(cfg, token_file, producer, policy, reference)
         sidecar["volumeMounts"] += _reference_mounts(paired, annotations)
         paired_env = [
             _field_env(POD_IP_ENV, "status.podIP"),
@@ -166,10 +190,17 @@ def _build(
 
 
 def _paired_index(containers: Sequence[Mapping[str, Any]], name: str) -> int:
+    """The container named `name`; unnamed, the first that is not a service-mesh proxy (other
+    injectors, e.g. Istio's, may have put theirs first)."""
     if not containers:
         raise InjectionRefusedError("the pod has no containers")
     if not name:
-        return 0
+        for i, c in enumerate(containers):
+            if c.get("name") not in MESH_PROXIES:
+                return i
+        raise InjectionRefusedError(
+            f"the pod has only proxy containers; name the container with {CONTAINER}"
+        )
     for i, c in enumerate(containers):
         if c.get("name") == name:
             return i
@@ -209,9 +240,12 @@ def _sidecar(cfg: InjectionConfig, command: list[str], env: list[Obj], ports: li
             {"name": SHM_VOLUME, "mountPath": cfg.shm_dir},
             {"name": TOKEN_VOLUME, "mountPath": cfg.token_dir, "readOnly": True},
         ],
+        # Passes the "restricted" Pod Security Standard (the image runs as 65532).
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
 
@@ -237,17 +271,19 @@ def _receiver(cfg: InjectionConfig, token_file: str, vllm_port: int) -> Obj:
 
 
 def _producer(
-    cfg: InjectionConfig, token_file: str, index: int, producers: int, reference: str
+    cfg: InjectionConfig, token_file: str, index: int, policy: PolicyFacts, reference: str
 ) -> Obj:
     staging: Obj = {"inbox": f"{cfg.shm_dir}/inbox", "candidate_dir": f"{cfg.work_dir}/candidates"}
     if reference:
         staging["reference_checkpoint"] = reference
+    from_policy = dict(policy.producer)
     settings = {
         "host": f"$({POD_IP_ENV})",
         "port": cfg.ports.producer,
         "producer": index,
-        "producers": producers,
-        "baseline": {"directory": f"{cfg.work_dir}/baseline"},
+        "producers": policy.producers,
+        **from_policy,
+        "baseline": {"directory": f"{cfg.work_dir}/baseline", **from_policy.get("baseline", {})},
         "staging": staging,
     }
     ports = [{"name": CONTROL_PORT, "containerPort": cfg.ports.producer, "protocol": "TCP"}]
@@ -257,16 +293,20 @@ def _producer(
 
 def _producer_index(meta: Mapping[str, Any], policy: PolicyFacts) -> int:
     annotations = meta.get("annotations") or {}
+    labels = meta.get("labels") or {}
     given = annotations.get(PRODUCER_INDEX)
     if given is not None:
-        if not str(given).isdigit():
+        if not _SMALL_UINT.fullmatch(str(given)):
             raise InjectionRefusedError(f"{PRODUCER_INDEX}={given!r} is not a non-negative integer")
         index = int(given)
+    elif _SMALL_UINT.fullmatch(str(labels.get(JOB_COMPLETION_INDEX, ""))):
+        index = int(labels[JOB_COMPLETION_INDEX])
     else:
-        pod_name = str((meta.get("labels") or {}).get(STATEFULSET_POD_NAME) or "")
+        pod_name = str(labels.get(STATEFULSET_POD_NAME) or "")
         ordinal = pod_name.rsplit("-", 1)[-1]
-        index = int(ordinal) if "-" in pod_name and ordinal.isdigit() else 0
-    if index >= policy.producers:
+        index = int(ordinal) if "-" in pod_name and _SMALL_UINT.fullmatch(ordinal) else 0
+    # Without the policy the producer count is not known yet: the operator checks it later.
+    if policy.exists and index >= policy.producers:
         raise InjectionRefusedError(
             f"producer index {index} is out of range: the RefitPolicy has "
             f"spec.producers={policy.producers} (set {PRODUCER_INDEX})"
@@ -280,9 +320,10 @@ def _reference_mounts(paired: Mapping[str, Any], annotations: Mapping[str, Any])
     path = str(annotations.get(REFERENCE_CHECKPOINT) or "")
     if not path:
         return []
+    kept = ("subPath", "subPathExpr", "mountPropagation")
     mounts = [
         {"name": m["name"], "mountPath": m["mountPath"], "readOnly": True}
-        | ({"subPath": m["subPath"]} if m.get("subPath") else {})
+        | {k: m[k] for k in kept if m.get(k)}
         for m in paired.get("volumeMounts") or []
         if path == m.get("mountPath") or path.startswith(str(m.get("mountPath")).rstrip("/") + "/")
     ]
@@ -328,7 +369,21 @@ def _mounts(cfg: InjectionConfig, paired: Mapping[str, Any]) -> list[Obj]:
 
 
 def _vllm_args(container: Mapping[str, Any]) -> list[str]:
-    words = [*(container.get("command") or []), *(container.get("args") or [])]
+    """The flags vLLM needs, appended to the container's args; refused where appending could
+    not reach vLLM's own argument parser."""
+    command, args = list(container.get("command") or []), list(container.get("args") or [])
+    name = container.get("name")
+    if not command and not args:
+        raise InjectionRefusedError(
+            f"container {name!r} sets neither command nor args: appending vLLM's flags would "
+            "replace the image's CMD; write its `vllm serve ...` arguments in the pod"
+        )
+    if command and str(command[0]).rsplit("/", 1)[-1] in SHELLS:
+        raise InjectionRefusedError(
+            f"container {name!r} runs vLLM through a shell ({command[0]}): appended flags would "
+            "not reach vLLM; run vllm (or python -m vllm.entrypoints.openai.api_server) directly"
+        )
+    words = [*command, *args]
     wanted = {"--worker-extension-cls": VLLM_WORKER_EXTENSION, "--middleware": VLLM_MIDDLEWARE}
     extra = []
     for flag, value in wanted.items():
@@ -349,9 +404,10 @@ def _vllm_port(container: Mapping[str, Any]) -> int:
     given = _flag_values(words, "--port")
     if not given:
         return DEFAULT_VLLM_PORT
-    if not given[-1].isdigit():
-        raise InjectionRefusedError(f"cannot read vLLM's --port {given[-1]!r}: use a number")
-    return int(given[-1])
+    port = given[-1]
+    if not _SMALL_UINT.fullmatch(port) or not 1 <= int(port) <= 65535:
+        raise InjectionRefusedError(f"cannot read vLLM's --port {port!r}: use a port number")
+    return int(port)
 
 
 def _flag_values(words: Sequence[str], flag: str) -> list[str]:
@@ -399,8 +455,9 @@ def _field_env(name: str, field_path: str) -> Obj:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
 
 
-def _has_container(pod: Mapping[str, Any], name: str) -> bool:
-    return any(c.get("name") == name for c in (pod.get("spec") or {}).get("containers") or [])
+def _has_container(pod: Mapping[str, Any], name: str, *kinds: str) -> bool:
+    spec = pod.get("spec") or {}
+    return any(c.get("name") == name for kind in kinds for c in spec.get(kind) or [])
 
 
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")

@@ -38,8 +38,8 @@ class PodAdmission:
 def parse_review(body: bytes) -> PodAdmission:
     try:
         review = json.loads(body)
-    except ValueError as exc:
-        raise ReviewError(f"body is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ReviewError(f"body is not JSON: {type(exc).__name__}") from None
     if not isinstance(review, dict) or review.get("kind") != "AdmissionReview":
         raise ReviewError("body is not an AdmissionReview")
     if review.get("apiVersion") != API_VERSION:
