@@ -12,11 +12,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.harness.kube import KubeCluster, start_kube
 from tests.harness.s3 import S3Server, start_s3
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Property tests in CI ($CI set): the same seeded examples every run (derandomize), no example
+# database, no per-example deadline (CI machines are loaded; tests bound their own time).
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")

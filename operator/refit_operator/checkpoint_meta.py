@@ -10,6 +10,8 @@ import json
 import struct
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from refit_protocol.tensors import SAFETENSORS_DTYPES, TensorMetaModel
 
 #: Headers larger than this are refused (the format's own limit is 100 MB).
@@ -56,5 +58,8 @@ def _file_metas(path: Path) -> list[TensorMetaModel]:
         dtype = SAFETENSORS_DTYPES.get(str(info.get("dtype")))
         if dtype is None:
             raise CheckpointMetaError(f"{path}: {name} has unsupported dtype {info.get('dtype')}")
-        out.append(TensorMetaModel(name=name, shape=tuple(info["shape"]), dtype=dtype))
+        try:
+            out.append(TensorMetaModel(name=name, shape=tuple(info["shape"]), dtype=dtype))
+        except (ValidationError, TypeError) as exc:
+            raise CheckpointMetaError(f"{path}: {name} cannot be carried: {exc}") from None
     return out

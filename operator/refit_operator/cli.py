@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from refit_protocol.cli import config_file_option
+from refit_protocol.cli import STARTUP_ERROR_HELP, config_file_option, service_command
 
 
 @click.group()
@@ -19,10 +19,11 @@ def commands() -> None:
     """Control plane: the coordinator (and the operator)."""
 
 
-@commands.command()
+@commands.command(epilog=STARTUP_ERROR_HELP)
 @config_file_option(
     "JSON file with a CoordinatorServiceConfig (refit_operator.coordinator_service)."
 )
+@service_command
 def coordinator(config_path: Path) -> None:
     """Run one policy's coordinator as a process (local mode with separate processes).
 
@@ -40,7 +41,7 @@ def coordinator(config_path: Path) -> None:
     sys.exit(asyncio.run(serve(config)))
 
 
-@commands.command()
+@commands.command(epilog=STARTUP_ERROR_HELP)
 @click.option(
     "--namespace",
     "namespaces",
@@ -97,6 +98,7 @@ def coordinator(config_path: Path) -> None:
     help="JSON of what the webhook injects (the chart's injection.json). Default: the chart's "
     "default values.",
 )
+@service_command
 def operator(
     namespaces: tuple[str, ...],
     identity: str | None,
@@ -133,10 +135,7 @@ def operator(
     fields["webhook_cert_dir"], fields["injection_config"] = webhook_cert_dir, injection_config
     if identity:
         fields["identity"] = identity
-    try:
-        asyncio.run(run(OperatorConfig.model_validate(fields)))
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
+    asyncio.run(run(OperatorConfig.model_validate(fields)))  # errors: see service_command
 
 
 def _host_port(value: str, flag: str) -> tuple[str, int]:

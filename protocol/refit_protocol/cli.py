@@ -9,19 +9,37 @@ dependencies inside its commands, so `kuberefit --help` needs none of them.
 
 from __future__ import annotations
 
+import errno
+import functools
 import os
+import re
+import sys
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import click
+from pydantic import ValidationError
 
 from refit_protocol import __version__
 from refit_protocol.pod_contract import CONFIG_ENV
 
 ENTRY_POINT_GROUP = "kuberefit.commands"
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+#: Set to 1 to get the Python traceback of a refused start-up instead of one line.
+DEBUG_ENV = "KUBEREFIT_DEBUG"
+#: Exit status of a refused start-up (bad settings, token, file or address), as for bad usage.
+STARTUP_ERROR_EXIT = 2
+#: The help text that says so, for every service command.
+STARTUP_ERROR_HELP = (
+    "A refused start-up (invalid settings, missing token or token file, address in use) "
+    f"prints one line '<command>: error: <reason>' and exits {STARTUP_ERROR_EXIT}; set "
+    f"${DEBUG_ENV}=1 for the Python traceback."
+)
+_BIND_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
 
 
 def config_file_option(help_text: str) -> Callable[[F], F]:
@@ -55,6 +73,82 @@ def read_sidecar_config(config_path: Path | None) -> str:
     if not text:
         raise click.UsageError(f"give --config FILE or set ${CONFIG_ENV} to the JSON settings")
     return text
+
+
+def startup_error_message(exc: BaseException) -> str | None:
+    """One line saying why a service refused to start, or None for anything that is not a
+    configuration error (a bug keeps its traceback).
+
+    Configuration errors: invalid settings (pydantic: the first bad field), a refused setting
+    (`ValueError`, e.g. `require_token_or_loopback`, `resolve_token`), a file that cannot be
+    read (the path) and an address that cannot be bound (`EADDRINUSE`, ...: host and port).
+    """
+    if isinstance(exc, ValidationError):
+        errors = exc.errors(include_url=False, include_input=False, include_context=False)
+        if not errors:
+            return _one_line(f"invalid {exc.title}")
+        first = errors[0]
+        where = ".".join(str(p) for p in first["loc"])
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        return _one_line(
+            f"invalid {exc.title}: {where + ': ' if where else ''}{first['msg']}{more}"
+        )
+    if isinstance(exc, OSError):
+        if exc.filename is not None:
+            return _one_line(f"cannot read {exc.filename}: {exc.strerror or exc}")
+        if exc.errno in _BIND_ERRNOS:
+            text = _one_line(str(exc))
+            text = text.split("] ", 1)[1] if text.startswith("[Errno") else text
+            # asyncio: "error while attempting to bind on address ('host', port): reason"
+            bind = re.search(r"address \('([^']*)', (\d+)[^)]*\): (.*)$", text)
+            if bind is not None:
+                host, port, reason = bind.groups()
+                host = f"[{host}]" if ":" in host else host
+                return f"cannot listen on {host}:{port}: {reason}"
+            return text
+        return None
+    if isinstance(exc, ValueError):
+        return _one_line(str(exc) or type(exc).__name__)
+    return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def fail_startup(prog: str, message: str) -> NoReturn:
+    """Print `<prog>: error: <message>` on stderr and exit with `STARTUP_ERROR_EXIT`."""
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(STARTUP_ERROR_EXIT)
+
+
+def run_service(prog: str, fn: Callable[[], T]) -> T:
+    """Run a service's entry point; a configuration error becomes one line on stderr and exit
+    status 2 (`startup_error_message`), with the traceback only when ${DEBUG_ENV}=1."""
+    try:
+        return fn()
+    except (ValueError, OSError) as exc:
+        message = startup_error_message(exc)
+        if message is None or _debug():
+            raise
+        fail_startup(prog, message)
+
+
+def service_command(fn: F) -> F:
+    """Decorate a click command's callback (below the click decorators) with `run_service`,
+    named after the command's path (`kuberefit receiver serve`)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        ctx = click.get_current_context(silent=True)
+        prog = ctx.command_path if ctx is not None else Path(sys.argv[0]).name
+        return run_service(prog, lambda: fn(*args, **kwargs))
+
+    return cast(F, wrapper)
 
 
 def _load(ep: EntryPoint) -> click.Group | None:

@@ -8,7 +8,9 @@ headers with them (no torch), the data plane maps the names to torch dtypes.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
+
+from refit_protocol.limits import limit_violation, shown_name
 
 #: safetensors dtype tag -> dtype name (torch's, without "torch."): every dtype of the codec.
 SAFETENSORS_DTYPES: dict[str, str] = {
@@ -33,10 +35,26 @@ DTYPE_NAMES: frozenset[str] = frozenset(SAFETENSORS_DTYPES.values())
 
 
 class TensorMetaModel(BaseModel):
-    """A canonical tensor's identity: HF name, shape, dtype name (e.g. "bfloat16")."""
+    """A canonical tensor's identity: HF name, shape, dtype name (e.g. "bfloat16").
+
+    Only what the codec can carry validates: a dtype of `DTYPE_NAMES` and a name and shape
+    within the shared limits (`refit_protocol.limits`), so a receiver refuses anything else
+    with a 400 before it allocates or asks its runtime.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1)
     shape: tuple[NonNegativeInt, ...]
     dtype: str
+
+    @model_validator(mode="after")
+    def _carried(self) -> TensorMetaModel:
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"{shown_name(self.name)}: dtype {self.dtype!r} is not carried by the codec"
+            )
+        reason = limit_violation(self.name, self.shape)
+        if reason is not None:
+            raise ValueError(f"{shown_name(self.name)}: {reason}")
+        return self

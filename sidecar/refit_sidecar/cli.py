@@ -7,7 +7,12 @@ from pathlib import Path
 
 import click
 
-from refit_protocol.cli import read_sidecar_config, sidecar_config_option
+from refit_protocol.cli import (
+    STARTUP_ERROR_HELP,
+    read_sidecar_config,
+    service_command,
+    sidecar_config_option,
+)
 
 
 @click.group()
@@ -20,8 +25,9 @@ def receiver() -> None:
     """The rollout node's receiver service."""
 
 
-@receiver.command("serve")
+@receiver.command("serve", epilog=STARTUP_ERROR_HELP)
 @sidecar_config_option("ReceiverConfig as JSON (see docs/transports.md).")
+@service_command
 def receiver_serve(config_path: Path | None) -> None:
     """Run one receiver node (HTTP control plane, relay-tree node, S3 downloads) until SIGTERM."""
     from refit_sidecar.receiver.__main__ import serve_json
@@ -34,8 +40,9 @@ def producer() -> None:
     """The trainer pod's producer sidecar."""
 
 
-@producer.command("serve")
+@producer.command("serve", epilog=STARTUP_ERROR_HELP)
 @sidecar_config_option("ProducerProcessConfig as JSON (see docs/trainer.md).")
+@service_command
 def producer_serve(config_path: Path | None) -> None:
     """Run one trainer sidecar (baseline, candidate inbox, producer pipeline) until SIGTERM."""
     from refit_sidecar.producer.main import serve_json

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Any, TypeVar
 import urllib3
 from pydantic import BaseModel
 
+from refit_protocol.keys import payload_mac_key
 from refit_protocol.receiver_api import (
     API_PREFIX,
     AttemptRequest,
@@ -33,6 +33,11 @@ from refit_protocol.receiver_api import (
 )
 from refit_protocol.tensors import TensorMetaModel
 from tests.harness.procs import ManagedProcess, free_ports
+
+#: The receivers' token unless a test names another (payloads signed with HARNESS_MAC_KEY by
+#: tests.sidecar.receiver.models are then accepted: every token-holding receiver checks MACs).
+HARNESS_TOKEN = "kuberefit-harness-9f3c1e7a5b2d4680"
+HARNESS_MAC_KEY = payload_mac_key(HARNESS_TOKEN)
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -208,7 +213,7 @@ def start_cluster(
 
     `host` is where relays listen (and HTTP unless `http_bind`); the test reaches HTTP at
     `ctl_host` (default `host`). `wrap` turns the argv into another (`ip netns exec ns ...`)."""
-    token = token or secrets.token_hex(16)
+    token = token or HARNESS_TOKEN
     ports = free_ports(2 * n)
     http_ports, relay_ports = ports[:n], ports[n:]
     relay_eps = [f"tcp://{host}:{p}" for p in relay_ports]

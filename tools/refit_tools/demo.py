@@ -109,6 +109,7 @@ async def _run(
     from refit_operator.coordinator import Coordinator, CoordinatorConfig
     from refit_operator.ports import TransitionProgress
     from refit_protocol.commit import CommitRecord
+    from refit_protocol.keys import payload_mac_key
     from refit_protocol.tensors import TensorMetaModel
     from refit_sidecar.baseline.chunks import chunk_export
     from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
@@ -217,7 +218,12 @@ async def _run(
                 template, receiver_urls=lambda names: [by_name[r].url for r in names]
             )
 
-            producer = ProducerService(baseline, transports, committed=CommitRecord(0, "g-initial"))
+            producer = ProducerService(
+                baseline,
+                transports,
+                committed=CommitRecord(0, "g-initial"),
+                mac_key=payload_mac_key(token),  # the receivers hold the token: they need MACs
+            )
             store = SqliteCommitStore(root / "commit.db", "demo")
             await store.initialize(CommitRecord(0, "g-initial"))
             victim: list[LocalNode] = []

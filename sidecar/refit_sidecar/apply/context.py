@@ -15,7 +15,11 @@ from typing import Protocol
 
 import torch
 
-from refit_sidecar.apply.errors import LoaderMismatchError, StorageReplacedError
+from refit_sidecar.apply.errors import (
+    LoaderMismatchError,
+    ScratchAllocationError,
+    StorageReplacedError,
+)
 from refit_sidecar.apply.hook import ItemTrace, Mode, StorageWriteHook
 from refit_sidecar.apply.placeholders import Placeholder, choose, fill
 from refit_sidecar.apply.storage import ModelStorages, storage_key
@@ -65,14 +69,50 @@ class ApplyContext:
 
     def __post_init__(self) -> None:
         self.metas = dict(self.metas)  # owned copy: prewarm/apply never mutate the caller's
-        max_bytes = max((m.nbytes for m in self.metas.values()), default=0)
-        # One byte buffer for the largest canonical tensor, reused by every item.
-        self.scratch = torch.empty(max(max_bytes, 1), dtype=torch.uint8, device=self.device)
         self._storages = self._snapshot_storages()
+        # One byte buffer, reused by every item. It is reserved for the largest canonical tensor
+        # the loader takes (by `prewarm`, which learns that), not for the largest one declared:
+        # a declared tensor this model does not have must cost nothing. Without prewarm, the
+        # first item of each larger size grows it.
+        self.scratch = torch.empty(1, dtype=torch.uint8, device=self.device)
         # Scratch bytes [0, _zero_bytes) are known to be zero: XOR items then need no full reset,
         # only the positions the previous XOR item scattered are cleared again.
         self._zero_bytes = 0
         self.hook = StorageWriteHook(self._storages, self.scratch)
+
+    def reserve(self, nbytes: int, *, name: str = "", shrink: bool = False) -> None:
+        """Make scratch hold at least `nbytes` (exactly `nbytes` with `shrink`).
+
+        `name` is the tensor that needs it, for the error. Raises `ScratchAllocationError`
+        (scratch unchanged) when the device cannot hold it."""
+        nbytes = max(nbytes, 1)
+        have = self.scratch.numel()
+        if have == nbytes or (have > nbytes and not shrink):
+            return
+        try:
+            scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            raise ScratchAllocationError(
+                name or "scratch",
+                f"cannot allocate {nbytes} bytes of scratch on {self.device}: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+            ) from exc
+        budget = self.hook.check_budget  # an apply call in progress keeps its checks
+        self.scratch = scratch
+        self._zero_bytes = 0
+        self.hook = StorageWriteHook(self._storages, scratch)
+        self.hook.check_budget = budget
+
+    def largest_storage_bytes(self) -> int:
+        """Bytes of the model's largest parameter/buffer storage on this rank."""
+        return max(
+            (
+                t.untyped_storage().nbytes()
+                for t in self._tensors.values()
+                if t.numel() and t.device.type != "meta"
+            ),
+            default=0,
+        )
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
         named: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
@@ -84,7 +124,9 @@ class ApplyContext:
         return ModelStorages.of(self._tensors.items())
 
     def scratch_view(self, meta: TensorMeta) -> torch.Tensor:
+        """`meta`'s view of scratch (grown for it if needed: call outside the hook)."""
         n = meta.nbytes
+        self.reserve(n, name=meta.name)
         return self.scratch[:n].view(meta.dtype).view(meta.shape)
 
     # -- public API -------------------------------------------------------------------------------
@@ -108,7 +150,7 @@ class ApplyContext:
             return stats
         placeholder = choose(meta.dtype, item.values)
         if placeholder is None:
-            # Every 1-byte pattern is an active value: split until each part has a free one.
+            # Every 1- or 2-byte pattern is an active value: split until each part has a free one.
             for half in _halves(item):
                 part = self._apply_item(half)
                 part.items = part.values = part.canonical_bytes = 0

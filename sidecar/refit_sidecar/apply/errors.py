@@ -38,3 +38,7 @@ class StorageReplacedError(ApplyError):
 
 class PostApplyCheckError(ApplyError):
     """An optional post-apply check found bits that differ from what the copy must produce."""
+
+
+class ScratchAllocationError(ApplyError):
+    """Scratch for a canonical tensor cannot be allocated on this device (declared too large)."""

@@ -36,8 +36,8 @@ class Placeholder:
 def choose(dtype: torch.dtype, values_int: torch.Tensor) -> Placeholder | None:
     """Pick the scheme for an overwrite item with `values_int` (integer view of new bits).
 
-    Returns None when no exact-bit sentinel exists (every pattern of a 1-byte dtype is used):
-    the caller then applies the item in smaller parts.
+    Returns None when no exact-bit sentinel exists (every pattern of a 1- or 2-byte dtype is
+    used): the caller then applies the item in smaller parts.
     """
     if dtype in _NAN_DTYPES:
         as_float = values_int.view(dtype) if values_int.numel() else values_int
@@ -47,29 +47,70 @@ def choose(dtype: torch.dtype, values_int: torch.Tensor) -> Placeholder | None:
 
 
 def _absent_pattern(dtype: torch.dtype, values_int: torch.Tensor) -> Placeholder | None:
+    """A bit pattern none of `values_int` has, found in at most a couple of passes.
+
+    1 and 2 bytes: a presence table of every pattern (256 or 65,536 entries) built in one pass;
+    None when every pattern is used. 4 and 8 bytes: one sort (`torch.unique`), then the highest
+    absent pattern counting down from all-ones (-1) in unsigned order: O(n log n). From 2 bytes
+    on, all-ones is tried first with one comparison pass, which settles almost every item
+    without the table or the sort (and their memory).
+    """
     width = torch.empty((), dtype=dtype).element_size()
-    if width == 1:
-        present = torch.zeros(256, dtype=torch.bool, device=values_int.device)
-        present[values_int.to(torch.int64) & 0xFF] = True
-        free = torch.nonzero(~present).reshape(-1)
-        if free.numel() == 0:
-            return None
-        # Prefer a NaN-like/unusual pattern first (0x7F, 0xFF), else the first free one.
-        for preferred in (0x7F, 0xFF, 0x80):
-            if not bool(present[preferred]):
-                return Placeholder(_signed(preferred, 8, values_int.dtype))
-        return Placeholder(_signed(int(free[0]), 8, values_int.dtype))
-    # Wider dtypes: a few candidates suffice (an item has far fewer values than patterns).
-    used = set(values_int.reshape(-1).tolist()) if values_int.numel() <= 4096 else None
     bits = _BITS_BY_WIDTH[width]
-    for candidate in range(-1, -(1 << 20), -1):
-        c = _signed(candidate & ((1 << bits) - 1), bits, values_int.dtype)
-        if used is not None:
-            if c not in used:
-                return Placeholder(c)
-        elif not bool((values_int == c).any()):
-            return Placeholder(c)
-    return None  # pragma: no cover - 2^20 collisions cannot happen for realistic items
+    flat = values_int.reshape(-1)
+    if width >= 2 and not bool((flat == -1).any()):  # signed views: -1 is all-ones
+        return Placeholder(-1)
+    if width <= 2:
+        return _absent_by_table(flat, bits)
+    return _absent_by_sort(flat, bits)
+
+
+#: Preferred 1-byte sentinels (NaN-like or unusual patterns), tried before any other free one.
+_PREFERRED_BYTES = (0x7F, 0xFF, 0x80)
+#: Values turned into table indices at a time: bounded temporaries for any item size.
+_TABLE_CHUNK = 1 << 20
+
+
+def _absent_by_table(flat: torch.Tensor, bits: int) -> Placeholder | None:
+    size = 1 << bits
+    present = torch.zeros(size, dtype=torch.bool, device=flat.device)
+    for start in range(0, flat.numel(), _TABLE_CHUNK):
+        chunk = flat[start : start + _TABLE_CHUNK]
+        present[chunk.to(torch.int32) & (size - 1)] = True
+    free = torch.nonzero(~present).reshape(-1)
+    if free.numel() == 0:
+        return None
+    if bits == 8:
+        for preferred in _PREFERRED_BYTES:
+            if not bool(present[preferred]):
+                return Placeholder(_signed(preferred, bits, flat.dtype))
+        return Placeholder(_signed(int(free[0]), bits, flat.dtype))
+    # 16 bits: all-ones (-1) first, then counting down, as for wider dtypes.
+    return Placeholder(_signed(int(free[-1]), bits, flat.dtype))
+
+
+def _absent_by_sort(flat: torch.Tensor, bits: int) -> Placeholder | None:
+    used = torch.unique(flat, sorted=True)  # signed int32/int64, ascending
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    negative = int(torch.searchsorted(used, torch.zeros((), dtype=used.dtype)))
+    # Unsigned order from all-ones down: -1 .. MIN, then MAX .. 0.
+    found = _highest_absent(used[:negative], -1, low)
+    if found is None:
+        found = _highest_absent(used[negative:], high, 0)
+    return None if found is None else Placeholder(found)
+
+
+def _highest_absent(used: torch.Tensor, high: int, low: int) -> int | None:
+    """The largest integer in [low, high] missing from `used` (sorted, unique, in range)."""
+    n = used.numel()
+    if n == 0 or int(used[-1]) != high:
+        return high
+    # used[i] + (n - 1 - i) never decreases (values are distinct) and ends at `high`: the run of
+    # values ending at `high` without a gap is exactly where it equals `high`.
+    reach = used + torch.arange(n - 1, -1, -1, dtype=used.dtype, device=used.device)
+    run = int((reach == high).sum())
+    candidate = high - run
+    return candidate if candidate >= low else None
 
 
 def _signed(value: int, bits: int, view_dtype: torch.dtype) -> int:

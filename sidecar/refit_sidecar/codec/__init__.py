@@ -5,9 +5,10 @@ format), `encode` (items into a sealed payload) and, for the receiver's ❺, `de
 bytes back into items) and `decoded_file` (the decoded form a receiver hands to vLLM workers).
 """
 
-from refit_sidecar.codec.decode import decode_payload
+from refit_sidecar.codec.decode import decode_payload, verify_mac
 from refit_sidecar.codec.encode import PreparedItem, encode_payload, prepare_item, seal_body
 from refit_sidecar.codec.errors import (
+    AuthenticationError,
     BadMagic,
     CodecError,
     DecompressionError,
@@ -44,6 +45,7 @@ from refit_sidecar.codec.wire import (
 
 __all__ = [
     "CODEC_VERSION",
+    "AuthenticationError",
     "BadMagic",
     "CodecConfig",
     "CodecError",
@@ -76,4 +78,5 @@ __all__ = [
     "peek_header",
     "prepare_item",
     "seal_body",
+    "verify_mac",
 ]

@@ -1,15 +1,18 @@
 """❺ validate — decode untrusted payload bytes of wire format v1 (`codec.wire`).
 
-Parses with `struct` and `numpy.frombuffer` only (never pickle or torch.load), checks every
-declared size against the bytes actually present and the configured limits before allocating
-or decompressing, checks the digest and the identity copy, every item against the receiver's
-canonical metadata, every location against its tensor, and raises a `CodecError` subclass for
-anything malformed.
+Parses with `struct` and `numpy.frombuffer` only (never pickle or torch.load). With a key, the
+MAC is checked first (`verify_mac`), before anything else is trusted. Every declared size is
+checked against the bytes actually present, the configured limits and what the receiver's
+canonical tensors can need before anything is decompressed; decompression then allocates only
+as output arrives and stops as soon as the frame produces more than it declared. The digest and
+the identity copy are checked, every item against the receiver's canonical metadata, every
+location against its tensor, and anything malformed raises a `CodecError` subclass.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -20,6 +23,7 @@ import zstandard
 
 from refit_sidecar.codec import dtypes
 from refit_sidecar.codec.errors import (
+    AuthenticationError,
     DecompressionError,
     DigestMismatch,
     HeaderMismatch,
@@ -38,6 +42,7 @@ from refit_sidecar.codec.locations import (
 )
 from refit_sidecar.codec.records import Item, Op, TensorMeta
 from refit_sidecar.codec.wire import (
+    ALIGN,
     BODY_HEAD,
     BODY_MAGIC,
     DEFAULT_LIMITS,
@@ -51,10 +56,22 @@ from refit_sidecar.codec.wire import (
     DecodedPayload,
     DecodeLimits,
     PayloadHeader,
+    Preamble,
     Reader,
+    payload_mac,
     read_preamble,
     utf8,
 )
+
+#: The most one zstd block can decode to (the format's Block_Maximum_Size).
+ZSTD_BLOCK_MAX = 128 << 10
+#: A frame may have at most `decoded bytes // ZSTD_MIN_BLOCK_AVG + ZSTD_BLOCK_SLACK` blocks at
+#: any point of its decoding. zstd cuts a frame into blocks of 128 KiB and, with block
+#: splitting (high levels), a block into at most 196 pieces of at least ~450 bytes, so a real
+#: frame stays far below this; a frame of empty blocks is refused after a few of them, and
+#: walking block headers costs at most one step per 256 decoded bytes.
+ZSTD_MIN_BLOCK_AVG = 256
+ZSTD_BLOCK_SLACK = 16
 
 
 def decode_payload(
@@ -64,17 +81,23 @@ def decode_payload(
     body_hash: bytes | None = None,
     known: Mapping[str, TensorMeta] | None = None,
     limits: DecodeLimits | None = None,
+    mac_key: bytes | None = None,
 ) -> DecodedPayload:
     """Validate and decode untrusted payload bytes; raises a `CodecError` subclass if malformed.
 
-    `expected_digest` is the digest announced out of band (manifest, frame metadata); `known`
-    the receiver's canonical metadata, which every item must match. `body_hash` is for a caller
-    that already computed the BLAKE2b-128 of exactly these compressed bytes (a relay node checks
-    it on arrival): it is then compared instead of computed again.
+    `mac_key` (`refit_protocol.keys.payload_mac_key` of the policy's token): the payload must
+    carry a MAC made with it (`AuthenticationError` otherwise, before the body is hashed or
+    decompressed); without a key a MAC is skipped, unchecked. `expected_digest` is the digest
+    announced out of band (manifest, frame metadata); `known` the receiver's canonical metadata,
+    which every item must match and which bounds the raw body's size. `body_hash` is for a
+    caller that already computed the BLAKE2b-128 of exactly these compressed bytes (a relay
+    node checks it on arrival): it is then compared instead of computed again.
     """
     lim = limits or DEFAULT_LIMITS
     mv = memoryview(data).cast("B")
     pre = read_preamble(mv)
+    if mac_key is not None:
+        _check_mac(mv, pre, mac_key)
     comp = mv[pre.body_offset :]
     if len(comp) < pre.comp_len:
         raise TruncatedPayload(f"body has {len(comp)} of {pre.comp_len} declared bytes")
@@ -95,62 +118,113 @@ def decode_payload(
         raise SizeLimitExceeded(
             f"raw body of {pre.raw_len} bytes cannot come from {pre.comp_len} compressed bytes"
         )
+    if known is not None:
+        bound = raw_bound(known, len(pre.header.attempt.encode()))
+        if pre.raw_len > bound:
+            raise SizeLimitExceeded(
+                f"raw body of {pre.raw_len} bytes > {bound}, the most the canonical tensors allow"
+            )
     raw = _decompress(comp, pre.raw_len)
-    items = _parse_body(memoryview(raw), raw, pre.header, known, lim)
+    items = _parse_body(memoryview(raw), pre.header, known, lim)
     return DecodedPayload(pre.header, items, digest, pre.raw_len)
 
 
-def _decompress(comp: memoryview, raw_len: int) -> bytearray:
-    """Exactly one zstd frame whose content size is `raw_len`, into a new writable buffer."""
+def verify_mac(data: bytes | bytearray | memoryview, key: bytes) -> None:
+    """Check a payload's MAC with `key` without decoding it (a relay node on arrival).
+
+    Reads only the plain preamble and hashes the rest; raises `AuthenticationError` when the
+    payload has no MAC or one that `key` did not make (any altered byte of the preamble before
+    the MAC or of the compressed body), another `CodecError` for an unreadable preamble, and
+    ValueError for a key that is not 32 bytes.
+    """
+    mv = memoryview(data).cast("B")
+    _check_mac(mv, read_preamble(mv), key)
+
+
+def _check_mac(mv: memoryview, pre: Preamble, key: bytes) -> None:
+    if pre.mac is None:
+        raise AuthenticationError("payload carries no MAC and this receiver requires one")
+    expected = payload_mac(key, mv[: pre.signed_len], mv[pre.body_offset :])
+    if not hmac.compare_digest(expected, pre.mac):
+        raise AuthenticationError("payload MAC does not verify: another key, or altered bytes")
+
+
+def raw_bound(known: Mapping[str, TensorMeta], attempt_len: int) -> int:
+    """The largest raw body a valid payload of tensors from `known` can have.
+
+    Every item names a distinct known tensor (names are unique in a payload and must be known),
+    so a payload holds each tensor at most once. An item of `numel` elements of width `w` has at
+    most `numel` values (`numel * w` bytes) and `numel - 1` gaps of at most 8 bytes, and its row
+    takes `ITEM_ROW + 8 * ndim + len(name)` bytes. Add the body header, the attempt id, one
+    table row per possible group (4 gap widths, every dtype code) and the padding of the table
+    and of every group to 8 bytes.
+    """
+    n_groups = len(GAP_DTYPES) + len(dtypes.CODE_DTYPES)
+    total = BODY_HEAD.size + attempt_len + n_groups * GROUP_ROW.size + (n_groups + 1) * (ALIGN - 1)
+    for meta in known.values():
+        total += ITEM_ROW.size + DIM.size * len(meta.shape) + len(meta.name.encode())
+        total += meta.numel * (dtypes.width(meta.dtype) + 8)
+    return total
+
+
+def _decompress(comp: memoryview, raw_len: int) -> bytes:
+    """Exactly one zstd frame that decodes to exactly `raw_len` bytes, and nothing after it.
+
+    The frame's block headers are walked to feed the decoder a few whole blocks at a time: at
+    most as many as can still be needed (each decodes to at most 128 KiB), so output never
+    runs more than one block past `raw_len` before it is refused, memory grows only with the
+    bytes actually decoded, and the number of blocks is held to what the decoded bytes justify.
+    The walk also finds where the frame ends, which must be the end of the body.
+    """
     if bytes(comp[:4]) != ZSTD_MAGIC:
         raise DecompressionError("body is not a zstd frame")
     try:
-        declared = zstandard.frame_content_size(comp)
-    except zstandard.ZstdError as exc:
-        raise DecompressionError(f"bad zstd frame header: {exc}") from exc
-    if declared != raw_len:
-        raise DecompressionError(f"zstd frame declares {declared} bytes, preamble {raw_len}")
-    if _zstd_frame_length(comp) != len(comp):
-        raise DecompressionError("bytes after the zstd frame")
-    out = bytearray(raw_len)
-    view = memoryview(out)
-    got = 0
-    try:
-        reader = zstandard.ZstdDecompressor().stream_reader(comp, read_across_frames=False)
-        while got < raw_len:
-            n = reader.readinto(view[got:])
-            if n == 0:
-                raise DecompressionError(f"zstd frame ended after {got} of {raw_len} bytes")
-            got += n
-        if reader.read(1):
-            raise DecompressionError("zstd frame is longer than declared")
-    except zstandard.ZstdError as exc:
-        raise DecompressionError(f"corrupt zstd frame: {exc}") from exc
-    return out
-
-
-def _zstd_frame_length(comp: memoryview) -> int:
-    """Compressed length of the first zstd frame, by walking its block headers."""
-    try:
+        params = zstandard.get_frame_parameters(comp)
         pos = zstandard.frame_header_size(comp)
-        has_checksum = zstandard.get_frame_parameters(comp).has_checksum
     except zstandard.ZstdError as exc:
         raise DecompressionError(f"bad zstd frame header: {exc}") from exc
-    while True:
-        if pos + 3 > len(comp):
+    if params.content_size != raw_len:
+        raise DecompressionError(
+            f"zstd frame declares {params.content_size} bytes, preamble {raw_len}"
+        )
+    end = len(comp)
+    dobj = zstandard.ZstdDecompressor().decompressobj()
+    chunks: list[bytes] = []
+    got = blocks = fed = 0
+    last = False
+    while not last:
+        for _ in range(max(1, -(-(raw_len - got) // ZSTD_BLOCK_MAX))):
+            if pos + 3 > end:
+                raise TruncatedPayload("zstd frame is truncated")
+            block = int.from_bytes(comp[pos : pos + 3], "little")
+            kind = (block >> 1) & 3
+            if kind == 3:
+                raise DecompressionError("reserved zstd block type")
+            pos += 3 + (1 if kind == 1 else block >> 3)
+            blocks += 1
+            last = bool(block & 1)
+            if last:
+                pos += 4 if params.has_checksum else 0
+                break
+        if pos > end:
             raise TruncatedPayload("zstd frame is truncated")
-        block = int.from_bytes(comp[pos : pos + 3], "little")
-        pos += 3
-        kind = (block >> 1) & 3
-        if kind == 3:
-            raise DecompressionError("reserved zstd block type")
-        pos += 1 if kind == 1 else block >> 3
-        if block & 1:
-            break
-    pos += 4 if has_checksum else 0
-    if pos > len(comp):
-        raise TruncatedPayload("zstd frame is truncated")
-    return pos
+        try:
+            out = dobj.decompress(comp[fed:pos])
+        except zstandard.ZstdError as exc:
+            raise DecompressionError(f"corrupt zstd frame: {exc}") from exc
+        fed = pos
+        got += len(out)
+        if got > raw_len:
+            raise DecompressionError(f"zstd frame decodes to more than {raw_len} bytes")
+        if out:
+            chunks.append(out)
+        if blocks > got // ZSTD_MIN_BLOCK_AVG + ZSTD_BLOCK_SLACK:
+            raise DecompressionError(f"{blocks} zstd blocks for {got} decoded bytes")
+    if pos != end:
+        raise DecompressionError(f"{end - pos} bytes after the zstd frame")
+    if got != raw_len or not dobj.eof:
+        raise DecompressionError(f"zstd frame ended after {got} of {raw_len} bytes")
+    return b"".join(chunks)
 
 
 @dataclass(frozen=True)
@@ -167,7 +241,6 @@ class _Row:
 
 def _parse_body(
     mv: memoryview,
-    raw: bytearray,
     header: PayloadHeader,
     known: Mapping[str, TensorMeta] | None,
     lim: DecodeLimits,
@@ -192,9 +265,11 @@ def _parse_body(
     val_groups = _read_groups(r, n_val, "value", _value_width)
     rows = _read_rows(r, n_items, known, lim, loc_groups, val_groups)
     r.align()
+    # Gaps are only read (positions are new arrays); values become the items' tensors, so a
+    # group that is a view of the (read-only) raw body is copied.
     loc_bufs = {w: _read_group_data(r, w, GAP_DTYPES[w], g) for w, g in loc_groups.items()}
     val_bufs = {
-        c: _read_group_data(r, g.width, dtypes.np_value_dtype(dtypes.CODE_DTYPES[c]), g)
+        c: _writable(_read_group_data(r, g.width, dtypes.np_value_dtype(dtypes.CODE_DTYPES[c]), g))
         for c, g in val_groups.items()
     }
     if r.left:
@@ -315,6 +390,10 @@ def _read_group_data(
     return planes.view(dtype)
 
 
+def _writable(a: npt.NDArray[np.generic]) -> npt.NDArray[np.generic]:
+    return a if a.flags.writeable else a.copy()
+
+
 def _make_item(
     row: _Row,
     loc_bufs: dict[int, npt.NDArray[np.generic]],
@@ -342,6 +421,9 @@ def _checked_numel(meta: TensorMeta) -> int:
     numel = 1
     for d in meta.shape:
         numel *= d
+        # The structural bound of the location arithmetic (2**62); the shared, much lower
+        # limit (refit_protocol.limits) holds through `known`: every item must match a tensor
+        # the receiver holds, whose meta was checked against it.
         if numel >= MAX_NUMEL:
             raise SizeLimitExceeded(f"{meta.name}: shape {meta.shape} is too large")
     return numel

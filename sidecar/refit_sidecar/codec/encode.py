@@ -24,7 +24,7 @@ from refit_sidecar.codec.locations import (
     encode_positions,
     encode_run,
 )
-from refit_sidecar.codec.records import Item
+from refit_sidecar.codec.records import Item, check_limits
 from refit_sidecar.codec.wire import (
     ALIGN,
     BODY_HEAD,
@@ -33,6 +33,7 @@ from refit_sidecar.codec.wire import (
     DEFAULT_CODEC,
     DIGEST_SIZE,
     DIM,
+    FLAG_MAC,
     GROUP_ROW,
     ITEM_ROW,
     MAGIC,
@@ -41,6 +42,7 @@ from refit_sidecar.codec.wire import (
     CodecConfig,
     EncodedPayload,
     PayloadHeader,
+    payload_mac,
 )
 
 
@@ -56,6 +58,7 @@ def prepare_item(item: Item) -> PreparedItem:
     """Check an item for encoding and compute its location encoding (run or gaps)."""
     meta = item.meta
     dtypes.dtype_code(meta.dtype)
+    check_limits(meta)
     if item.count == 0:
         raise ValueError(f"{meta.name}: an item must carry at least one change")
     if item.range_start is not None:
@@ -69,8 +72,11 @@ def encode_payload(
     items: Sequence[Item | PreparedItem],
     *,
     config: CodecConfig | None = None,
+    mac_key: bytes | None = None,
 ) -> EncodedPayload:
-    """Serialize and compress `items` (names unique, each with at least one change)."""
+    """Serialize and compress `items` (names unique, each with at least one change); with
+    `mac_key` (`refit_protocol.keys.payload_mac_key` of the policy's token) the payload also
+    carries the keyed BLAKE3 MAC that keyed receivers require."""
     cfg = config or DEFAULT_CODEC
     if header.codec_version != CODEC_VERSION:
         raise ValueError(f"this encoder writes codec version {CODEC_VERSION} only")
@@ -85,9 +91,10 @@ def encode_payload(
         item, loc = prepared.item, prepared.locations
         meta = item.meta
         code = dtypes.dtype_code(meta.dtype)
+        check_limits(meta)  # before anything is packed (a PreparedItem may be built by hand)
         name = meta.name.encode()
-        if meta.name in names or not name or len(name) >= 1 << 16:
-            raise ValueError(f"{meta.name!r}: tensor names must be unique and 1..65535 bytes")
+        if meta.name in names or not name:
+            raise ValueError(f"{meta.name!r}: tensor names must be unique and not empty")
         names.add(meta.name)
         loc_off = 0
         if loc.kind is LocKind.GAPS:
@@ -150,7 +157,9 @@ def encode_payload(
         for arrays, size in zip(groups, sizes, strict=True):
             _pack_group(arrays, cfg.shuffle, raw[off : off + size])
             off += size
-        return _seal(header, raw.data, level=cfg.zstd_level, threads=cfg.zstd_threads or 0)
+        return _seal(
+            header, raw.data, level=cfg.zstd_level, threads=cfg.zstd_threads or 0, mac_key=mac_key
+        )
 
 
 def _padded(n: int) -> int:
@@ -217,29 +226,45 @@ def seal_body(
     *,
     level: int = 1,
     threads: int = 0,
+    mac_key: bytes | None = None,
 ) -> EncodedPayload:
-    """Compress raw body bytes (given in parts) and frame them with the preamble and digest.
+    """Compress raw body bytes (given in parts) and frame them with the preamble, the digest
+    and, with `mac_key`, the MAC.
 
     Tests use it to wrap deliberately malformed bodies in a valid frame so that the body parser
     itself gets fuzzed.
     """
     raw = b"".join(memoryview(p).cast("B") for p in raw_parts)
-    return _seal(header, memoryview(raw), level=level, threads=threads)
+    return _seal(header, memoryview(raw), level=level, threads=threads, mac_key=mac_key)
 
 
-def _seal(header: PayloadHeader, raw: memoryview, *, level: int, threads: int) -> EncodedPayload:
+def _seal(
+    header: PayloadHeader,
+    raw: memoryview,
+    *,
+    level: int,
+    threads: int,
+    mac_key: bytes | None = None,
+) -> EncodedPayload:
+    """Compress `raw` and prepend the preamble: BLAKE2b-128 digest of the compressed body and,
+    with a key, flag bit 0 and the keyed BLAKE3 MAC of the preamble before it and the body."""
     raw_len = raw.nbytes
     comp = zstandard.ZstdCompressor(level=level, threads=threads).compress(raw)
     digest = hashlib.blake2b(comp, digest_size=DIGEST_SIZE).digest()
     attempt = header.attempt.encode()
-    pre = PRE_ID.pack(MAGIC, header.codec_version) + PRE_REST.pack(
-        0,
-        header.producer,
-        header.payload_id,
-        header.order,
-        raw_len,
-        len(comp),
-        digest,
-        len(attempt),
+    signed = (
+        PRE_ID.pack(MAGIC, header.codec_version)
+        + PRE_REST.pack(
+            FLAG_MAC if mac_key is not None else 0,
+            header.producer,
+            header.payload_id,
+            header.order,
+            raw_len,
+            len(comp),
+            digest,
+            len(attempt),
+        )
+        + attempt
     )
-    return EncodedPayload(header=header, body=pre + attempt + comp, digest=digest, raw_size=raw_len)
+    mac = payload_mac(mac_key, signed, comp) if mac_key is not None else b""
+    return EncodedPayload(header=header, body=signed + mac + comp, digest=digest, raw_size=raw_len)

@@ -23,6 +23,10 @@ class UnsupportedVersion(CodecError):  # noqa: N818 - the names of the interface
     """The payload's codec version is not one this decoder implements."""
 
 
+class AuthenticationError(CodecError):
+    """A payload checked with a key has no MAC, or a MAC that the key did not make."""
+
+
 class DigestMismatch(CodecError):  # noqa: N818 - the names of the interface
     """The BLAKE2b-128 digest of the compressed body does not match the declared digest."""
 
@@ -49,3 +53,8 @@ class MetaMismatch(SchemaError):  # noqa: N818 - the names of the interface
 
 class LocationError(CodecError):
     """Locations are out of range, unsorted, duplicated or inconsistent with the item."""
+
+
+class EncodeLimitError(CodecError):
+    """An item's tensor exceeds the shared structural limits (`refit_protocol.limits`): the
+    encoder refuses to write what every receiver would refuse to read."""

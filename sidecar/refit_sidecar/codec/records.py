@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from refit_protocol.limits import limit_violation, shown_name
 from refit_sidecar.bitdiff import BitDiff, diff_bits
 from refit_sidecar.bits import bits_numpy, int_view
 from refit_sidecar.codec import dtypes
+from refit_sidecar.codec.errors import EncodeLimitError
 
 
 class Op(enum.IntEnum):
@@ -55,6 +57,14 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         return self.numel * dtypes.width(self.dtype)
+
+
+def check_limits(meta: TensorMeta) -> None:
+    """Refuse a tensor beyond the shared limits (name bytes, dimensions, elements) that every
+    receiver enforces: `EncodeLimitError` naming the tensor and the limit."""
+    reason = limit_violation(meta.name, meta.shape)
+    if reason is not None:
+        raise EncodeLimitError(f"{shown_name(meta.name)}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,7 @@ def diff_item(name: str, old: torch.Tensor, new: torch.Tensor, op: Op = Op.XOR) 
         raise ValueError(f"{name}: {old.dtype}{tuple(old.shape)} vs {new.dtype}{tuple(new.shape)}")
     meta = TensorMeta.of(name, new)
     dtypes.dtype_code(new.dtype)  # fail early on unsupported dtypes
+    check_limits(meta)  # and on what no receiver would accept
     return item_from_diff(meta, diff_bits(bits_numpy(old), bits_numpy(new)), op)
 
 

@@ -1,11 +1,15 @@
 """The payload wire format v1: its layout, identity and the sizes a decoder may trust.
 
 docs/wire-format.md is the normative description. A payload is a plain preamble (magic,
-version, identity, sizes, digest) followed by one zstd frame. The frame holds a copy of the
-identity, the group and item tables, the location groups and the value groups. The BLAKE2b-128
-digest covers the compressed body, and the identity copy inside it binds the plain header to the
-digest. `encode` writes it (❸), `decode` validates and reads it (❺); this module holds what
-both agree on, and reads the plain preamble (`peek_header`) without trusting anything else.
+version, flags, identity, sizes, digest, attempt id and, when flag bit 0 is set, a 32-byte MAC)
+followed by one zstd frame. The frame holds a copy of the identity, the group and item tables,
+the location groups and the value groups. The BLAKE2b-128 digest covers the compressed body
+(dedup and announcements key on it), and the identity copy inside it binds the plain header to
+the digest. The MAC is keyed BLAKE3 (key: `refit_protocol.keys.payload_mac_key` of the policy's
+token) over the preamble before it and the compressed body, so only a holder of the token can
+make a payload a keyed receiver accepts. `encode` writes it (❸), `decode` validates and reads it
+(❺); this module holds what both agree on, and reads the plain preamble (`peek_header`) without
+trusting anything else.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 from pydantic import BaseModel, ConfigDict, Field
 
+from refit_protocol.limits import MAX_NAME_BYTES, MAX_NDIM
 from refit_sidecar.codec.errors import (
     BadMagic,
     SchemaError,
@@ -33,6 +39,9 @@ MAGIC = b"KRFP"
 BODY_MAGIC = b"KRB1"
 CODEC_VERSION = 1
 DIGEST_SIZE = 16
+#: Preamble flag bit 0: a MAC of `MAC_SIZE` bytes follows the attempt id. Other bits: reserved.
+FLAG_MAC = 1
+MAC_SIZE = 32
 MAX_ATTEMPT_BYTES = 1024
 #: A zstd block of at most 128 KiB can be stored in 4 bytes (RLE), so no frame expands more.
 ZSTD_MAX_RATIO = 32768
@@ -78,8 +87,10 @@ class DecodeLimits(BaseModel):
 
     max_raw_bytes: int = Field(default=16 << 30, gt=0, description="Largest decompressed body.")
     max_items: int = Field(default=1 << 20, gt=0, description="Most items in one payload.")
-    max_name_bytes: int = Field(default=4096, gt=0, description="Longest UTF-8 tensor name.")
-    max_ndim: int = Field(default=16, ge=0, description="Most dimensions of a tensor.")
+    max_name_bytes: int = Field(
+        default=MAX_NAME_BYTES, gt=0, description="Longest UTF-8 tensor name."
+    )
+    max_ndim: int = Field(default=MAX_NDIM, ge=0, description="Most dimensions of a tensor.")
 
 
 DEFAULT_CODEC = CodecConfig()
@@ -164,10 +175,16 @@ class Reader:
 
 @dataclass(frozen=True)
 class Preamble:
+    """The plain preamble. `signed_len`: bytes before the MAC field (what the MAC covers besides
+    the compressed body); `mac`: the MAC, None when flag bit 0 is clear; `body_offset`: where the
+    compressed body starts."""
+
     header: PayloadHeader
     raw_len: int
     comp_len: int
     digest: bytes
+    signed_len: int
+    mac: bytes | None
     body_offset: int
 
 
@@ -179,18 +196,39 @@ def read_preamble(mv: memoryview) -> Preamble:
     if version != CODEC_VERSION:
         raise UnsupportedVersion(f"codec version {version}; this decoder reads {CODEC_VERSION}")
     flags, producer, payload_id, order, raw_len, comp_len, digest, alen = r.unpack(PRE_REST)
-    if flags != 0:
+    if flags & ~FLAG_MAC:
         raise SchemaError(f"unknown preamble flags {flags:#x}")
     if alen > MAX_ATTEMPT_BYTES:
         raise SizeLimitExceeded(f"attempt id of {alen} bytes")
     attempt = utf8(r.take(alen), "attempt id")
     header = PayloadHeader(version, attempt, producer, payload_id, order)
-    return Preamble(header, raw_len, comp_len, bytes(digest), r.pos)
+    signed_len = r.pos
+    mac = bytes(r.take(MAC_SIZE)) if flags & FLAG_MAC else None
+    return Preamble(header, raw_len, comp_len, bytes(digest), signed_len, mac, r.pos)
 
 
 def peek_header(data: bytes | bytearray | memoryview) -> PayloadHeader:
     """The payload's identity from the plain preamble, without checking or decompressing."""
     return read_preamble(memoryview(data).cast("B")).header
+
+
+def compressed_body(data: bytes | bytearray | memoryview) -> memoryview:
+    """The bytes after the preamble, attempt id and MAC: what the digest is taken of (a view;
+    its length is checked against `comp_len` by the decoder, not here)."""
+    mv = memoryview(data).cast("B")
+    return mv[read_preamble(mv).body_offset :]
+
+
+def payload_mac(key: bytes, signed: bytes | memoryview, comp: bytes | memoryview) -> bytes:
+    """Keyed BLAKE3 (32-byte key, 32-byte output) of `signed` (the preamble bytes before the
+    MAC field) followed by `comp` (the compressed body). Raises ValueError for a key that is
+    not 32 bytes (a configuration error, not a property of the payload)."""
+    if len(key) != MAC_SIZE:
+        raise ValueError(f"a payload MAC key has {MAC_SIZE} bytes, not {len(key)}")
+    h = blake3.blake3(key=key)
+    h.update(signed)
+    h.update(comp)
+    return h.digest()
 
 
 def utf8(buf: memoryview, what: str) -> str:

@@ -105,17 +105,22 @@ class _Run:
 
 
 class ProducerPipeline:
-    """Streams one producer's deltas of an attempt to a transport."""
+    """Streams one producer's deltas of an attempt to a transport. With `mac_key`
+    (`refit_protocol.keys.payload_mac_key` of the policy's token) every payload carries the MAC
+    that receivers holding the token require."""
 
     def __init__(
         self,
         baseline: SourceBaseline,
         transport: Transport,
         config: PipelineConfig | None = None,
+        *,
+        mac_key: bytes | None = None,
     ) -> None:
         self.baseline = baseline
         self.transport = transport
         self.config = config or PipelineConfig()
+        self.mac_key = mac_key
 
     def run(
         self,
@@ -280,7 +285,7 @@ class ProducerPipeline:
     ) -> None:
         def seal(header: PayloadHeader, bucket: Bucket) -> EncodedPayload:
             t0 = time.perf_counter()
-            payload = encode_payload(header, bucket.items, config=codec)
+            payload = encode_payload(header, bucket.items, config=codec, mac_key=self.mac_key)
             run.metrics.add_time("compress", time.perf_counter() - t0)
             return payload
 

@@ -23,7 +23,9 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from refit_protocol.auth import require_token_or_loopback, resolve_token
+from refit_protocol.cli import STARTUP_ERROR_HELP, run_service
 from refit_protocol.commit import CommitRecord
+from refit_protocol.keys import payload_mac_key
 from refit_protocol.logs import configure_logging
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.pipeline.config import PipelineConfig
@@ -108,6 +110,7 @@ def build(
         committed=CommitRecord(config.committed_version, config.committed_baseline_id),
         staging=config.staging,
         observer=observer,
+        mac_key=payload_mac_key(token) if token else None,  # receivers with the token need it
     )
     return ProducerProcess(baseline, service, transports, token)
 
@@ -141,10 +144,12 @@ async def serve(config: ProducerProcessConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m refit_sidecar.producer")
+    parser = argparse.ArgumentParser(
+        prog="python -m refit_sidecar.producer", epilog=STARTUP_ERROR_HELP
+    )
     parser.add_argument("--config", required=True, type=Path, help="ProducerProcessConfig JSON")
     args = parser.parse_args(argv)
-    serve_json(args.config.read_text())
+    run_service(parser.prog, lambda: serve_json(args.config.read_text()))
 
 
 def serve_json(text: str) -> None:

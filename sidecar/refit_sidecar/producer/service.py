@@ -84,12 +84,14 @@ class ProducerService:
         committed: CommitRecord | None = None,
         staging: StagingConfig | None = None,
         observer: ProducerObserver | None = None,
+        mac_key: bytes | None = None,
     ) -> None:
         """`transport` is one transport, or a factory choosing it per attempt (e.g. the relay
         tree's root for this producer, which can change when membership does). `staging`
         enables the trainer handoff (`ingest_chunk`/`stage`); `baseline` may then still be
         uninitialized: the trainer's first export builds it. `observer` is told of start,
-        sent and baseline update (timing)."""
+        sent and baseline update (timing). `mac_key`: payloads carry a MAC made with it
+        (`refit_protocol.keys.payload_mac_key` of the policy's token)."""
         self.baseline = baseline
         if isinstance(transport, Transport):
             fixed = transport
@@ -105,6 +107,7 @@ class ProducerService:
         self._staging = CandidateStaging(staging) if staging is not None else None
         self._stage_lock = threading.Lock()
         self.observer = observer
+        self.mac_key = mac_key
         self.baseline_fingerprint: str | None = None
         self._layout_cache: tuple[list[tuple[TensorMeta, ...]], dict[str, TensorMeta]] | None = None
 
@@ -135,7 +138,7 @@ class ProducerService:
         export = self._candidate[1]
         pending = self.baseline.pending_attempt
         transport = self._transport_for(plan)
-        pipeline = ProducerPipeline(self.baseline, transport, self.config)
+        pipeline = ProducerPipeline(self.baseline, transport, self.config, mac_key=self.mac_key)
         fut: Future[PipelineMetrics] = Future()
 
         def run() -> None:

@@ -6,17 +6,20 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from refit_protocol.cli import STARTUP_ERROR_HELP, run_service
 from refit_protocol.logs import configure_logging
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m refit_sidecar.receiver", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m refit_sidecar.receiver", description=__doc__, epilog=STARTUP_ERROR_HELP
+    )
     parser.add_argument("--config", type=Path, required=True, help="ReceiverConfig as JSON.")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO).")
     args = parser.parse_args(argv)
-    serve_json(args.config.read_text(), log_level=args.log_level)
+    run_service(parser.prog, lambda: serve_json(args.config.read_text(), log_level=args.log_level))
 
 
 def serve_json(text: str, *, log_level: str | None = None) -> None:

@@ -30,6 +30,7 @@ from refit_protocol.receiver_api import (
     RestoreRequest,
     StopResponse,
 )
+from refit_sidecar.apply.errors import ScratchAllocationError
 from refit_sidecar.codec.dtypes import dtype_from_name
 from refit_sidecar.codec.errors import SchemaError
 from refit_sidecar.codec.records import TensorMeta
@@ -110,7 +111,12 @@ class ReceiverControl:
                     if metas == s.metas and s.prewarmed is not None:
                         return s.prewarmed  # e.g. a new coordinator taking over
                     raise ReceiverError(f"attempt {s.current.attempt} is in progress")
-            ranks = s.applier.prewarm(metas)
+            try:
+                ranks = s.applier.prewarm(metas)
+            except ScratchAllocationError as exc:
+                # A declared tensor the loader takes is too large for this device: refused,
+                # the node keeps its previous classification.
+                raise BadRequestError(str(exc)) from exc
             answer = PrewarmResponse(node=s.node, ranks=ranks)
             with s.cond:
                 s.metas = metas

@@ -43,6 +43,9 @@ class Intake:
         self.node = node.node  # RelaySink: the name in every answer
         self.config = config
         self.fetcher = fetcher
+        #: The payload MAC key from the node's token (set by `ReceiverNode`); None: payloads
+        #: without a MAC are accepted (a node without a token, in-process tests).
+        self.mac_key: bytes | None = None
         self._stage_pool = ThreadPoolExecutor(config.staging_workers, "refit-stage")
         self._download_pool = ThreadPoolExecutor(config.download_workers, "refit-download")
 
@@ -265,6 +268,7 @@ class Intake:
             unsupported=unsupported,
             applier=s.applier,
             hashed=hashed,
+            mac_key=self.mac_key,
         )
 
     def _ready(

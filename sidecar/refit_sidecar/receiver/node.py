@@ -10,6 +10,7 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from refit_protocol.auth import endpoint_host, require_token_or_loopback, resolve_token
+from refit_protocol.keys import payload_mac_key
 from refit_sidecar.receiver import appliers
 from refit_sidecar.receiver.appliers.base import Applier
 from refit_sidecar.receiver.config import ReceiverConfig
@@ -50,6 +51,8 @@ class ReceiverNode:
             self.config = config
         self.applier = applier if applier is not None else appliers.make(config.applier)
         self.core = ReceiverCore(config, self.applier, metrics=self.metrics, fetcher=fetcher)
+        # With a token, only payloads sealed with the policy's key are decoded.
+        self.core.intake.mac_key = payload_mac_key(self.token) if self.token else None
         self.relay: RelayNode | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0

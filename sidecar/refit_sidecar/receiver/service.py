@@ -70,6 +70,16 @@ def _model(obj: BaseModel, status: int = 200) -> web.Response:
     )
 
 
+def _first_error(what: str, errors: list[Any]) -> str:
+    """One line naming the first invalid field and why (e.g. a prewarm meta's dtype)."""
+    if not errors:
+        return what
+    first = errors[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{what}: {where + ': ' if where else ''}{first.get('msg', '')}{more}"
+
+
 async def _parse(request: web.Request, model: type[M]) -> M:
     raw = await request.read()
     return model.model_validate_json(raw or b"{}")
@@ -107,7 +117,7 @@ def create_app(
             errors = exc.errors(include_url=False, include_input=False, include_context=False)
             return _json(
                 {
-                    "error": "invalid request body",
+                    "error": _first_error("invalid request body", errors),
                     "status": "bad_request",
                     "details": json.loads(json.dumps(errors, default=str)),
                 },

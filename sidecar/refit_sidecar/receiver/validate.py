@@ -54,15 +54,20 @@ def decode_and_stage(
     unsupported: Mapping[str, str],
     applier: Applier,
     hashed: bool = False,
+    mac_key: bytes | None = None,
 ) -> StagedPayload:
-    """Decode (digest, limits, schema, canonical metadata), classify, stage. Raises a
+    """Decode (MAC, digest, limits, schema, canonical metadata), classify, stage. Raises a
     `CodecError` or `ReceptionError` for a payload the attempt must fail on. `hashed`: the
-    caller already checked that these bytes hash to `ident.digest` (not hashed again)."""
+    caller already checked that these bytes hash to `ident.digest` (not hashed again).
+    `mac_key`: the node's key (from its token); the payload must then carry a MAC made with it
+    (`AuthenticationError` before anything is decompressed). None (a node without a token)
+    accepts payloads with or without a MAC."""
     decoded = decode_payload(
         body,
         expected_digest=ident.digest,
         body_hash=ident.digest if hashed else None,
         known=metas,
+        mac_key=mac_key,
     )
     classify(decoded, xor_incompatible, unsupported)
     return applier.stage(decoded)

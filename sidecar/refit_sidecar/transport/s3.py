@@ -18,13 +18,15 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import structlog
 import urllib3
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from refit_protocol.auth import is_loopback_host
 from refit_protocol.receiver_api import API_PREFIX, ManifestEntry, StreamEnd
 from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.transport.base import TransportSummary
@@ -65,6 +67,47 @@ class S3Config(BaseModel):
     max_attempts: int = Field(default=3, ge=1, description="botocore attempts per request.")
     connect_timeout_s: float = Field(default=10.0, gt=0)
     read_timeout_s: float = Field(default=120.0, gt=0)
+    ca_bundle: Path | None = Field(
+        default=None,
+        description="PEM file of the CA(s) that signed the endpoint's certificate (a private "
+        "object store); None: the system's trust store.",
+    )
+    allow_insecure: bool = Field(
+        default=False,
+        description="Allow a plain http:// endpoint that is not on loopback (never in "
+        "production: credentials and payload bytes would cross the network in clear).",
+    )
+    server_side_encryption: Literal["", "AES256", "aws:kms"] = Field(
+        default="", description="Ask the store to encrypt objects at rest ('' : bucket default)."
+    )
+    sse_kms_key_id: str = Field(
+        default="", description="KMS key for server_side_encryption aws:kms ('' : the default)."
+    )
+
+    @model_validator(mode="after")
+    def _secure_endpoint(self) -> S3Config:
+        url = urlsplit(self.endpoint_url or "https://s3.amazonaws.com")
+        if url.scheme not in ("http", "https"):
+            raise ValueError(f"s3.endpoint_url must be http(s)://, got {self.endpoint_url!r}")
+        if url.scheme == "http" and not (
+            is_loopback_host(url.hostname or "") or self.allow_insecure
+        ):
+            raise ValueError(
+                f"s3.endpoint_url {self.endpoint_url} is plain HTTP on a non-loopback host: use "
+                "https:// (with s3.ca_bundle for a private CA), or set s3.allow_insecure"
+            )
+        if self.sse_kms_key_id and self.server_side_encryption != "aws:kms":
+            raise ValueError("s3.sse_kms_key_id needs s3.server_side_encryption: aws:kms")
+        return self
+
+    def encryption_args(self) -> dict[str, str]:
+        """Extra arguments of PUT and CreateMultipartUpload for server-side encryption."""
+        args: dict[str, str] = {}
+        if self.server_side_encryption:
+            args["ServerSideEncryption"] = self.server_side_encryption
+        if self.sse_kms_key_id:
+            args["SSEKMSKeyId"] = self.sse_kms_key_id
+        return args
 
 
 def make_client(cfg: S3Config) -> Any:
@@ -80,6 +123,7 @@ def make_client(cfg: S3Config) -> Any:
         "s3",
         endpoint_url=cfg.endpoint_url,
         region_name=cfg.region,
+        verify=str(cfg.ca_bundle) if cfg.ca_bundle is not None else True,
         config=Config(
             retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
             s3={"addressing_style": cfg.addressing_style},
@@ -106,9 +150,9 @@ def object_key(cfg: S3Config, attempt: str, producer: int, payload_id: int, dige
 def upload_payload(client: Any, cfg: S3Config, key: str, body: bytes) -> None:
     """PUT one object, multipart above the threshold (aborted on any failure)."""
     if len(body) <= cfg.multipart_threshold:
-        client.put_object(Bucket=cfg.bucket, Key=key, Body=body)
+        client.put_object(Bucket=cfg.bucket, Key=key, Body=body, **cfg.encryption_args())
         return
-    mpu = client.create_multipart_upload(Bucket=cfg.bucket, Key=key)
+    mpu = client.create_multipart_upload(Bucket=cfg.bucket, Key=key, **cfg.encryption_args())
     upload_id = mpu["UploadId"]
     mv = memoryview(body)
     ranges = [(i + 1, off) for i, off in enumerate(range(0, len(body), cfg.part_size))]

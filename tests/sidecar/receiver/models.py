@@ -22,6 +22,7 @@ from refit_sidecar.codec.wire import CODEC_VERSION, EncodedPayload, PayloadHeade
 from refit_sidecar.fingerprint import module_fingerprint
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
 from refit_sidecar.receiver.appliers.inprocess import InProcessApplier
+from tests.harness.receivers import HARNESS_MAC_KEY
 
 
 def canonical(seed: int, tensors: int = 8, numel: int = 4096) -> dict[str, torch.Tensor]:
@@ -83,8 +84,10 @@ def payloads(
     op: Op = Op.XOR,
     names: Sequence[str] | None = None,
     per_payload: int = 1,
+    mac_key: bytes | None = HARNESS_MAC_KEY,
 ) -> list[EncodedPayload]:
-    """Payloads carrying the changes of `names` (one or more tensors each), orders 0..n-1."""
+    """Payloads carrying the changes of `names` (one or more tensors each), orders 0..n-1,
+    signed with the harness receivers' key (`mac_key=None`: unsigned)."""
     items: list[Item] = []
     for name in names if names is not None else list(new):
         item = diff_item(name, old[name], new[name], op)
@@ -94,17 +97,25 @@ def payloads(
     for i in range(0, len(items), per_payload):
         pid = len(out)
         header = PayloadHeader(CODEC_VERSION, attempt, producer, pid, pid)
-        out.append(encode_payload(header, items[i : i + per_payload]))
+        out.append(encode_payload(header, items[i : i + per_payload], mac_key=mac_key))
     return out
 
 
 def overwrite_payload(
-    attempt: str, producer: int, payload_id: int, order: int, meta: TensorMeta, values: torch.Tensor
+    attempt: str,
+    producer: int,
+    payload_id: int,
+    order: int,
+    meta: TensorMeta,
+    values: torch.Tensor,
+    *,
+    mac_key: bytes | None = HARNESS_MAC_KEY,
 ) -> EncodedPayload:
-    """One payload overwriting every element of a tensor (values as its integer view)."""
+    """One payload overwriting every element of a tensor (values as its integer view), signed
+    with the harness receivers' key."""
     item = Item(meta, Op.OVERWRITE, 0, None, values)
     return encode_payload(
-        PayloadHeader(CODEC_VERSION, attempt, producer, payload_id, order), [item]
+        PayloadHeader(CODEC_VERSION, attempt, producer, payload_id, order), [item], mac_key=mac_key
     )
 
 

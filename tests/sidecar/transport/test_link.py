@@ -1,6 +1,11 @@
 """Trainer and rollout "clusters" in separate network namespaces joined by a rate-limited veth
 (tc tbf): one producer streams to a 3-node relay tree in the rollout namespace. Each payload
-crosses the link once, so delivery takes about V_payload / link rate, and no longer."""
+crosses the link once, so delivery takes about V_payload / link rate, and no longer.
+
+An on-path observer captures every frame on the link meanwhile (`tests.harness.wire_capture`):
+it must find neither the token nor any payload bytes (CurveZMQ encrypts every relay link), and
+replaying the captured producer stream, as is or altered, must get nothing staged and be counted
+as a refused handshake."""
 
 from __future__ import annotations
 
@@ -13,10 +18,12 @@ import time
 from pathlib import Path
 
 from refit_protocol.receiver_api import PrepareRequest
-from tests.harness.netns import create_link
-from tests.harness.receivers import REPO, start_cluster
+from tests.harness.netns import Link, create_link
+from tests.harness.operator_env import wait_for
+from tests.harness.receivers import REPO, NodeProc, start_cluster
+from tests.harness.wire_capture import client_stream, segments
 from tests.sidecar.receiver.models import canonical, fingerprint, metas, read_applied
-from tests.sidecar.transport.link_producer import link_target
+from tests.sidecar.transport.link_producer import link_payloads, link_target
 
 RATE_MBIT = float(os.environ.get("KUBEREFIT_LINK_MBIT", "100"))  # other rates: measurements
 TENSORS, NUMEL = 4, 2 << 20  # 4 payloads of 8 MiB, incompressible
@@ -69,6 +76,27 @@ def test_delivery_time_follows_payload_volume_over_link_rate(tmp_path: Path) -> 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         env = dict(os.environ, PYTHONPATH=str(REPO))
+        pcap = tmp_path / "link.frames"
+        observer = subprocess.Popen(
+            link.wrap(
+                link.rollout_ns,
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.harness.wire_capture",
+                    "capture",
+                    _dev(link),
+                    str(pcap),
+                ],
+            ),
+            env=env,
+            cwd=REPO,
+        )
+        deadline = time.monotonic() + 30
+        while not pcap.with_suffix(".ready").exists():
+            assert observer.poll() is None, "capture exited"
+            assert time.monotonic() < deadline, "capture did not start"
+            time.sleep(0.05)
         argv = [
             sys.executable,
             "-m",
@@ -116,7 +144,87 @@ def test_delivery_time_follows_payload_volume_over_link_rate(tmp_path: Path) -> 
         )
         assert delivery >= 0.9 * ideal  # the link really limits (each payload crosses once)
         assert delivery <= 1.5 * ideal + 2.0  # and the tree adds little beyond it
+
+        # -- what an on-path observer got ----------------------------------------------------
+        observer.terminate()
+        observer.wait(10)
+        seen = pcap.read_bytes()
+        assert len(seen) > sent["bytes"], "the capture missed the transition's traffic"
+        assert cluster.token.encode() not in seen
+        for p in link_payloads("l1", 1, TENSORS, NUMEL):
+            body = p.body
+            for at in range(len(body) // 8, len(body), len(body) // 8):
+                assert body[at : at + 32] not in seen, "payload bytes crossed the link in clear"
+        root = cluster.nodes[0]
+        host, port = root.relay.removeprefix("tcp://").rsplit(":", 1)
+        stream = client_stream(segments(pcap), host, int(port))[: 1 << 20]
+        assert len(stream) > 1000
+        refused = 'kuberefit_relay_frames_dropped_total{reason="handshake"}'
+        frames_before = _frames(root)
+        for i, attack in enumerate(
+            (stream, stream[:300] + bytes([stream[300] ^ 1]) + stream[301:])
+        ):
+            path = tmp_path / f"replay-{i}"
+            path.write_bytes(attack)
+            done = subprocess.run(
+                link.wrap(
+                    link.trainer_ns,
+                    [
+                        sys.executable,
+                        "-m",
+                        "tests.harness.wire_capture",
+                        "replay",
+                        host,
+                        port,
+                        str(path),
+                    ],
+                ),
+                env=env,
+                cwd=REPO,
+                capture_output=True,
+                timeout=60,
+                check=False,
+            )
+            assert done.returncode == 0, done.stderr[-2000:]
+            wait_for(f"replay {i} refused", lambda i=i: _metric(root, refused) >= i + 1)
+        assert _frames(root) == frames_before  # not one frame of the replays was handled
+        assert all(s.staged == TENSORS for s in cluster.each(lambda n: n.ctl.status()))
     finally:
         if cluster is not None:
             cluster.stop_all()
         link.close()
+
+
+def _dev(link: Link) -> str:
+    """The rollout namespace's end of the shaped veth (the device that has rollout_ip)."""
+    out = subprocess.run(
+        ["ip", "-n", link.rollout_ns, "-o", "-4", "addr", "show"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for line in out.splitlines():
+        if f" {link.rollout_ip}/" in line:
+            return line.split()[1]
+    raise AssertionError(f"no device with {link.rollout_ip} in {link.rollout_ns}:\n{out}")
+
+
+def _metric(node: NodeProc, name: str) -> float:
+    resp = node.ctl.http.request(
+        "GET", node.http + "/metrics", headers={"Authorization": f"Bearer {node.ctl.token}"}
+    )
+    for line in resp.data.decode().splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _frames(node: NodeProc) -> float:
+    resp = node.ctl.http.request(
+        "GET", node.http + "/metrics", headers={"Authorization": f"Bearer {node.ctl.token}"}
+    )
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in resp.data.decode().splitlines()
+        if line.startswith("kuberefit_relay_frames_total{")
+    )

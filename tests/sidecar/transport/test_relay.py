@@ -11,9 +11,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import urllib3
+import zmq
 from pydantic import SecretStr
 
 from refit_protocol.receiver_api import PrepareRequest
@@ -28,7 +30,8 @@ from refit_sidecar.transport.errors import (
 from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
 from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
-from tests.harness.receivers import Cluster, NodeProc, start_cluster
+from tests.harness.operator_env import wait_for
+from tests.harness.receivers import HARNESS_MAC_KEY, Cluster, NodeProc, start_cluster
 from tests.sidecar.receiver.models import (
     canonical,
     fingerprint,
@@ -185,7 +188,9 @@ def test_id_reuse_with_other_bytes_fails_the_attempt(cluster: Cluster) -> None:
     stop_everywhere(cluster, "t3")
 
 
-def test_corrupted_body_is_rejected_by_digest(cluster: Cluster) -> None:
+def test_corrupted_body_is_rejected_by_its_mac(cluster: Cluster) -> None:
+    """A flipped body bit fails the payload's keyed MAC, checked on arrival before the digest,
+    before staging and before any forward."""
     old = STATE["weights"]
     assert isinstance(old, dict)
     p = payloads("t4", 0, old, perturb(old, 15))[0]
@@ -195,13 +200,13 @@ def test_corrupted_body_is_rejected_by_digest(cluster: Cluster) -> None:
     client = RelayDealer(cluster.relay_tree[0], token=cluster.token, config=CLIENT)
     try:
         meta = _meta(p)
-        with pytest.raises(PayloadRejectedError, match="DigestMismatch"):
+        with pytest.raises(PayloadRejectedError, match="AuthenticationError"):
             client.submit_data(meta, bytes(bad)).result(10)
     finally:
         client.close()
     statuses = cluster.each(lambda n: n.ctl.status())
     assert statuses[0].phase == "failed"
-    assert "DigestMismatch" in statuses[0].errors[0]
+    assert "AuthenticationError" in statuses[0].errors[0]
     assert [s.staged for s in statuses] == [0] * 7  # never registered, never forwarded
     stop_everywhere(cluster, "t4")
 
@@ -279,7 +284,11 @@ def test_missing_or_wrong_token_is_rejected(cluster: Cluster) -> None:
     assert isinstance(old, dict)
     p = payloads("t7", 0, old, perturb(old, 18))[0]
     prepare(cluster, "t7", "overwrite", [0], open_apply=False)
+    refused = 'kuberefit_relay_frames_dropped_total{reason="handshake"}'
     quick = DealerConfig(ack_timeout_s=0.5, max_retries=1)
+    rss = psutil.Process(node.proc.proc.pid).memory_info().rss  # type: ignore[union-attr]
+    # Without the policy's Curve keys (no token, a wrong one) no handshake completes: nothing
+    # is answered, staged or even buffered.
     for token in (None, "wrong"):
         client = RelayDealer(node.relay, token=token, config=quick)
         try:
@@ -287,8 +296,22 @@ def test_missing_or_wrong_token_is_rejected(cluster: Cluster) -> None:
                 client.submit_data(_meta(p), p.body).result(10)
         finally:
             client.close()
+    # Knowing the token is not enough either: frames that carry it, on a socket without the
+    # key pair derived from it (64 MiB of them), never reach the relay.
+    ctx = zmq.Context.instance()
+    plain = ctx.socket(zmq.DEALER)
+    plain.setsockopt(zmq.LINGER, 0)
+    plain.connect(node.relay)
+    meta = _meta(p).model_copy(update={"token": cluster.token}).model_dump_json().encode()
+    try:
+        plain.send_multipart([b"DATA", meta, b"\0" * (64 << 20)], copy=False)
+        wait_for("three refused handshakes", lambda: _metric(node, refused) >= 3, timeout=10)
+    finally:
+        plain.close(linger=0)
+    grown = psutil.Process(node.proc.proc.pid).memory_info().rss - rss  # type: ignore[union-attr]
+    assert grown < 32 << 20, f"an unauthenticated peer made the receiver hold {grown} bytes"
     assert node.ctl.status().staged == 0
-    assert _metric(node, 'kuberefit_relay_frames_dropped_total{reason="unauthenticated"}') >= 4
+    assert _metric(node, 'kuberefit_relay_frames_dropped_total{reason="unauthenticated"}') == 0
     stop_everywhere(cluster, "t7")
 
 
@@ -391,7 +414,8 @@ def _renumber(p: EncodedPayload, i: int) -> EncodedPayload:
     from refit_sidecar.codec.wire import PayloadHeader
 
     d = decode_payload(p.body)
-    return encode_payload(PayloadHeader(1, d.header.attempt, d.header.producer, i, i), d.items)
+    header = PayloadHeader(1, d.header.attempt, d.header.producer, i, i)
+    return encode_payload(header, d.items, mac_key=HARNESS_MAC_KEY)
 
 
 def _metric(node: NodeProc, name: str) -> float:

@@ -32,6 +32,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from refit_protocol.commit import CommitRecord
+from refit_protocol.keys import payload_mac_key
 from refit_protocol.logs import configure_logging
 from refit_protocol.producer_api import AttemptPlan, SentReport
 from refit_sidecar.baseline.chunks import chunk_export
@@ -189,7 +190,8 @@ class ProducerBench:
     def reference(self, req: ReferenceRequest) -> dict[str, object]:
         """Send H bytes of incompressible overwrite payloads; time from the first send until
         the root relay acknowledged the last one (receivers' relay flushes time the rest)."""
-        payloads = _reference_payloads(req.attempt, self.cfg.workload, req.payload_bytes)
+        key = payload_mac_key(self.process.token) if self.process.token else None
+        payloads = _reference_payloads(req.attempt, self.cfg.workload, req.payload_bytes, key)
         transport = self.process.transports.to(req.relay_root)
         t_start = time.monotonic()
         try:
@@ -213,7 +215,7 @@ class ProducerBench:
 
 
 def _reference_payloads(
-    attempt: str, workload: Workload, payload_bytes: int
+    attempt: str, workload: Workload, payload_bytes: int, mac_key: bytes | None
 ) -> list[EncodedPayload]:
     """Every element of the checkpoint once, as overwrite runs with random (incompressible)
     values: a file transfer moves H bytes, and zstd would shrink real BF16 weights."""
@@ -224,7 +226,8 @@ def _reference_payloads(
         for meta, start, count in runs:
             values = torch.from_numpy(rng.integers(-(2**15), 2**15, size=count, dtype=np.int16))
             items.append(Item(meta, Op.OVERWRITE, start, None, values))
-        out.append(encode_payload(PayloadHeader(CODEC_VERSION, attempt, 0, i, i), items))
+        header = PayloadHeader(CODEC_VERSION, attempt, 0, i, i)
+        out.append(encode_payload(header, items, mac_key=mac_key))
     return out
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from pydantic import SecretStr
 
+from refit_protocol.keys import payload_mac_key
 from refit_protocol.receiver_api import PrewarmRequest, RankPrewarm
 from refit_protocol.tensors import TensorMetaModel
 from refit_sidecar.codec.encode import encode_payload
@@ -68,9 +69,10 @@ def discard_applier() -> DiscardApplier:
 
 
 def synthetic_payloads(
-    attempt: str, count: int, size: int, seed: int = 0
+    attempt: str, count: int, size: int, seed: int = 0, *, mac_key: bytes | None = None
 ) -> tuple[list[EncodedPayload], list[TensorMetaModel]]:
-    """`count` incompressible payloads of about `size` bytes (one overwrite item each)."""
+    """`count` incompressible payloads of about `size` bytes (one overwrite item each), signed
+    with `mac_key` (the receivers' policy key) when given."""
     numel = max(size // 4, 1)
     g = torch.Generator().manual_seed(seed)
     out, metas = [], []
@@ -78,7 +80,8 @@ def synthetic_payloads(
         meta = TensorMeta(f"bench.{i}", (numel,), torch.float32)
         values = torch.randint(-(2**31), 2**31 - 1, (numel,), generator=g, dtype=torch.int32)
         header = PayloadHeader(CODEC_VERSION, attempt, 0, i, i)
-        out.append(encode_payload(header, [Item(meta, Op.OVERWRITE, 0, None, values)]))
+        item = Item(meta, Op.OVERWRITE, 0, None, values)
+        out.append(encode_payload(header, [item], mac_key=mac_key))
         metas.append(TensorMetaModel(name=meta.name, shape=(numel,), dtype="float32"))
     return out, metas
 
@@ -128,11 +131,12 @@ def run_relay_bench(
     say(f"starting {nodes} receiver nodes ...")
     cluster = _nodes(nodes, workdir)
     try:
-        big, big_metas = synthetic_payloads("bench-big", payloads, payload_mib * MIB)
+        key = payload_mac_key(cluster.token)
+        big, big_metas = synthetic_payloads("bench-big", payloads, payload_mib * MIB, mac_key=key)
         volume = sum(p.size for p in big)
         say(f"relay tree: {payloads} x {payload_mib} MiB to {nodes} nodes ...")
         t_big = _relay_round(cluster, "bench-big", big, big_metas)
-        tiny, tiny_metas = synthetic_payloads("bench-small", small, 1024)
+        tiny, tiny_metas = synthetic_payloads("bench-small", small, 1024, mac_key=key)
         say(f"relay tree: {small} payloads of 1 KiB ...")
         t_small = _relay_round(cluster, "bench-small", tiny, tiny_metas)
     finally:

@@ -36,6 +36,7 @@ from refit_sidecar.transport.errors import (
     TransportError,
     TransportStoppedError,
 )
+from refit_sidecar.transport.relay.curve import secure_client
 from refit_sidecar.transport.relay.frames import (
     ACK,
     DATA,
@@ -192,6 +193,8 @@ class RelayDealer:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sock.setsockopt(zmq.CONNECT_TIMEOUT, int(self.config.connect_timeout_s * 1000))
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        if self._token:
+            secure_client(sock, self._token)
         sock.connect(self.endpoint)
         self._sock = sock
         poller = zmq.Poller()

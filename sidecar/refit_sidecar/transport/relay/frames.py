@@ -18,12 +18,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from refit_sidecar.codec.decode import verify_mac
 from refit_sidecar.codec.errors import CodecError, DigestMismatch, HeaderMismatch
 from refit_sidecar.codec.wire import (
     DIGEST_SIZE,
     MAX_ATTEMPT_BYTES,
-    PREAMBLE_SIZE,
     EncodedPayload,
+    compressed_body,
     peek_header,
 )
 
@@ -124,21 +125,24 @@ def parse_ack(raw: bytes | memoryview) -> AckMeta | None:
 
 def body_digest(body: bytes | bytearray | memoryview) -> bytes:
     """BLAKE2b-128 of the payload's compressed body (what the codec and manifests announce)."""
-    mv = memoryview(body).cast("B")
-    header = peek_header(mv)
-    start = PREAMBLE_SIZE + len(header.attempt.encode())
-    return hashlib.blake2b(mv[start:], digest_size=DIGEST_SIZE).digest()
+    return hashlib.blake2b(compressed_body(body), digest_size=DIGEST_SIZE).digest()
 
 
-def verify_body(meta: FrameMeta, body: bytes | bytearray | memoryview) -> None:
-    """Check that `body` is the payload `meta` names: identity, size and digest.
+def verify_body(
+    meta: FrameMeta, body: bytes | bytearray | memoryview, *, mac_key: bytes | None = None
+) -> None:
+    """Check that `body` is the payload `meta` names: its MAC (with the policy's key: before
+    anything else, so forged bytes are neither staged nor forwarded), identity, size, digest.
 
-    Raises `CodecError` (DigestMismatch for corrupted bytes). The full decode with schema and
-    canonical-metadata checks happens in the receiver before the payload is queued.
+    Raises `CodecError` (AuthenticationError for a missing or wrong MAC, DigestMismatch for
+    corrupted bytes). The full decode with schema and canonical-metadata checks happens in the
+    receiver before the payload is queued.
     """
     mv = memoryview(body).cast("B")
     if meta.size and len(mv) != meta.size:
         raise DigestMismatch(f"body has {len(mv)} bytes, metadata says {meta.size}")
+    if mac_key is not None:
+        verify_mac(mv, mac_key)
     header = peek_header(mv)
     if (header.attempt, header.producer, header.payload_id, header.order) != (
         meta.attempt,

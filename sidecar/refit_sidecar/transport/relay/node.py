@@ -24,10 +24,13 @@ import structlog
 import zmq
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
+from zmq.utils.monitor import recv_monitor_message
 
 from refit_protocol.auth import tokens_equal
+from refit_protocol.keys import payload_mac_key
 from refit_sidecar.codec.errors import CodecError
 from refit_sidecar.transport.relay import tree
+from refit_sidecar.transport.relay.curve import HANDSHAKE_FAILURES, secure_server
 from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
 from refit_sidecar.transport.relay.frames import (
     ACK,
@@ -118,7 +121,9 @@ class RelayMetrics:
         )
         self.dropped = Counter(
             "kuberefit_relay_frames_dropped",
-            "Frames dropped without an answer (unauthenticated, malformed).",
+            "Frames dropped without an answer (unauthenticated, malformed), and connections "
+            "refused at the CurveZMQ handshake (handshake: no key pair of the policy's token, "
+            "or replayed or altered traffic).",
             ["reason"],
             registry=reg,
         )
@@ -145,6 +150,7 @@ class RelayNode:
         self.config = config
         self.sink = sink
         self._token = token or ""
+        self._mac_key = payload_mac_key(token) if token else None
         self._ctx = context or zmq.Context.instance()
         self.metrics = RelayMetrics(registry)
         self._clients: dict[str, RelayDealer] = {}
@@ -154,6 +160,7 @@ class RelayNode:
         self._dead: dict[str, set[str]] = collections.defaultdict(set)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._monitor: zmq.Socket[Any] | None = None
         self.bound: str = ""
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -162,6 +169,9 @@ class RelayNode:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload_bytes + (1 << 16))
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        if self._token:
+            secure_server(sock, self._ctx, self._token)
+            self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
         sock.bind(self.config.bind)
         self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
@@ -207,10 +217,18 @@ class RelayNode:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not poller.poll(100):
+                events = dict(poller.poll(100))
+                if not events:
                     continue
+                if self._monitor is not None and self._monitor in events:
+                    try:
+                        self._handshake_failures()
+                    except Exception:  # pragma: no cover - counting must never stop the relay
+                        log.exception("relay.monitor_failed", node=self.sink.node)
                 while True:
                     try:
                         frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -221,7 +239,26 @@ class RelayNode:
                     except Exception:  # pragma: no cover - never let one frame kill the relay
                         log.exception("relay.frame_failed", node=self.sink.node)
         finally:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
             self._sock.close(linger=0)
+
+    def _handshake_failures(self) -> None:
+        """Count connections refused by CurveZMQ (no frame of theirs was ever buffered)."""
+        assert self._monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.metrics.dropped.labels("handshake").inc()
+            log.warning(
+                "relay.handshake_refused",
+                node=self.sink.node,
+                peer=str(event.get("endpoint", b""), "utf-8", "replace"),
+                zmq_event=int(event.get("event", 0)),
+            )
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 3:
@@ -261,7 +298,7 @@ class RelayNode:
         body = frame.buffer
         self.metrics.bytes.inc(body.nbytes)
         try:
-            verify_body(meta, body)
+            verify_body(meta, body, mac_key=self._mac_key)
         except CodecError as exc:
             reason = f"payload {meta.producer}/{meta.payload_id}: {type(exc).__name__}: {exc}"
             self.sink.relay_fail(meta.attempt, reason)
