@@ -11,6 +11,7 @@ import aiohttp
 import structlog
 from pydantic import BaseModel
 
+from refit_protocol.auth import bearer_header
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
 from refit_protocol.producer_api import (
@@ -47,7 +48,7 @@ class HttpProducerClient:
         self.producer = producer
         self.base_url = base_url.rstrip("/")
         self._session = session
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = bearer_header(token)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def _call(self, method: str, path: str, body: BaseModel | None, out: type[M]) -> M:

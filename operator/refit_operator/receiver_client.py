@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import aiohttp
 from pydantic import BaseModel
 
+from refit_protocol.auth import bearer_header
 from refit_protocol.errors import EndpointError
 from refit_protocol.receiver_api import (
     API_PREFIX,
@@ -60,7 +61,7 @@ class ReceiverHttpClient:
         self.node = node
         self.base_url = base_url.rstrip("/")
         self._session = session
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = bearer_header(token)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def _call(

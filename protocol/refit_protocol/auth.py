@@ -5,6 +5,7 @@ One comparison function, constant-time, so no endpoint can leak the token throug
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import os
@@ -28,10 +29,28 @@ def tokens_equal(expected: str | None, given: str | None) -> bool:
     return hmac.compare_digest(expected.encode(), given.encode())
 
 
+def http_bearer(token: str) -> str:
+    """What KubeRefit's HTTP clients send instead of the token: a one-way derivation of it.
+
+    The control planes are plain HTTP, and some calls cross clusters (S3 manifests, the operator);
+    a captured bearer then reveals nothing the relay's Curve keys or the payload MAC key are
+    derived from (docs/security.md)."""
+    digest = hashlib.blake2b(token.encode(), digest_size=32, person=b"kr-http-bearer").hexdigest()
+    return f"kr1.{digest}"
+
+
+def bearer_header(token: str | None) -> dict[str, str]:
+    """The Authorization header of a call to a KubeRefit endpoint ({} without a token)."""
+    return {"Authorization": f"Bearer {http_bearer(token)}"} if token else {}
+
+
 def bearer_ok(expected: str | None, authorization: str) -> bool:
-    """Check an HTTP `Authorization` header ("Bearer <token>") against the expected token."""
+    """Check an HTTP `Authorization` header against the expected token: the derived bearer
+    (`http_bearer`) that KubeRefit's clients send, or the token itself (curl, scripts)."""
     given = authorization[7:] if authorization.startswith("Bearer ") else None
-    return tokens_equal(expected, given)
+    if not expected:
+        return True
+    return tokens_equal(http_bearer(expected), given) or tokens_equal(expected, given)
 
 
 def resolve_token(token: SecretStr | None, token_file: Path | None) -> str | None:

@@ -35,6 +35,7 @@ class Segment:
 
 def capture(dev: str, out: Path) -> None:
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)  # no drops under load
     sock.bind((dev, 0))
     sock.settimeout(0.2)
     stop = False
@@ -48,11 +49,10 @@ def capture(dev: str, out: Path) -> None:
     with out.open("wb") as fh:
         while not stop:
             try:
-                frame = sock.recv(1 << 16)
+                frame = sock.recv(1 << 18)  # GSO/GRO frames can exceed 64 KiB
             except TimeoutError:
                 continue
             fh.write(struct.pack("<I", len(frame)) + frame)
-            fh.flush()
 
 
 def frames(path: Path) -> list[bytes]:
@@ -98,8 +98,10 @@ def client_stream(segs: list[Segment], dst: str, dport: int) -> bytes:
     if not mine:
         return b""
     first = mine[0].sport
-    by_seq = {s.seq: s.payload for s in mine if s.sport == first}
-    return b"".join(by_seq[k] for k in sorted(by_seq))
+    isn = mine[0].seq
+    # Offsets from the first segment, modulo 2**32: sequence numbers wrap.
+    by_offset = {(s.seq - isn) % (1 << 32): s.payload for s in mine if s.sport == first}
+    return b"".join(by_offset[k] for k in sorted(by_offset))
 
 
 def replay(host: str, port: int, data: bytes, linger_s: float = 2.0) -> str:

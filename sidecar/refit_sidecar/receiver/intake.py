@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from refit_protocol.receiver_api import ManifestEntry, StreamEnd
+from refit_sidecar.codec.decode import verify_mac
 from refit_sidecar.codec.errors import CodecError, DigestMismatch
 from refit_sidecar.receiver.admission import attempt_refusal, offer_refusal
 from refit_sidecar.receiver.appliers.base import StagedPayload
@@ -196,8 +197,12 @@ class Intake:
                     st.pending_local -= 1
                     self._ready(st, entry, staged, (ident.order, ident.producer))
                 return
-            if not verified and body_digest(body) != ident.digest:
-                raise DigestMismatch("payload body does not match the manifest digest")
+            if not verified:
+                # Downloaded bytes are held until the gate closes: authenticate them first.
+                if self.mac_key is not None:
+                    verify_mac(body, self.mac_key)
+                if body_digest(body) != ident.digest:
+                    raise DigestMismatch("payload body does not match the manifest digest")
             with s.cond:
                 st.pending_local -= 1
                 if not s.is_live(st):

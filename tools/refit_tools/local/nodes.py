@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from refit_protocol.auth import bearer_header
 from refit_sidecar.vllm.control_path import MIDDLEWARE_QUALNAME
 from refit_sidecar.vllm.control_path import PREFIX as CONTROL_PREFIX
 from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
@@ -29,7 +30,7 @@ from refit_tools.local.procs import ManagedProcess, free_ports, http_ok
 def vllm_rpc(base_url: str, token: str, method: str, *args: Any, timeout: float = 600) -> list[Any]:
     """A refit worker method on every worker of a local vLLM server, through its control path."""
     body = json.dumps({"method": method, "args": list(args), "timeout": timeout}).encode()
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    headers = {"Content-Type": "application/json", **bearer_header(token)}
     req = urllib.request.Request(  # noqa: S310 - loopback only
         f"{base_url}{CONTROL_PREFIX}/rpc", data=body, headers=headers
     )

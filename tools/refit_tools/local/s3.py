@@ -52,6 +52,7 @@ class S3Server:
     secret_key: str
     log_path: Path
     process: ManagedProcess
+    ca_bundle: Path | None = None  # the CA of its serving certificate (HTTPS), if any
 
     def client(self, *, secret_key: str | None = None):  # type: ignore[no-untyped-def]
         import boto3
@@ -63,12 +64,18 @@ class S3Server:
             aws_access_key_id=self.access_key,
             aws_secret_access_key=secret_key or self.secret_key,
             region_name="us-east-1",
+            verify=str(self.ca_bundle) if self.ca_bundle is not None else True,
             config=Config(retries={"max_attempts": 1}, s3={"addressing_style": "path"}),
         )
 
 
-def start_s3(workdir: Path, *, timeout: float = 60.0) -> S3Server:
-    """Start `weed mini` with one admin identity; telemetry and the admin UI are off."""
+def start_s3(
+    workdir: Path, *, timeout: float = 60.0, tls: tuple[Path, Path, Path] | None = None
+) -> S3Server:
+    """Start `weed mini` with one admin identity; telemetry and the admin UI are off.
+
+    `tls` = (certificate, key, CA certificate): the S3 port serves HTTPS with that certificate.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     access_key = "kuberefit-" + secrets.token_hex(4)
     secret_key = secrets.token_hex(20)
@@ -98,13 +105,17 @@ def start_s3(workdir: Path, *, timeout: float = 60.0) -> S3Server:
         f"-s3.config={cfg_path}",
         *(f"-{flag}={port}" for flag, port in ports.items()),
     ]
+    if tls is not None:
+        argv += [f"-s3.cert.file={tls[0]}", f"-s3.key.file={tls[1]}"]
     for sub in ("data", "logs", "webdav"):
         (workdir / sub).mkdir(exist_ok=True)
-    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    scheme = "https" if tls is not None else "http"
+    endpoint = f"{scheme}://127.0.0.1:{ports['s3.port']}"
     log_path = workdir / "weed.log"
     proc = ManagedProcess("seaweedfs", argv, log_path)
 
-    server = S3Server(endpoint, access_key, secret_key, log_path, proc)
+    ca = tls[2] if tls is not None else None
+    server = S3Server(endpoint, access_key, secret_key, log_path, proc, ca)
     probe = server.client()
 
     def ready() -> bool:

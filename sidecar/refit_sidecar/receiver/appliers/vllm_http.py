@@ -21,6 +21,7 @@ from typing import Any
 
 import urllib3
 
+from refit_protocol.auth import bearer_header
 from refit_protocol.receiver_api import RankPrewarm
 from refit_sidecar.codec.decoded_file import write_decoded
 from refit_sidecar.codec.records import TensorMeta
@@ -45,7 +46,7 @@ class VllmHttpApplier:
         token = config.control_token.get_secret_value() if config.control_token else ""
         self._headers = {"Content-Type": "application/json"}
         if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+            self._headers.update(bearer_header(token))
 
     # -- HTTP --------------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any] | None = None, **query: str) -> Any:

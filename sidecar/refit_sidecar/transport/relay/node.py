@@ -46,6 +46,9 @@ from refit_sidecar.transport.relay.frames import (
 )
 
 log = structlog.get_logger("kuberefit.relay")
+#: Refused handshakes are logged at most this often (with a count), and at most this many
+#: monitor events are read per turn of the ROUTER loop.
+HANDSHAKE_LOG_S, MAX_MONITOR_EVENTS = 10.0, 64
 
 
 class RelayConfig(BaseModel):
@@ -123,7 +126,8 @@ class RelayMetrics:
             "kuberefit_relay_frames_dropped",
             "Frames dropped without an answer (unauthenticated, malformed), and connections "
             "refused at the CurveZMQ handshake (handshake: no key pair of the policy's token, "
-            "or replayed or altered traffic).",
+            "or replayed or altered traffic; handshake_aborted: the peer hung up mid-handshake, "
+            "e.g. a plain TCP connect).",
             ["reason"],
             registry=reg,
         )
@@ -161,6 +165,7 @@ class RelayNode:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._monitor: zmq.Socket[Any] | None = None
+        self._refused, self._refused_logged, self._refused_peer = 0, 0.0, ""
         self.bound: str = ""
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -245,20 +250,33 @@ class RelayNode:
             self._sock.close(linger=0)
 
     def _handshake_failures(self) -> None:
-        """Count connections refused by CurveZMQ (no frame of theirs was ever buffered)."""
+        """Count connections refused by CurveZMQ (no frame of theirs was ever buffered); log
+        them at most once per HANDSHAKE_LOG_S with a count, so a flood cannot flood the log.
+        At most MAX_MONITOR_EVENTS are read per turn: frames of real peers are not starved."""
         assert self._monitor is not None
-        while True:
+        for _ in range(MAX_MONITOR_EVENTS):
             try:
                 event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
-                return
-            self.metrics.dropped.labels("handshake").inc()
-            log.warning(
-                "relay.handshake_refused",
-                node=self.sink.node,
-                peer=str(event.get("endpoint", b""), "utf-8", "replace"),
-                zmq_event=int(event.get("event", 0)),
+                break
+            detail = int(event.get("event", 0))
+            reason = (
+                "handshake"
+                if detail != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                else "handshake_aborted"
             )
+            self.metrics.dropped.labels(reason).inc()
+            self._refused += 1
+            self._refused_peer = str(event.get("endpoint", b""), "utf-8", "replace")
+        now = time.monotonic()
+        if self._refused and now - self._refused_logged >= HANDSHAKE_LOG_S:
+            log.warning(
+                "relay.handshakes_refused",
+                node=self.sink.node,
+                count=self._refused,
+                last_peer=self._refused_peer,
+            )
+            self._refused, self._refused_logged = 0, now
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 3:
