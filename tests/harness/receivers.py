@@ -144,6 +144,19 @@ class NodeProc:
     ctl: Ctl
 
 
+def metric_sum(node: NodeProc, prefix: str) -> float:
+    """The sum of every series of the node's /metrics whose line starts with `prefix`."""
+    resp = node.ctl.http.request(
+        "GET", node.http + "/metrics", headers={"Authorization": f"Bearer {node.ctl.token}"}
+    )
+    assert resp.status == 200, resp.status
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in resp.data.decode().splitlines()
+        if line.startswith(prefix)
+    )
+
+
 @dataclass
 class Cluster:
     """Receiver node processes sharing one token; calls fan out to every node in parallel."""

@@ -34,9 +34,11 @@ class Segment:
 
 
 def capture(dev: str, out: Path) -> None:
-    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+    # Protocol 0 at creation: no frame is queued until the bind names the device (a socket
+    # created with ETH_P_ALL sees every interface's traffic until then).
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)  # no drops under load
-    sock.bind((dev, 0))
+    sock.bind((dev, ETH_P_ALL))  # Python converts the protocol to network order itself
     sock.settimeout(0.2)
     stop = False
 

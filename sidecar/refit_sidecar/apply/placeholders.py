@@ -77,16 +77,17 @@ def _absent_by_table(flat: torch.Tensor, bits: int) -> Placeholder | None:
     for start in range(0, flat.numel(), _TABLE_CHUNK):
         chunk = flat[start : start + _TABLE_CHUNK]
         present[chunk.to(torch.int32) & (size - 1)] = True
-    free = torch.nonzero(~present).reshape(-1)
-    if free.numel() == 0:
+    if bool(present.all()):
         return None
+    free = (~present).to(torch.uint8)  # argmax finds the first free pattern (nonzero is slow)
     if bits == 8:
         for preferred in _PREFERRED_BYTES:
             if not bool(present[preferred]):
                 return Placeholder(_signed(preferred, bits, flat.dtype))
-        return Placeholder(_signed(int(free[0]), bits, flat.dtype))
+        return Placeholder(_signed(int(free.argmax()), bits, flat.dtype))
     # 16 bits: all-ones (-1) first, then counting down, as for wider dtypes.
-    return Placeholder(_signed(int(free[-1]), bits, flat.dtype))
+    highest = size - 1 - int(free.flip(0).argmax())
+    return Placeholder(_signed(highest, bits, flat.dtype))
 
 
 def _absent_by_sort(flat: torch.Tensor, bits: int) -> Placeholder | None:

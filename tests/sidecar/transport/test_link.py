@@ -20,7 +20,7 @@ from pathlib import Path
 from refit_protocol.receiver_api import PrepareRequest
 from tests.harness.netns import Link, create_link
 from tests.harness.operator_env import wait_for
-from tests.harness.receivers import REPO, NodeProc, start_cluster
+from tests.harness.receivers import REPO, NodeProc, metric_sum, start_cluster
 from tests.harness.wire_capture import client_stream, segments
 from tests.sidecar.receiver.models import canonical, fingerprint, metas, read_applied
 from tests.sidecar.transport.link_producer import link_payloads, link_target
@@ -208,22 +208,10 @@ def _dev(link: Link) -> str:
     raise AssertionError(f"no device with {link.rollout_ip} in {link.rollout_ns}:\n{out}")
 
 
-def _sum(node: NodeProc, prefix: str) -> float:
-    """The sum of every series of the node's /metrics whose line starts with `prefix`."""
-    resp = node.ctl.http.request(
-        "GET", node.http + "/metrics", headers={"Authorization": f"Bearer {node.ctl.token}"}
-    )
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in resp.data.decode().splitlines()
-        if line.startswith(prefix)
-    )
-
-
 def _refused(node: NodeProc) -> float:
     """Connections refused at the CurveZMQ handshake (either reason)."""
-    return _sum(node, 'kuberefit_relay_frames_dropped_total{reason="handshake')
+    return metric_sum(node, 'kuberefit_relay_frames_dropped_total{reason="handshake')
 
 
 def _frames(node: NodeProc) -> float:
-    return _sum(node, "kuberefit_relay_frames_total{")
+    return metric_sum(node, "kuberefit_relay_frames_total{")

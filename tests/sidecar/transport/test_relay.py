@@ -32,7 +32,7 @@ from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
 from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from tests.harness.operator_env import wait_for
-from tests.harness.receivers import HARNESS_MAC_KEY, Cluster, NodeProc, start_cluster
+from tests.harness.receivers import HARNESS_MAC_KEY, Cluster, NodeProc, metric_sum, start_cluster
 from tests.sidecar.receiver.models import (
     canonical,
     fingerprint,
@@ -290,16 +290,16 @@ def test_missing_or_wrong_token_is_rejected(cluster: Cluster) -> None:
     # Without the policy's Curve keys (no token, a wrong one) no handshake completes: nothing
     # is answered, staged or even buffered.
     for token in (None, "wrong"):
-        before = _sum(node, REFUSED)
+        before = metric_sum(node, REFUSED)
         client = RelayDealer(node.relay, token=token, config=quick)
         try:
             with pytest.raises(DeliveryTimeoutError):  # dropped without an answer
                 client.submit_data(_meta(p), p.body).result(10)
         finally:
             client.close()
-        assert _sum(node, REFUSED) > before
+        wait_for(f"token {token!r} refused", lambda b=before: metric_sum(node, REFUSED) > b)
     # A client that knows the relay's public key but holds another key pair: refused by ZAP.
-    before = _sum(node, REFUSED)
+    before = metric_sum(node, REFUSED)
     stranger = zmq.Context.instance().socket(zmq.DEALER)
     stranger.setsockopt(zmq.LINGER, 0)
     public, secret = zmq.curve_keypair()
@@ -308,25 +308,25 @@ def test_missing_or_wrong_token_is_rejected(cluster: Cluster) -> None:
     stranger.connect(node.relay)
     try:
         stranger.send_multipart([b"PROBE", _meta(p).model_dump_json().encode()])
-        wait_for("the stranger refused", lambda: _sum(node, REFUSED) > before, timeout=10)
+        wait_for("the stranger refused", lambda: metric_sum(node, REFUSED) > before, timeout=10)
     finally:
         stranger.close(linger=0)
     # Knowing the token is not enough either: frames that carry it, on a socket without the
     # key pair derived from it (64 MiB of them), never reach the relay.
-    before = _sum(node, REFUSED)
+    before = metric_sum(node, REFUSED)
     plain = zmq.Context.instance().socket(zmq.DEALER)
     plain.setsockopt(zmq.LINGER, 0)
     plain.connect(node.relay)
     meta = _meta(p).model_copy(update={"token": cluster.token}).model_dump_json().encode()
     try:
         plain.send_multipart([b"DATA", meta, b"\0" * (64 << 20)], copy=False)
-        wait_for("the plain socket refused", lambda: _sum(node, REFUSED) > before, timeout=10)
+        wait_for("the plain socket refused", lambda: metric_sum(node, REFUSED) > before, timeout=10)
     finally:
         plain.close(linger=0)
     grown = psutil.Process(node.proc.proc.pid).memory_info().rss - rss  # type: ignore[union-attr]
     assert grown < 32 << 20, f"an unauthenticated peer made the receiver hold {grown} bytes"
     assert node.ctl.status().staged == 0
-    assert _sum(node, 'kuberefit_relay_frames_dropped_total{reason="unauthenticated"}') == 0
+    assert metric_sum(node, 'kuberefit_relay_frames_dropped_total{reason="unauthenticated"}') == 0
     stop_everywhere(cluster, "t7")
 
 
@@ -486,22 +486,10 @@ def _renumber(p: EncodedPayload, i: int) -> EncodedPayload:
 REFUSED = 'kuberefit_relay_frames_dropped_total{reason="handshake'
 
 
-def _sum(node: NodeProc, prefix: str) -> float:
-    """The sum of every series of the node's /metrics whose line starts with `prefix`."""
-    resp = node.ctl.http.request(
-        "GET", node.http + "/metrics", headers={"Authorization": f"Bearer {node.ctl.token}"}
-    )
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in resp.data.decode().splitlines()
-        if line.startswith(prefix)
-    )
-
-
 def _handled(node: NodeProc) -> float:
     """Frames the relay answered or dropped (every kind, status and reason)."""
-    frames = _sum(node, "kuberefit_relay_frames_total{")
-    return frames + _sum(node, "kuberefit_relay_frames_dropped_total{")
+    frames = metric_sum(node, "kuberefit_relay_frames_total{")
+    return frames + metric_sum(node, "kuberefit_relay_frames_dropped_total{")
 
 
 def _metric(node: NodeProc, name: str) -> float:
