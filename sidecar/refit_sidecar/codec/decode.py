@@ -82,8 +82,12 @@ def decode_payload(
     known: Mapping[str, TensorMeta] | None = None,
     limits: DecodeLimits | None = None,
     mac_key: bytes | None = None,
+    raw_limit: int | None = None,
 ) -> DecodedPayload:
     """Validate and decode untrusted payload bytes; raises a `CodecError` subclass if malformed.
+
+    `raw_limit`: `raw_bound(known)` computed once by a caller that decodes many payloads
+    against the same `known` (it is a pass over every known tensor).
 
     `mac_key` (`refit_protocol.keys.payload_mac_key` of the policy's token): the payload must
     carry a MAC made with it (`AuthenticationError` otherwise, before the body is hashed or
@@ -119,7 +123,7 @@ def decode_payload(
             f"raw body of {pre.raw_len} bytes cannot come from {pre.comp_len} compressed bytes"
         )
     if known is not None:
-        bound = raw_bound(known, len(pre.header.attempt.encode()))
+        bound = raw_limit if raw_limit is not None else raw_bound(known)
         if pre.raw_len > bound:
             raise SizeLimitExceeded(
                 f"raw body of {pre.raw_len} bytes > {bound}, the most the canonical tensors allow"
@@ -149,7 +153,7 @@ def _check_mac(mv: memoryview, pre: Preamble, key: bytes) -> None:
         raise AuthenticationError("payload MAC does not verify: another key, or altered bytes")
 
 
-def raw_bound(known: Mapping[str, TensorMeta], attempt_len: int) -> int:
+def raw_bound(known: Mapping[str, TensorMeta], attempt_len: int = MAX_ATTEMPT_BYTES) -> int:
     """The largest raw body a valid payload of tensors from `known` can have.
 
     Every item names a distinct known tensor (names are unique in a payload and must be known),

@@ -13,13 +13,15 @@ state is the node's (`NodeState`), changed only with its condition held.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
 from refit_protocol.receiver_api import ManifestEntry, StreamEnd
-from refit_sidecar.codec.decode import verify_mac
+from refit_sidecar.codec.decode import raw_bound, verify_mac
 from refit_sidecar.codec.errors import CodecError, DigestMismatch
+from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.receiver.admission import attempt_refusal, offer_refusal
 from refit_sidecar.receiver.appliers.base import StagedPayload
 from refit_sidecar.receiver.config import ReceiverConfig
@@ -47,6 +49,7 @@ class Intake:
         #: The payload MAC key from the node's token (set by `ReceiverNode`); None: payloads
         #: without a MAC are accepted (a node without a token, in-process tests).
         self.mac_key: bytes | None = None
+        self._raw_bound: tuple[Mapping[str, TensorMeta], int] | None = None
         self._stage_pool = ThreadPoolExecutor(config.staging_workers, "refit-stage")
         self._download_pool = ThreadPoolExecutor(config.download_workers, "refit-download")
 
@@ -265,6 +268,9 @@ class Intake:
         s = self.state
         with s.cond:  # a consistent snapshot of the prewarm classification
             metas, xor_incompatible, unsupported = s.metas, s.xor_incompatible, s.unsupported
+        bound = self._raw_bound
+        if bound is None or bound[0] is not metas:  # once per prewarm, not per payload
+            bound = self._raw_bound = (metas, raw_bound(metas))
         return decode_and_stage(
             body,
             ident,
@@ -274,6 +280,7 @@ class Intake:
             applier=s.applier,
             hashed=hashed,
             mac_key=self.mac_key,
+            raw_limit=bound[1],
         )
 
     def _ready(

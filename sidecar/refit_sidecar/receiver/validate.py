@@ -55,6 +55,7 @@ def decode_and_stage(
     applier: Applier,
     hashed: bool = False,
     mac_key: bytes | None = None,
+    raw_limit: int | None = None,
 ) -> StagedPayload:
     """Decode (MAC, digest, limits, schema, canonical metadata), classify, stage. Raises a
     `CodecError` or `ReceptionError` for a payload the attempt must fail on. `hashed`: the
@@ -68,6 +69,7 @@ def decode_and_stage(
         body_hash=ident.digest if hashed else None,
         known=metas,
         mac_key=mac_key,
+        raw_limit=raw_limit,
     )
     classify(decoded, xor_incompatible, unsupported)
     return applier.stage(decoded)
