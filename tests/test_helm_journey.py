@@ -385,9 +385,16 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
     # -- kubectl apply a RefitPolicy, watch transitions ------------------------------------------
     j.apply(j.policy())
     wait_for(f"v{VERSIONS} committed", lambda: j.committed() >= VERSIONS, timeout=400)
-    rows = j.kubectl("get", "refittransitions", "-n", j.ns, "--no-headers").splitlines()
-    assert len(rows) == VERSIONS
-    assert all(" Committed " in f" {row} " for row in rows), rows
+
+    # The commit record moves first; each RefitTransition turns Committed once its baseline
+    # updates are done (Finalizing until then).
+    def committed_rows() -> list[str]:
+        rows = j.kubectl("get", "refittransitions", "-n", j.ns, "--no-headers").splitlines()
+        done = len(rows) == VERSIONS and all(" Committed " in f" {r} " for r in rows)
+        return rows if done else []
+
+    rows = wait_for("every transition Committed", committed_rows, timeout=60, every=0.5)
+    assert [r.split()[0] for r in rows] == [f"alpha-v{v:06d}" for v in range(1, VERSIONS + 1)]
     # Bit-exact: both nodes hold the same bits, and a dense load of v3 changes none of them.
     want = [vllm_rpc(f"http://127.0.0.1:{p}", j.token, "refit_fingerprint") for p in vllm_ports]
     assert want[0] == want[1]
