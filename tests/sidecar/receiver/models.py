@@ -24,6 +24,9 @@ from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
 from refit_sidecar.receiver.appliers.inprocess import InProcessApplier
 from tests.harness.receivers import HARNESS_MAC_KEY
 
+#: The token of the in-process receiver node of the service tests (conftest.py).
+NODE_TOKEN = "s3cr3t-token"
+
 
 def canonical(seed: int, tensors: int = 8, numel: int = 4096) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)

@@ -4,39 +4,18 @@ unchanged, and scratch is sized from the tensors the model has, never from a dec
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import torch
-from pydantic import SecretStr
 
-from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode
-from tests.sidecar.receiver.models import RecordingApplier, TinyModel, canonical, metas
+from tests.sidecar.receiver.models import NODE_TOKEN, canonical, metas
 
-TOKEN = "s3cr3t-token"
+TOKEN = NODE_TOKEN  # the `node` fixture's (conftest.py)
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MODEL_BYTES = 4096 * 4  # the model's largest tensor: 4096 float32
-
-
-@pytest.fixture
-async def node(tmp_path: Path) -> AsyncIterator[ReceiverNode]:
-    cfg = ReceiverConfig(node="n0", port=0, token=SecretStr(TOKEN), held_version=0)
-    n = ReceiverNode(cfg, RecordingApplier(TinyModel(canonical(0)), str(tmp_path / "log")))
-    await n.start()
-    try:
-        yield n
-    finally:
-        await n.close()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def valid() -> list[dict[str, Any]]:

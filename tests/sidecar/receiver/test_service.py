@@ -3,7 +3,6 @@ intact, refusal to serve unauthenticated on a non-loopback address, and the asyn
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -21,26 +20,9 @@ from refit_protocol.receiver_api import (
 )
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode
-from tests.sidecar.receiver.models import RecordingApplier, TinyModel, canonical, metas
+from tests.sidecar.receiver.models import NODE_TOKEN, RecordingApplier, TinyModel, canonical, metas
 
-TOKEN = "s3cr3t-token"
-
-
-@pytest.fixture
-async def node(tmp_path: Path) -> AsyncIterator[ReceiverNode]:
-    cfg = ReceiverConfig(node="n0", port=0, token=SecretStr(TOKEN), held_version=0)
-    n = ReceiverNode(cfg, RecordingApplier(TinyModel(canonical(0)), str(tmp_path / "log")))
-    await n.start()
-    try:
-        yield n
-    finally:
-        await n.close()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
+TOKEN = NODE_TOKEN  # the `node` fixture's (conftest.py)
 
 
 def client(
