@@ -27,7 +27,7 @@ from refit_sidecar.transport.errors import (
     PayloadRejectedError,
     TransportStoppedError,
 )
-from refit_sidecar.transport.relay.curve import curve_keys, secure_client
+from refit_sidecar.transport.relay.curve import curve_keys, secure_client, secure_server
 from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
 from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
@@ -328,6 +328,34 @@ def test_missing_or_wrong_token_is_rejected(cluster: Cluster) -> None:
     assert node.ctl.status().staged == 0
     assert metric_sum(node, 'kuberefit_relay_frames_dropped_total{reason="unauthenticated"}') == 0
     stop_everywhere(cluster, "t7")
+
+
+def test_a_frame_no_peer_will_take_fails_within_the_retry_budget() -> None:
+    """A plain client of a Curve relay: the socket may refuse the frame outright (no peer ever
+    completes the handshake). It must still fail within ack_timeout x (retries + 1), never hang
+    (a CI run once waited forever here)."""
+    ctx = zmq.Context.instance()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    secure_server(server, ctx, "the-relays-token")
+    endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    quick = DealerConfig(ack_timeout_s=0.4, max_retries=1)
+    budget = quick.ack_timeout_s * (quick.max_retries + 1)
+    body = b"\0" * (1 << 20)
+    try:
+        for i in range(6):  # either way of failing (never taken / never answered) must be bounded
+            client = RelayDealer(endpoint, token=None, config=quick)
+            meta = FrameMeta(attempt="t-blocked", producer=0, payload_id=i, size=len(body))
+            started = time.monotonic()
+            try:
+                with pytest.raises(DeliveryTimeoutError):
+                    client.submit_data(meta, body).result(budget + 5)
+            finally:
+                client.close()
+            assert time.monotonic() - started < budget + 5
+        assert server.poll(0) == 0  # nothing ever reached the relay
+    finally:
+        server.close(linger=0)
 
 
 def test_random_frames_from_an_authenticated_peer_are_refused_cleanly(cluster: Cluster) -> None:

@@ -134,6 +134,9 @@ class RelayDealer:
         os.set_blocking(self._wake_w, False)
         self._items: dict[_Key, _Item] = {}
         self._queued: collections.deque[_Item] = collections.deque()
+        # When the socket first refused a queued frame (no connected peer, e.g. a handshake the
+        # relay keeps refusing): without it such frames would never time out.
+        self._blocked_since: float | None = None
         self._closed = False
         self.bad_replies = 0
         self.resends = 0
@@ -266,7 +269,10 @@ class RelayDealer:
                 self._queued.popleft()
                 continue
             if not self._send(item, probe=False, now=now):
+                if self._blocked_since is None:
+                    self._blocked_since = now
                 return
+            self._blocked_since = None
             self._queued.popleft()
             room -= 1
 
@@ -288,7 +294,26 @@ class RelayDealer:
         item.deadline = now + self.config.ack_timeout_s + transfer
         return True
 
+    def _blocked_budget_s(self) -> float:
+        return self.config.ack_timeout_s * (self.config.max_retries + 1)
+
     def _expire(self, now: float) -> None:
+        if (
+            self._blocked_since is not None
+            and now - self._blocked_since >= self._blocked_budget_s()
+        ):
+            self._blocked_since = None
+            waited = self._blocked_budget_s()
+            for item in [i for i in self._queued if i.state == "queued"]:
+                self._finish(
+                    item,
+                    exc=DeliveryTimeoutError(
+                        f"{self.name}: {self.endpoint} took no frame for {waited:.1f} s; "
+                        f"{_ids(item)} was never sent (no connected peer: is the relay up, "
+                        "and does it accept this client's token?)"
+                    ),
+                )
+            self._queued.clear()
         for item in list(self._items.values()):
             if (
                 item.state == "waiting"
@@ -326,6 +351,8 @@ class RelayDealer:
                 nxt = min(nxt, item.next_at)
         if self._queued and self._awaiting() < self.config.window:
             nxt = min(nxt, now + 0.01)  # HWM reached: try again soon
+        if self._blocked_since is not None:
+            nxt = min(nxt, self._blocked_since + self._blocked_budget_s())
         return max(0, int((nxt - now) * 1000) + 1)
 
     def _receive(self) -> None:
