@@ -21,7 +21,13 @@ from refit_sidecar.apply.errors import (
     StorageReplacedError,
 )
 from refit_sidecar.apply.hook import ItemTrace, Mode, StorageWriteHook
-from refit_sidecar.apply.placeholders import Placeholder, choose, fill
+from refit_sidecar.apply.placeholders import (
+    COVERS_ALL,
+    Placeholder,
+    choose,
+    covers_whole_tensor,
+    fill,
+)
 from refit_sidecar.apply.storage import ModelStorages, storage_key
 from refit_sidecar.bits import int_view
 from refit_sidecar.codec.records import Item, Op, TensorMeta
@@ -148,13 +154,18 @@ class ApplyContext:
         if item.op is Op.XOR:
             self._run(item, meta, Mode.XOR, Placeholder(0), stats)
             return stats
+        if covers_whole_tensor(item.range_start, item.count, meta.numel):
+            self._run(item, meta, Mode.OVERWRITE, COVERS_ALL, stats)  # a dense write
+            return stats
         placeholder = choose(meta.dtype, item.values)
         if placeholder is None:
-            # Every 1- or 2-byte pattern is an active value: split until each part has a free one.
-            for half in _halves(item):
-                part = self._apply_item(half)
-                part.items = part.values = part.canonical_bytes = 0
-                stats.add(part)
+            # Every 1- or 2-byte pattern is an active value. Two loader passes with known
+            # sentinels: the whole item with sentinel P (its values equal to P are not written),
+            # then just the values equal to P, with sentinel 0.
+            pattern = 0xFF if item.values.dtype == torch.uint8 else -1
+            self._run(item, meta, Mode.OVERWRITE, Placeholder(pattern), stats)
+            equal = _select(item, item.values == pattern)
+            self._run(equal, meta, Mode.OVERWRITE, Placeholder(0), stats)
             return stats
         self._run(item, meta, Mode.OVERWRITE, placeholder, stats)
         return stats
@@ -244,23 +255,14 @@ class ApplyContext:
                 raise StorageReplacedError(name, "parameter storage was replaced by the loader")
 
 
-def _halves(item: Item) -> list[Item]:
+def _select(item: Item, keep: torch.Tensor) -> Item:
+    """The part of `item` at the positions where `keep` (one flag per value) is set."""
     idx = item.index()
     locs = torch.arange(idx.start, idx.stop, dtype=torch.int64) if isinstance(idx, slice) else idx
-    mid = locs.numel() // 2
-    return [
-        Item(
-            meta=item.meta,
-            op=item.op,
-            range_start=None,
-            locations=locs[:mid],
-            values=item.values[:mid],
-        ),
-        Item(
-            meta=item.meta,
-            op=item.op,
-            range_start=None,
-            locations=locs[mid:],
-            values=item.values[mid:],
-        ),
-    ]
+    return Item(
+        meta=item.meta,
+        op=item.op,
+        range_start=None,
+        locations=locs[keep.to(locs.device)],
+        values=item.values[keep],
+    )

@@ -236,6 +236,9 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
             raise PlaceholderCollisionError(
                 self._name, f"overwrite source {tuple(src.shape)} is broadcast into {names}"
             )
+        if self._placeholder.covers_all:
+            self._overwrite_whole(dest, src)
+            return
         key = (storage_key(dest), dest.storage_offset(), tuple(dest.shape), tuple(dest.stride()))
         active = self._masks.get(key)
         if active is None:
@@ -250,6 +253,15 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
             idx = tuple(a[pick] for a in active)
             want = _ints(src[idx].to(dest.dtype))
             self._verify(bool(torch.equal(d[idx], want)), "overwrite bits differ")
+
+    def _overwrite_whole(self, dest: torch.Tensor, src: torch.Tensor) -> None:
+        """Every position is active: the copy a dense load makes, with optional checks."""
+        d = _ints(dest)
+        d.copy_(_ints(src.to(dest.dtype)))
+        pick = self._sample(d.numel(), dest.device)
+        if pick is not None:
+            want = _ints(src.reshape(-1)[pick].to(dest.dtype))
+            self._verify(bool(torch.equal(d.reshape(-1)[pick], want)), "overwrite bits differ")
 
     def _first_mask(
         self, dest: torch.Tensor, src: torch.Tensor, names: tuple[str, ...]

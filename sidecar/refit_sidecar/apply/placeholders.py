@@ -8,6 +8,10 @@ destination view turns "not a placeholder" into that view's active mask.
 - Exact bits (FP8, integers, bool, or floats whose active values include NaN): a bit pattern
   absent from the item's values. It survives no transform, so the copy must be a plain
   same-dtype view of scratch; anything else fails closed.
+- Every position (`COVERS_ALL`): an item that carries every element of its tensor needs no
+  placeholder at all; each intercepted copy is written whole, exactly as a dense load writes it.
+  This is what a retry sends for a fully changed tensor, and the only way a 16-bit tensor can
+  use all 65,536 patterns in a single item.
 """
 
 from __future__ import annotations
@@ -24,20 +28,32 @@ _BITS_BY_WIDTH = {1: 8, 2: 16, 4: 32, 8: 64}
 
 @dataclass(frozen=True)
 class Placeholder:
-    """`bits is None` means the NaN scheme; otherwise the exact integer bit pattern."""
+    """`bits is None` means the NaN scheme; otherwise the exact integer bit pattern.
+    `covers_all`: every position is active (no placeholder is written or looked for)."""
 
     bits: int | None
+    covers_all: bool = False
 
     @property
     def is_nan(self) -> bool:
-        return self.bits is None
+        return self.bits is None and not self.covers_all
+
+
+#: The scheme of an item that carries every element of its tensor.
+COVERS_ALL = Placeholder(None, covers_all=True)
+
+
+def covers_whole_tensor(range_start: int | None, count: int, numel: int) -> bool:
+    """True for an item whose run starts at 0 and carries all `numel` elements (encoders turn
+    every fully covered location list into such a run)."""
+    return range_start == 0 and count == numel and numel > 0
 
 
 def choose(dtype: torch.dtype, values_int: torch.Tensor) -> Placeholder | None:
     """Pick the scheme for an overwrite item with `values_int` (integer view of new bits).
 
     Returns None when no exact-bit sentinel exists (every pattern of a 1- or 2-byte dtype is
-    used): the caller then applies the item in smaller parts.
+    used): the caller then applies the item in two passes with known sentinels.
     """
     if dtype in _NAN_DTYPES:
         as_float = values_int.view(dtype) if values_int.numel() else values_int
@@ -73,10 +89,11 @@ _TABLE_CHUNK = 1 << 20
 
 def _absent_by_table(flat: torch.Tensor, bits: int) -> Placeholder | None:
     size = 1 << bits
-    present = torch.zeros(size, dtype=torch.bool, device=flat.device)
+    counts = torch.zeros(size, dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), _TABLE_CHUNK):
         chunk = flat[start : start + _TABLE_CHUNK]
-        present[chunk.to(torch.int32) & (size - 1)] = True
+        counts += torch.bincount(chunk.to(torch.int32) & (size - 1), minlength=size)
+    present = counts > 0
     if bool(present.all()):
         return None
     free = (~present).to(torch.uint8)  # argmax finds the first free pattern (nonzero is slow)
@@ -122,7 +139,9 @@ def _signed(value: int, bits: int, view_dtype: torch.dtype) -> int:
 
 
 def fill(view: torch.Tensor, placeholder: Placeholder) -> None:
-    """Reset a scratch view to the placeholder."""
+    """Reset a scratch view to the placeholder (nothing to do when every position is active)."""
+    if placeholder.covers_all:
+        return
     if placeholder.is_nan:
         view.fill_(float("nan"))
     else:
@@ -132,6 +151,8 @@ def fill(view: torch.Tensor, placeholder: Placeholder) -> None:
 
 def active_mask(src: torch.Tensor, placeholder: Placeholder) -> torch.Tensor:
     """Positions of a copy source that carry a change (not the placeholder)."""
+    if placeholder.covers_all:
+        return torch.ones(src.shape, dtype=torch.bool, device=src.device)
     if placeholder.is_nan:
         return ~torch.isnan(src)
     assert placeholder.bits is not None
