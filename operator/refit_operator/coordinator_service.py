@@ -26,8 +26,9 @@ from refit_operator.coordinator import Coordinator, CoordinatorConfig, Transitio
 from refit_operator.http_membership import HttpMembership, NodeEndpoint
 from refit_operator.ports import TransitionProgress
 from refit_operator.producer_client import HttpProducerClient, all_staged
-from refit_protocol.auth import resolve_token
+from refit_protocol.auth import open_ring
 from refit_protocol.commit import CommitRecord
+from refit_protocol.tokens import TokenRing
 
 log = structlog.get_logger("kuberefit.coordinator_service")
 
@@ -77,9 +78,10 @@ class CoordinatorServiceConfig(BaseModel):
     )
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
 
-    def bearer(self) -> str | None:
-        """The token: `token`, else `token_file`, else $KUBEREFIT_TOKEN (as every sidecar)."""
-        return resolve_token(self.token, self.token_file)
+    def bearer(self) -> TokenRing:
+        """The token: `token`, else `token_file` (followed across rotations), else
+        $KUBEREFIT_TOKEN (as every sidecar)."""
+        return open_ring(self.token, self.token_file)
 
 
 class JsonLinesSink:

@@ -28,6 +28,7 @@ from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
 from refit_protocol.receiver_api import PrewarmRequest, RestoreRequest
 from refit_protocol.tensors import TensorMetaModel
+from refit_protocol.tokens import TokenRing
 
 log = structlog.get_logger("kuberefit.membership")
 
@@ -49,7 +50,7 @@ class HttpMembership:
         nodes: Sequence[NodeEndpoint],
         session: aiohttp.ClientSession,
         *,
-        token: str | None,
+        token: str | TokenRing | None,
         checkpoint_of: Callable[[int], str],
         probe_timeout_s: float = 3.0,
     ) -> None:

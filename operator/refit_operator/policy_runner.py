@@ -46,6 +46,7 @@ from refit_operator.transitions import TransitionRecorder, to_prune
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
 from refit_protocol.tensors import TensorMetaModel
+from refit_protocol.tokens import TokenRing
 
 log = structlog.get_logger("kuberefit.policy")
 
@@ -102,7 +103,7 @@ class PolicyRunner:
         self._current = ""
         self._current_summary = ""
         self._last: tuple[str, str, str] = ("", "", "")
-        self._token: tuple[tuple[str, str, str], str] | None = None
+        self._token: tuple[tuple[str, str, str], TokenRing] | None = None
         self._token_error: tuple[str, str] | None = None
         self._token_at = 0.0
         self._error = ""  # the last pass's failure, until a pass succeeds
@@ -458,15 +459,14 @@ class PolicyRunner:
         return clients
 
     async def _read_token(self, spec: PolicySpec) -> str | None:
-        """The policy's token (re-read every TOKEN_REFRESH_S: Secrets rotate)."""
+        """The token to send now. The Secret is re-read every TOKEN_REFRESH_S and followed by a
+        `TokenRing`: after a rotation the previous token is sent for the grace period, so pods
+        whose mounted copy is not updated yet keep accepting the operator's calls."""
         ref = (self.namespace, spec.token_secret.name, spec.token_secret.key)
         now = asyncio.get_running_loop().time()
-        if (
-            self._token is not None
-            and self._token[0] == ref
-            and now - self._token_at < TOKEN_REFRESH_S
-        ):
-            return self._token[1]
+        ring = self._token[1] if self._token is not None and self._token[0] == ref else None
+        if ring is not None and now - self._token_at < TOKEN_REFRESH_S:
+            return ring.sending()
         try:
             value = await self.api.read_secret_key(*ref)
         except NotFoundError:
@@ -478,8 +478,16 @@ class PolicyRunner:
         except SecretRefusedError as exc:
             self._token_error = ("TokenSecretRefused", f"spec.tokenSecret: {exc}")
             return None
-        self._token, self._token_at, self._token_error = (ref, value), now, None
-        return value
+        try:
+            if ring is None:
+                ring = TokenRing(value, grace_s=float(spec.token_rotation_grace_seconds))
+            else:
+                ring.update(value)
+        except ValueError:
+            self._token_error = ("TokenSecretRefused", f"spec.tokenSecret: {ref[1]} is empty")
+            return None
+        self._token, self._token_at, self._token_error = (ref, ring), now, None
+        return ring.sending()
 
     async def _clear_abort(self, obj: Mapping[str, Any], state: StoreState) -> StoreState:
         if state.aborted_by:

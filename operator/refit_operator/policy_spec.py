@@ -101,6 +101,7 @@ class PolicySpec(_Spec):
     rejected_backoff_seconds: int = Field(5, ge=1)
     paused: bool = False
     keep_transitions: int = Field(20, ge=1)
+    token_rotation_grace_seconds: int = Field(300, ge=1)
 
     @model_validator(mode="after")
     def _cross_field(self) -> PolicySpec:

@@ -24,6 +24,7 @@ from refit_protocol.producer_api import (
     ProducerStatus,
     SentReport,
 )
+from refit_protocol.tokens import TokenRing, as_ring
 
 M = TypeVar("M", bound=BaseModel)
 log = structlog.get_logger("kuberefit.producer_client")
@@ -41,18 +42,18 @@ class HttpProducerClient:
         producer: int,
         base_url: str,
         *,
-        token: str | None,
+        token: str | TokenRing | None,
         session: aiohttp.ClientSession,
         timeout_s: float = 3600.0,
     ) -> None:
         self.producer = producer
         self.base_url = base_url.rstrip("/")
         self._session = session
-        self._headers = bearer_header(token)
+        self._tokens = as_ring(token)  # a ring is followed across token rotations
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def _call(self, method: str, path: str, body: BaseModel | None, out: type[M]) -> M:
-        headers = dict(self._headers)
+        headers = bearer_header(self._tokens.sending())
         data = None
         if body is not None:
             data = body.model_dump_json().encode()

@@ -34,6 +34,7 @@ from refit_protocol.receiver_api import (
     StopResponse,
     StreamEnd,
 )
+from refit_protocol.tokens import TokenRing, as_ring
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -54,14 +55,14 @@ class ReceiverHttpClient:
         node: str,
         base_url: str,
         *,
-        token: str | None,
+        token: str | TokenRing | None,
         session: aiohttp.ClientSession,
         timeout_s: float = 900.0,
     ) -> None:
         self.node = node
         self.base_url = base_url.rstrip("/")
         self._session = session
-        self._headers = bearer_header(token)
+        self._tokens = as_ring(token)  # a ring is followed across token rotations
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def _call(
@@ -73,7 +74,7 @@ class ReceiverHttpClient:
         ok: tuple[int, ...] = (200,),
     ) -> M:
         data = body.model_dump_json().encode() if body is not None else None
-        headers = dict(self._headers)
+        headers = bearer_header(self._tokens.sending())
         if data is not None:
             headers["Content-Type"] = "application/json"
         try:

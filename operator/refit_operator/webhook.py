@@ -74,7 +74,13 @@ async def policy_facts(
         spec.bucket_bytes,
         spec.baseline.storage == "memory",
     )
-    facts = PolicyFacts(True, token, producers=spec.producers, producer=producer)
+    facts = PolicyFacts(
+        True,
+        token,
+        producers=spec.producers,
+        producer=producer,
+        token_rotation_grace_s=float(spec.token_rotation_grace_seconds),
+    )
     return facts, []
 
 

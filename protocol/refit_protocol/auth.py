@@ -15,6 +15,12 @@ from urllib.parse import urlsplit
 from pydantic import SecretStr
 
 from refit_protocol.pod_contract import TOKEN_FILE_ENV
+from refit_protocol.tokens import (
+    DEFAULT_ROTATION_GRACE_S,
+    FileTokenRing,
+    TokenRing,
+    ring_accepts,
+)
 
 #: Environment variable read when neither a token nor a token file is configured.
 TOKEN_ENV = "KUBEREFIT_TOKEN"  # noqa: S105 - the name of a variable, not a secret
@@ -51,6 +57,29 @@ def bearer_ok(expected: str | None, authorization: str) -> bool:
     if not expected:
         return True
     return tokens_equal(http_bearer(expected), given) or tokens_equal(expected, given)
+
+
+def ring_accepts_bearer(ring: TokenRing, authorization: str) -> bool:
+    """`bearer_ok` against every token `ring` accepts now (a rotation accepts two)."""
+    given = authorization[7:] if authorization.startswith("Bearer ") else None
+    return ring_accepts(ring, given, derive=http_bearer) or ring_accepts(ring, given)
+
+
+def open_ring(
+    token: SecretStr | None,
+    token_file: Path | None,
+    *,
+    grace_s: float = DEFAULT_ROTATION_GRACE_S,
+) -> TokenRing:
+    """The token ring of a component, resolved as `resolve_token`; a token file (a mounted
+    Secret) is followed, so a rotated token is taken without a restart."""
+    if token is not None and token.get_secret_value():
+        return TokenRing(token.get_secret_value(), grace_s=grace_s)
+    if token_file is None and os.environ.get(TOKEN_FILE_ENV):
+        token_file = Path(os.environ[TOKEN_FILE_ENV])
+    if token_file is not None:
+        return FileTokenRing(token_file, grace_s=grace_s)
+    return TokenRing(os.environ.get(TOKEN_ENV) or None, grace_s=grace_s)
 
 
 def resolve_token(token: SecretStr | None, token_file: Path | None) -> str | None:

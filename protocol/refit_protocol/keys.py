@@ -18,6 +18,7 @@ personalization string (at most 16 bytes); existing strings are never reused or 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 #: Personalization of the payload MAC key (BLAKE2b `person`, at most 16 bytes).
@@ -32,6 +33,7 @@ def _derive(token: str, person: bytes, size: int) -> bytes:
     return hashlib.blake2b(token.encode(), digest_size=size, person=person).digest()
 
 
+@functools.lru_cache(maxsize=16)  # per frame during a rotation: derive each key once
 def payload_mac_key(token: str) -> bytes:
     """The 32-byte key that authenticates this policy's payloads (keyed BLAKE3).
 

@@ -183,7 +183,7 @@ def node_config(
     *,
     http_port: int,
     relay_port: int | None,
-    token: str,
+    token: str | None,
     nodes: list[str],
     applier: dict[str, Any],
     host: str = "127.0.0.1",
@@ -193,11 +193,12 @@ def node_config(
         "node": name,
         "host": host,
         "port": http_port,
-        "token": token,
         "held_version": 0,
         "applier": applier,
         **extra,
     }
+    if token is not None:
+        cfg["token"] = token
     if relay_port is not None:
         endpoint = f"tcp://{host}:{relay_port}"
         cfg["relay"] = {
@@ -218,6 +219,7 @@ def start_cluster(
     http_bind: str | None = None,
     ctl_host: str | None = None,
     token: str | None = None,
+    token_file: Callable[[int], Path] | None = None,
     wrap: Callable[[list[str]], list[str]] | None = None,
     env: dict[str, str] | None = None,
     **extra: Any,
@@ -225,7 +227,9 @@ def start_cluster(
     """Start `n` receiver processes; `applier(i, applied_log)` gives node i's applier config.
 
     `host` is where relays listen (and HTTP unless `http_bind`); the test reaches HTTP at
-    `ctl_host` (default `host`). `wrap` turns the argv into another (`ip netns exec ns ...`)."""
+    `ctl_host` (default `host`). `wrap` turns the argv into another (`ip netns exec ns ...`).
+    `token_file(i)`: node i reads its token from that file (followed: rotations apply live)
+    instead of its config; `token` is then what the test's clients send."""
     token = token or HARNESS_TOKEN
     ports = free_ports(2 * n)
     http_ports, relay_ports = ports[:n], ports[n:]
@@ -241,7 +245,7 @@ def start_cluster(
             name,
             http_port=http_ports[i],
             relay_port=relay_ports[i] if relay else None,
-            token=token,
+            token=None if token_file is not None else token,
             nodes=relay_eps if relay else [],
             applier=applier(i, log),
             host=host,
@@ -249,6 +253,8 @@ def start_cluster(
         )
         if http_bind is not None:
             cfg["host"] = http_bind
+        if token_file is not None:
+            cfg["token_file"] = str(token_file(i))
         path = workdir / f"{name}.json"
         path.write_text(json.dumps(cfg))
         argv = [

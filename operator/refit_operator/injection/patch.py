@@ -77,6 +77,8 @@ class PolicyFacts:
     producers: int = 1
     #: Trainer sidecar settings from the policy (`producer_settings`), merged into its config.
     producer: Mapping[str, Any] = field(default_factory=dict)
+    #: `spec.tokenRotationGraceSeconds`: how long every sidecar keeps sending a rotated token.
+    token_rotation_grace_s: float = 300.0
 
 
 def producer_settings(
@@ -169,7 +171,7 @@ def _build(
         ]
         extra_args: list[str] = []
     else:
-        sidecar = _receiver(cfg, token_file, _vllm_port(paired))
+        sidecar = _receiver(cfg, token_file, _vllm_port(paired), policy)
         paired_env = []
         extra_args = _vllm_args(paired)
     paired_env += [_env(TOKEN_FILE_ENV, token_file)]
@@ -250,8 +252,9 @@ def _sidecar(cfg: InjectionConfig, command: list[str], env: list[Obj], ports: li
     }
 
 
-def _receiver(cfg: InjectionConfig, token_file: str, vllm_port: int) -> Obj:
+def _receiver(cfg: InjectionConfig, token_file: str, vllm_port: int, policy: PolicyFacts) -> Obj:
     settings = {
+        "token_rotation_grace_s": policy.token_rotation_grace_s,
         "node": f"$({POD_NAME_ENV})",
         "host": f"$({POD_IP_ENV})",
         "port": cfg.ports.control,
@@ -282,6 +285,7 @@ def _producer(
         "port": cfg.ports.producer,
         "producer": index,
         "producers": policy.producers,
+        "token_rotation_grace_s": policy.token_rotation_grace_s,
         **from_policy,
         "baseline": {"directory": f"{cfg.work_dir}/baseline", **from_policy.get("baseline", {})},
         "staging": staging,

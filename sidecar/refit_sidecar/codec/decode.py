@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,7 +81,7 @@ def decode_payload(
     body_hash: bytes | None = None,
     known: Mapping[str, TensorMeta] | None = None,
     limits: DecodeLimits | None = None,
-    mac_key: bytes | None = None,
+    mac_key: MacKeys = None,
     raw_limit: int | None = None,
 ) -> DecodedPayload:
     """Validate and decode untrusted payload bytes; raises a `CodecError` subclass if malformed.
@@ -89,9 +89,10 @@ def decode_payload(
     `raw_limit`: `raw_bound(known)` computed once by a caller that decodes many payloads
     against the same `known` (it is a pass over every known tensor).
 
-    `mac_key` (`refit_protocol.keys.payload_mac_key` of the policy's token): the payload must
-    carry a MAC made with it (`AuthenticationError` otherwise, before the body is hashed or
-    decompressed); without a key a MAC is skipped, unchecked. `expected_digest` is the digest
+    `mac_key` (`refit_protocol.keys.payload_mac_key` of the policy's token, or several during a
+    token rotation): the payload must carry a MAC made with one of them (`AuthenticationError`
+    otherwise, before the body is hashed or decompressed); without a key a MAC is skipped,
+    unchecked. `expected_digest` is the digest
     announced out of band (manifest, frame metadata); `known` the receiver's canonical metadata,
     which every item must match and which bounds the raw body's size. `body_hash` is for a
     caller that already computed the BLAKE2b-128 of exactly these compressed bytes (a relay
@@ -100,8 +101,9 @@ def decode_payload(
     lim = limits or DEFAULT_LIMITS
     mv = memoryview(data).cast("B")
     pre = read_preamble(mv)
-    if mac_key is not None:
-        _check_mac(mv, pre, mac_key)
+    keys = mac_keys(mac_key)
+    if keys:
+        _check_mac(mv, pre, keys)
     comp = mv[pre.body_offset :]
     if len(comp) < pre.comp_len:
         raise TruncatedPayload(f"body has {len(comp)} of {pre.comp_len} declared bytes")
@@ -133,24 +135,40 @@ def decode_payload(
     return DecodedPayload(pre.header, items, digest, pre.raw_len)
 
 
-def verify_mac(data: bytes | bytearray | memoryview, key: bytes) -> None:
-    """Check a payload's MAC with `key` without decoding it (a relay node on arrival).
+#: One MAC key, the keys accepted during a token rotation (the sending one first), or none.
+MacKeys = bytes | Sequence[bytes] | None
+
+
+def mac_keys(keys: MacKeys) -> tuple[bytes, ...]:
+    """`keys` as a tuple (empty: no MAC is required)."""
+    if keys is None:
+        return ()
+    if isinstance(keys, bytes | bytearray):
+        return (bytes(keys),)
+    return tuple(keys)
+
+
+def verify_mac(data: bytes | bytearray | memoryview, key: bytes | Sequence[bytes]) -> None:
+    """Check a payload's MAC with `key` (or any of several) without decoding it (a relay node
+    on arrival).
 
     Reads only the plain preamble and hashes the rest; raises `AuthenticationError` when the
-    payload has no MAC or one that `key` did not make (any altered byte of the preamble before
-    the MAC or of the compressed body), another `CodecError` for an unreadable preamble, and
-    ValueError for a key that is not 32 bytes.
+    payload has no MAC or one that no key made (any altered byte of the preamble before the MAC
+    or of the compressed body), another `CodecError` for an unreadable preamble, and ValueError
+    for a key that is not 32 bytes.
     """
     mv = memoryview(data).cast("B")
-    _check_mac(mv, read_preamble(mv), key)
+    _check_mac(mv, read_preamble(mv), mac_keys(key))
 
 
-def _check_mac(mv: memoryview, pre: Preamble, key: bytes) -> None:
+def _check_mac(mv: memoryview, pre: Preamble, keys: tuple[bytes, ...]) -> None:
     if pre.mac is None:
         raise AuthenticationError("payload carries no MAC and this receiver requires one")
-    expected = payload_mac(key, mv[: pre.signed_len], mv[pre.body_offset :])
-    if not hmac.compare_digest(expected, pre.mac):
-        raise AuthenticationError("payload MAC does not verify: another key, or altered bytes")
+    for key in keys:  # at most two during a rotation; the sending key is tried first
+        expected = payload_mac(key, mv[: pre.signed_len], mv[pre.body_offset :])
+        if hmac.compare_digest(expected, pre.mac):
+            return
+    raise AuthenticationError("payload MAC does not verify: another key, or altered bytes")
 
 
 def raw_bound(known: Mapping[str, TensorMeta], attempt_len: int = MAX_ATTEMPT_BYTES) -> int:

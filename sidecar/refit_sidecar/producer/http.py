@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from pydantic import ValidationError
 
-from refit_protocol.auth import bearer_ok
+from refit_protocol.auth import ring_accepts_bearer
 from refit_protocol.errors import EndpointError
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
@@ -27,6 +27,7 @@ from refit_protocol.producer_api import (
     ProducerAttemptRequest,
     ProducerStatus,
 )
+from refit_protocol.tokens import TokenRing, as_ring
 from refit_sidecar.baseline.source import BaselineError, ExportMismatchError
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.trainer.errors import CandidateMismatchError, StagingError, StagingStateError
@@ -38,13 +39,16 @@ MAX_REQUEST_BYTES = 256 << 20
 _OK = {"ok": True}
 
 
-def create_producer_app(service: ProducerService, *, token: str | None) -> web.Application:
+def create_producer_app(
+    service: ProducerService, *, token: str | TokenRing | None
+) -> web.Application:
     """Routes under /v1/producer; /healthz is open, everything else needs the token."""
+    ring = as_ring(token)
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path != "/healthz" and not bearer_ok(
-            token, request.headers.get("Authorization", "")
+        if request.path != "/healthz" and not ring_accepts_bearer(
+            ring, request.headers.get("Authorization", "")
         ):
             return web.json_response({"error": "missing or invalid bearer token"}, status=401)
         try:

@@ -22,11 +22,12 @@ import structlog
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from refit_protocol.auth import require_token_or_loopback, resolve_token
+from refit_protocol.auth import open_ring, require_token_or_loopback
 from refit_protocol.cli import STARTUP_ERROR_HELP, run_service
 from refit_protocol.commit import CommitRecord
 from refit_protocol.keys import payload_mac_key
 from refit_protocol.logs import configure_logging
+from refit_protocol.tokens import DEFAULT_ROTATION_GRACE_S, TokenRing
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.http import create_producer_app
@@ -47,7 +48,17 @@ class ProducerProcessConfig(BaseModel):
     host: str = Field("127.0.0.1", description="Control-plane bind address.")
     port: int = Field(8471, ge=1, le=65535, description="Control-plane port.")
     token: SecretStr | None = Field(None, description="Bearer token (control plane and relay).")
-    token_file: Path | None = Field(None, description="File holding the token.")
+    token_file: Path | None = Field(
+        None,
+        description="File holding the token (a mounted Secret: followed, so a rotated token is "
+        "taken without a restart).",
+    )
+    token_rotation_grace_s: float = Field(
+        DEFAULT_ROTATION_GRACE_S,
+        gt=0,
+        description="After the token file changes: seconds the previous token is still sent "
+        "(and twice that, accepted); longer than the Secret's propagation to every pod.",
+    )
     producer: int = Field(0, ge=0, description="This producer's index.")
     producers: int = Field(1, ge=1, description="Number of producers (chunk ownership).")
     committed_version: int = Field(
@@ -70,6 +81,12 @@ class ProducerProcessConfig(BaseModel):
     )
 
 
+def mac_key_of(tokens: TokenRing) -> bytes | None:
+    """The key payloads are sealed with now: the sending token's (None without a token)."""
+    token = tokens.sending()
+    return payload_mac_key(token) if token else None
+
+
 @dataclass
 class ProducerProcess:
     """The assembled sidecar: baseline, service and its per-attempt transports."""
@@ -77,7 +94,7 @@ class ProducerProcess:
     baseline: SourceBaseline
     service: ProducerService
     transports: TransportSelector
-    token: str | None
+    tokens: TokenRing
 
     def close(self) -> None:
         self.transports.close()
@@ -92,17 +109,15 @@ def build(
     send_observer: SendObserver | None = None,
 ) -> ProducerProcess:
     """The sidecar's parts, not yet serving (refuses a non-loopback bind without a token)."""
-    token = resolve_token(config.token, config.token_file)
+    tokens = open_ring(config.token, config.token_file, grace_s=config.token_rotation_grace_s)
     require_token_or_loopback(
-        f"producer {config.producer}", [config.host], token, allow_insecure=False
+        f"producer {config.producer}", [config.host], tokens.sending(), allow_insecure=False
     )
     baseline = SourceBaseline(
         producer=config.producer, producers=config.producers, config=config.baseline
     )
-    template = config.transport.model_copy(
-        update={"token": SecretStr(token) if token else None, "producer": config.producer}
-    )
-    transports = TransportSelector(template, observer=send_observer)
+    template = config.transport.model_copy(update={"producer": config.producer})
+    transports = TransportSelector(template, observer=send_observer, tokens=tokens)
     service = ProducerService(
         baseline,
         transports,
@@ -110,9 +125,9 @@ def build(
         committed=CommitRecord(config.committed_version, config.committed_baseline_id),
         staging=config.staging,
         observer=observer,
-        mac_key=payload_mac_key(token) if token else None,  # receivers with the token need it
+        mac_key=lambda: mac_key_of(tokens),  # the sending token's, when an attempt starts
     )
-    return ProducerProcess(baseline, service, transports, token)
+    return ProducerProcess(baseline, service, transports, tokens)
 
 
 async def run_app(
@@ -139,7 +154,7 @@ async def serve(config: ProducerProcessConfig) -> None:
     if config.staging is None:
         raise ValueError("a trainer sidecar needs `staging` (the trainer's inbox)")
     process = await asyncio.to_thread(build, config)
-    app = create_producer_app(process.service, token=process.token)
+    app = create_producer_app(process.service, token=process.tokens)
     await run_app(app, config.host, config.port, on_close=process.close)
 
 

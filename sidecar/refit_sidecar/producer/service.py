@@ -84,14 +84,15 @@ class ProducerService:
         committed: CommitRecord | None = None,
         staging: StagingConfig | None = None,
         observer: ProducerObserver | None = None,
-        mac_key: bytes | None = None,
+        mac_key: bytes | Callable[[], bytes | None] | None = None,
     ) -> None:
         """`transport` is one transport, or a factory choosing it per attempt (e.g. the relay
         tree's root for this producer, which can change when membership does). `staging`
         enables the trainer handoff (`ingest_chunk`/`stage`); `baseline` may then still be
         uninitialized: the trainer's first export builds it. `observer` is told of start,
         sent and baseline update (timing). `mac_key`: payloads carry a MAC made with it
-        (`refit_protocol.keys.payload_mac_key` of the policy's token)."""
+        (`refit_protocol.keys.payload_mac_key` of the policy's token), or with what it returns
+        when an attempt starts (the sending token's key, which a rotation changes)."""
         self.baseline = baseline
         if isinstance(transport, Transport):
             fixed = transport
@@ -138,7 +139,8 @@ class ProducerService:
         export = self._candidate[1]
         pending = self.baseline.pending_attempt
         transport = self._transport_for(plan)
-        pipeline = ProducerPipeline(self.baseline, transport, self.config, mac_key=self.mac_key)
+        mac_key = self.mac_key() if callable(self.mac_key) else self.mac_key
+        pipeline = ProducerPipeline(self.baseline, transport, self.config, mac_key=mac_key)
         fut: Future[PipelineMetrics] = Future()
 
         def run() -> None:

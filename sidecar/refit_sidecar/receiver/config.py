@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from refit_protocol.tokens import DEFAULT_ROTATION_GRACE_S
 from refit_sidecar.transport.relay.node import RelayConfig
 from refit_sidecar.transport.s3 import S3Config
 
@@ -57,7 +58,17 @@ class ReceiverConfig(BaseModel):
     host: str = Field(default="127.0.0.1", description="HTTP bind address.")
     port: int = Field(default=8470, ge=0, le=65535, description="HTTP port (0: pick one).")
     token: SecretStr | None = Field(default=None, description="Bearer token (HTTP and ZMQ).")
-    token_file: Path | None = Field(default=None, description="File holding the token.")
+    token_file: Path | None = Field(
+        default=None,
+        description="File holding the token (a mounted Secret: followed, so a rotated token is "
+        "taken without a restart).",
+    )
+    token_rotation_grace_s: float = Field(
+        default=DEFAULT_ROTATION_GRACE_S,
+        gt=0,
+        description="After the token file changes: seconds the previous token is still sent "
+        "(and twice that, accepted); longer than the Secret's propagation to every pod.",
+    )
     allow_insecure: bool = Field(
         default=False,
         description="Serve without a token on a non-loopback address (never in production).",

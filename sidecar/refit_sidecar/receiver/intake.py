@@ -18,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
+from refit_protocol.keys import payload_mac_key
 from refit_protocol.receiver_api import ManifestEntry, StreamEnd
+from refit_protocol.tokens import TokenRing
 from refit_sidecar.codec.decode import raw_bound, verify_mac
 from refit_sidecar.codec.errors import CodecError, DigestMismatch
 from refit_sidecar.codec.records import TensorMeta
@@ -46,12 +48,16 @@ class Intake:
         self.node = node.node  # RelaySink: the name in every answer
         self.config = config
         self.fetcher = fetcher
-        #: The payload MAC key from the node's token (set by `ReceiverNode`); None: payloads
-        #: without a MAC are accepted (a node without a token, in-process tests).
-        self.mac_key: bytes | None = None
+        #: The node's token(s) (set by `ReceiverNode`): payloads must carry a MAC made with the
+        #: key of an accepted token. Without a token (in-process tests) any payload is taken.
+        self.tokens: TokenRing = TokenRing(None)
         self._raw_bound: tuple[Mapping[str, TensorMeta], int] | None = None
         self._stage_pool = ThreadPoolExecutor(config.staging_workers, "refit-stage")
         self._download_pool = ThreadPoolExecutor(config.download_workers, "refit-download")
+
+    def mac_keys(self) -> list[bytes]:
+        """The payload MAC keys accepted now (the sending token's first)."""
+        return [payload_mac_key(t) for t in self.tokens.accepted()]
 
     def close(self) -> None:
         self._stage_pool.shutdown(wait=False, cancel_futures=True)
@@ -202,8 +208,9 @@ class Intake:
                 return
             if not verified:
                 # Downloaded bytes are held until the gate closes: authenticate them first.
-                if self.mac_key is not None:
-                    verify_mac(body, self.mac_key)
+                keys = self.mac_keys()
+                if keys:
+                    verify_mac(body, keys)
                 if body_digest(body) != ident.digest:
                     raise DigestMismatch("payload body does not match the manifest digest")
             with s.cond:
@@ -279,7 +286,7 @@ class Intake:
             unsupported=unsupported,
             applier=s.applier,
             hashed=hashed,
-            mac_key=self.mac_key,
+            mac_key=self.mac_keys(),
             raw_limit=bound[1],
         )
 

@@ -7,12 +7,11 @@ import signal
 
 import structlog
 from aiohttp import web
-from pydantic import SecretStr
 
-from refit_protocol.auth import endpoint_host, require_token_or_loopback, resolve_token
-from refit_protocol.keys import payload_mac_key
+from refit_protocol.auth import endpoint_host, open_ring, require_token_or_loopback
 from refit_sidecar.receiver import appliers
 from refit_sidecar.receiver.appliers.base import Applier
+from refit_sidecar.receiver.appliers.vllm_http import VllmHttpApplier
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.core import ReceiverCore
 from refit_sidecar.receiver.metrics import ReceiverMetrics
@@ -28,7 +27,10 @@ class ReceiverNode:
 
     def __init__(self, config: ReceiverConfig, applier: Applier | None = None) -> None:
         self.config = config
-        self.token = resolve_token(config.token, config.token_file)
+        self.tokens = open_ring(
+            config.token, config.token_file, grace_s=config.token_rotation_grace_s
+        )
+        self.token = self.tokens.sending()
         hosts = [config.host]
         if config.relay is not None:
             hosts.append(endpoint_host(config.relay.bind))
@@ -39,20 +41,13 @@ class ReceiverNode:
             log.warning("receiver.no_token", node=config.node, hosts=hosts)
         self.metrics = ReceiverMetrics()
         fetcher = S3Fetcher(config.s3) if config.s3 is not None else None
-        if applier is None and config.applier.control_token is None and self.token:
-            # The vLLM server in this pod checks the pod's token on its refit control path.
-            config = config.model_copy(
-                update={
-                    "applier": config.applier.model_copy(
-                        update={"control_token": SecretStr(self.token)}
-                    )
-                }
-            )
-            self.config = config
         self.applier = applier if applier is not None else appliers.make(config.applier)
+        if isinstance(self.applier, VllmHttpApplier) and config.applier.control_token is None:
+            # The vLLM server in this pod checks the pod's token on its refit control path.
+            self.applier.tokens = self.tokens
         self.core = ReceiverCore(config, self.applier, metrics=self.metrics, fetcher=fetcher)
-        # With a token, only payloads sealed with the policy's key are decoded.
-        self.core.intake.mac_key = payload_mac_key(self.token) if self.token else None
+        # With a token, only payloads sealed with the policy's key(s) are decoded.
+        self.core.intake.tokens = self.tokens
         self.relay: RelayNode | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -66,11 +61,11 @@ class ReceiverNode:
             self.relay = RelayNode(
                 self.config.relay,
                 self.core.intake,
-                token=self.token,
+                token=self.tokens,
                 registry=self.metrics.registry,
             ).start()
             self.core.control.relay = self.relay
-        app = create_app(self.core, token=self.token)
+        app = create_app(self.core, token=self.tokens)
         self._runner = web.AppRunner(
             app, access_log=None, handle_signals=False, shutdown_timeout=5.0
         )

@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from refit_protocol.auth import bearer_ok
+from refit_protocol.auth import ring_accepts_bearer
 from refit_protocol.receiver_api import (
     API_PREFIX,
     AttemptRequest,
@@ -36,6 +36,7 @@ from refit_protocol.receiver_api import (
     RestoreRequest,
     StreamEnd,
 )
+from refit_protocol.tokens import TokenRing, as_ring
 from refit_sidecar.receiver.core import ReceiverCore
 from refit_sidecar.receiver.errors import ReceiverError
 from refit_sidecar.transport.relay.frames import AckStatus
@@ -86,9 +87,10 @@ async def _parse(request: web.Request, model: type[M]) -> M:
 
 
 def create_app(
-    core: ReceiverCore, *, token: str | None, control_threads: int = 16
+    core: ReceiverCore, *, token: str | TokenRing | None, control_threads: int = 16
 ) -> web.Application:
     """The node's aiohttp application (the caller runs and cleans it up)."""
+    ring = as_ring(token)
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -99,8 +101,8 @@ def create_app(
         )
         status = 500
         try:
-            if request.path not in OPEN_PATHS and not bearer_ok(
-                token, request.headers.get("Authorization", "")
+            if request.path not in OPEN_PATHS and not ring_accepts_bearer(
+                ring, request.headers.get("Authorization", "")
             ):
                 core.metrics.unauthorized.inc()
                 status = 401

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from refit_sidecar.codec.decode import decode_payload
+from refit_sidecar.codec.decode import MacKeys, decode_payload
 from refit_sidecar.codec.errors import HeaderMismatch
 from refit_sidecar.codec.records import Op, TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload, peek_header
@@ -54,13 +54,13 @@ def decode_and_stage(
     unsupported: Mapping[str, str],
     applier: Applier,
     hashed: bool = False,
-    mac_key: bytes | None = None,
+    mac_key: MacKeys = None,
     raw_limit: int | None = None,
 ) -> StagedPayload:
     """Decode (MAC, digest, limits, schema, canonical metadata), classify, stage. Raises a
     `CodecError` or `ReceptionError` for a payload the attempt must fail on. `hashed`: the
     caller already checked that these bytes hash to `ident.digest` (not hashed again).
-    `mac_key`: the node's key (from its token); the payload must then carry a MAC made with it
+    `mac_key`: the node's key(s) (from its token); the payload must then carry a MAC made with one
     (`AuthenticationError` before anything is decompressed). None (a node without a token)
     accepts payloads with or without a MAC."""
     decoded = decode_payload(

@@ -34,7 +34,7 @@ from typing import TypeVar
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from refit_protocol.auth import bearer_header, resolve_token
+from refit_protocol.auth import bearer_header, open_ring
 from refit_protocol.pod_contract import INBOX_ENV, PRODUCER_URL_ENV
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
@@ -144,10 +144,8 @@ class Publisher:
     def __init__(self, config: PublisherConfig) -> None:
         self.config = config
         self._base = config.url.rstrip("/") + PRODUCER_PREFIX
-        token = resolve_token(config.token, config.token_file)
-        self._headers = {"Content-Type": "application/json"}
-        if token:
-            self._headers.update(bearer_header(token))
+        # A token file (the pod's Secret) is followed: a rotated token needs no trainer restart.
+        self._tokens = open_ring(config.token, config.token_file)
 
     # ------------------------------------------------------------------------------ public API
     def status(self) -> ProducerStatus:
@@ -312,7 +310,8 @@ class Publisher:
     def _call(self, method: str, path: str, body: BaseModel | None, out: type[M] | None) -> M:
         data = body.model_dump_json().encode() if body is not None else None
         url = self._base + path
-        req = urllib.request.Request(url, data=data, headers=self._headers, method=method)  # noqa: S310
+        headers = {"Content-Type": "application/json", **bearer_header(self._tokens.newest())}
+        req = urllib.request.Request(url, data=data, headers=headers, method=method)  # noqa: S310
         try:
             with urllib.request.urlopen(req, timeout=self.config.request_timeout_s) as resp:  # noqa: S310
                 raw = resp.read()

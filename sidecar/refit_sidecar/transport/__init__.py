@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+from refit_protocol.tokens import TokenRing
 from refit_sidecar.transport.base import SendObserver, Transport, TransportSummary
 
 if TYPE_CHECKING:
@@ -25,14 +26,21 @@ Kind = Literal["zmq", "s3"]
 KINDS: tuple[Kind, ...] = ("zmq", "s3")
 
 
-def make(kind: Kind, config: BaseModel, *, observer: SendObserver | None = None) -> Transport:
-    """One producer transport of `kind` from its configuration model."""
+def make(
+    kind: Kind,
+    config: BaseModel,
+    *,
+    observer: SendObserver | None = None,
+    tokens: TokenRing | None = None,
+) -> Transport:
+    """One producer transport of `kind` from its configuration model. `tokens`: the process's
+    token ring, followed across rotations (instead of the config's fixed `token`)."""
     if kind == "zmq":
         from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 
         if not isinstance(config, RelayTransportConfig):
             raise TypeError(f"transport 'zmq' needs a RelayTransportConfig, got {config!r}")
-        return RelayTransport(config, observer=observer)
+        return RelayTransport(config, observer=observer, tokens=tokens)
     if kind == "s3":
         from refit_sidecar.transport.s3 import S3Transport, S3TransportConfig
 
@@ -40,5 +48,5 @@ def make(kind: Kind, config: BaseModel, *, observer: SendObserver | None = None)
             raise TypeError(f"transport 's3' needs an S3TransportConfig, got {config!r}")
         if observer is not None:
             raise ValueError("the S3 transport reports no send intervals")
-        return S3Transport(config)
+        return S3Transport(config, tokens=tokens)
     raise ValueError(f"unknown transport kind {kind!r}; known: {', '.join(KINDS)}")

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from refit_protocol.auth import bearer_header, is_loopback_host
 from refit_protocol.receiver_api import API_PREFIX, ManifestEntry, StreamEnd
+from refit_protocol.tokens import TokenRing, as_ring
 from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.transport.base import TransportSummary
 from refit_sidecar.transport.errors import (
@@ -256,10 +257,17 @@ class S3TransportConfig(BaseModel):
 class S3Transport:
     """`Transport` over object storage for one producer (thread-safe)."""
 
-    def __init__(self, config: S3TransportConfig, *, client: Any | None = None) -> None:
+    def __init__(
+        self,
+        config: S3TransportConfig,
+        *,
+        client: Any | None = None,
+        tokens: TokenRing | None = None,
+    ) -> None:
         self.config = config
         self.client = client if client is not None else make_client(config.s3)
-        self._token = config.token.get_secret_value() if config.token else ""
+        token = config.token.get_secret_value() if config.token else None
+        self._tokens = tokens if tokens is not None else as_ring(token)
         workers = config.max_in_flight
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="s3-send")
         self._posters = ThreadPoolExecutor(
@@ -352,7 +360,7 @@ class S3Transport:
                     body=body,
                     headers={
                         "Content-Type": "application/json",
-                        **bearer_header(self._token),
+                        **bearer_header(self._tokens.sending()),
                     },
                     timeout=urllib3.Timeout(total=self.config.http_timeout_s),
                 )

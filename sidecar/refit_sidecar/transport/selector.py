@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from refit_protocol.producer_api import AttemptPlan
+from refit_protocol.tokens import TokenRing
 from refit_sidecar.transport import Kind, make
 from refit_sidecar.transport.base import SendObserver, Transport
 from refit_sidecar.transport.relay.transport import RelayTransportConfig
@@ -33,8 +34,10 @@ class TransportSelector:
         *,
         receiver_urls: ReceiverUrls | None = None,
         observer: SendObserver | None = None,
+        tokens: TokenRing | None = None,
     ) -> None:
         self.template = template
+        self._tokens = tokens
         self.kind: Kind = "zmq" if isinstance(template, RelayTransportConfig) else "s3"
         self._receiver_urls = receiver_urls
         self._observer = observer
@@ -62,7 +65,9 @@ class TransportSelector:
                 field = "root" if self.kind == "zmq" else "receivers"
                 value = destination if self.kind == "zmq" else destination.split()
                 config = self.template.model_copy(update={field: value})
-                self._made[destination] = make(self.kind, config, observer=self._observer)
+                self._made[destination] = make(
+                    self.kind, config, observer=self._observer, tokens=self._tokens
+                )
             return self._made[destination]
 
     def close(self) -> None:

@@ -26,8 +26,9 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs
 
-from refit_protocol.auth import bearer_ok, is_loopback_host, resolve_token
+from refit_protocol.auth import is_loopback_host, open_ring, ring_accepts_bearer
 from refit_protocol.pod_contract import VLLM_MIDDLEWARE
+from refit_protocol.tokens import TokenRing, as_ring
 
 PREFIX = "/kuberefit/v1"
 #: What `vllm ... --middleware` takes.
@@ -51,17 +52,18 @@ class _RefusedError(Exception):
         self.status = status
 
 
-def pod_token() -> str | None:
-    """The pod's token, as every sidecar resolves it ($KUBEREFIT_TOKEN_FILE, $KUBEREFIT_TOKEN)."""
-    return resolve_token(None, None)
+def pod_tokens() -> TokenRing:
+    """The pod's token(s), as every sidecar resolves them ($KUBEREFIT_TOKEN_FILE, followed
+    across rotations, else $KUBEREFIT_TOKEN)."""
+    return open_ring(None, None)
 
 
 class RefitControlMiddleware:
     """ASGI middleware serving the refit control path (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp, token: str | None = None) -> None:
+    def __init__(self, app: ASGIApp, token: str | TokenRing | None = None) -> None:
         self.app = app
-        self.token = token if token is not None else pod_token()
+        self.tokens = as_ring(token) if token is not None else pod_tokens()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or not str(scope.get("path", "")).startswith(PREFIX):
@@ -81,11 +83,11 @@ class RefitControlMiddleware:
         client = scope.get("client") or ("", 0)
         if not is_loopback_host(str(client[0])):
             raise _RefusedError(403, "the refit control path answers loopback peers only")
-        if not self.token:
+        if not self.tokens:
             raise _RefusedError(
                 503, "no token configured ($KUBEREFIT_TOKEN or $KUBEREFIT_TOKEN_FILE)"
             )
-        if not bearer_ok(self.token, _header(scope, b"authorization")):
+        if not ring_accepts_bearer(self.tokens, _header(scope, b"authorization")):
             raise _RefusedError(401, "missing or invalid bearer token")
         if scope.get("method") != "POST":
             raise _RefusedError(405, "only POST")

@@ -337,7 +337,7 @@ def test_a_frame_no_peer_will_take_fails_within_the_retry_budget() -> None:
     ctx = zmq.Context.instance()
     server = ctx.socket(zmq.ROUTER)
     server.setsockopt(zmq.LINGER, 0)
-    secure_server(server, ctx, "the-relays-token")
+    secure_server(server, "the-relays-token")
     endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
     quick = DealerConfig(ack_timeout_s=0.4, max_retries=1)
     budget = quick.ack_timeout_s * (quick.max_retries + 1)

@@ -32,7 +32,6 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from refit_protocol.commit import CommitRecord
-from refit_protocol.keys import payload_mac_key
 from refit_protocol.logs import configure_logging
 from refit_protocol.producer_api import AttemptPlan, SentReport
 from refit_sidecar.baseline.chunks import chunk_export
@@ -41,7 +40,7 @@ from refit_sidecar.codec.records import Item, Op
 from refit_sidecar.codec.wire import CODEC_VERSION, EncodedPayload, PayloadHeader
 from refit_sidecar.fingerprint import named_tensors_digest
 from refit_sidecar.producer.http import create_producer_app
-from refit_sidecar.producer.main import ProducerProcessConfig, build, run_app
+from refit_sidecar.producer.main import ProducerProcessConfig, build, mac_key_of, run_app
 from refit_sidecar.transport.base import SendInterval
 from refit_tools.bench.refit_workload import Workload, reference_plan
 from refit_tools.bench.synthetic import perturb
@@ -190,7 +189,7 @@ class ProducerBench:
     def reference(self, req: ReferenceRequest) -> dict[str, object]:
         """Send H bytes of incompressible overwrite payloads; time from the first send until
         the root relay acknowledged the last one (receivers' relay flushes time the rest)."""
-        key = payload_mac_key(self.process.token) if self.process.token else None
+        key = mac_key_of(self.process.tokens)
         payloads = _reference_payloads(req.attempt, self.cfg.workload, req.payload_bytes, key)
         transport = self.process.transports.to(req.relay_root)
         t_start = time.monotonic()
@@ -233,7 +232,7 @@ def _reference_payloads(
 
 def create_app(bench: ProducerBench) -> web.Application:
     """The producer's control plane plus the /v1/bench routes (all behind the token)."""
-    app = create_producer_app(bench.service, token=bench.process.token)
+    app = create_producer_app(bench.service, token=bench.process.tokens)
 
     def route(model: type[M], fn: Callable[[M], dict[str, object]]) -> Handler:
         async def handler(request: web.Request) -> web.StreamResponse:

@@ -23,6 +23,7 @@ import urllib3
 
 from refit_protocol.auth import bearer_header
 from refit_protocol.receiver_api import RankPrewarm
+from refit_protocol.tokens import TokenRing, as_ring
 from refit_sidecar.codec.decoded_file import write_decoded
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload
@@ -43,10 +44,9 @@ class VllmHttpApplier:
         self.shm_dir = config.shm_dir
         self.shm_dir.mkdir(parents=True, exist_ok=True)
         self._http = urllib3.PoolManager(maxsize=4, retries=False)
-        token = config.control_token.get_secret_value() if config.control_token else ""
-        self._headers = {"Content-Type": "application/json"}
-        if token:
-            self._headers.update(bearer_header(token))
+        token = config.control_token.get_secret_value() if config.control_token else None
+        #: The control path's token; `ReceiverNode` sets its own ring (followed across rotations).
+        self.tokens: TokenRing = as_ring(token)
 
     # -- HTTP --------------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any] | None = None, **query: str) -> Any:
@@ -57,7 +57,7 @@ class VllmHttpApplier:
             "POST",
             url,
             body=json.dumps(body or {}).encode(),
-            headers=self._headers,
+            headers={"Content-Type": "application/json", **bearer_header(self.tokens.newest())},
             timeout=urllib3.Timeout(total=self.config.rpc_timeout_s),
         )
         if resp.status != 200:

@@ -9,6 +9,11 @@ session keys, so captured traffic cannot be replayed either). A ZAP handler addi
 only clients that hold the same key pair, and failed handshakes are counted by the relay
 (`kuberefit_relay_dropped_total{reason="handshake"}`).
 
+Token rotation (`refit_protocol.tokens`): a relay serves with the ring's sending token and
+rebinds when it changes (after the rotation's grace); it admits the clients of every accepted
+token; a client connects once per accepted token, so whichever key the relay serves with, one
+of its connections completes the handshake.
+
 Why Curve rather than TLS: ZeroMQ has no TLS transport, and Curve keys can be derived from
 the Secret every pod already mounts, so there is no certificate to issue or rotate separately.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,22 +58,24 @@ def curve_keys(token: str) -> CurveKeys:
 
 
 class _Allowed:
-    """ZAP credentials provider: the public keys of the tokens this process serves."""
+    """ZAP credentials provider: the client keys each relay of this process admits now."""
 
     def __init__(self) -> None:
-        self.keys: set[bytes] = set()
+        self.by_owner: dict[int, frozenset[bytes]] = {}
 
     def callback(self, domain: str, key: bytes) -> bool:
         """`key` is the client's public key, Z85-encoded by pyzmq."""
-        return domain == ZAP_DOMAIN and key in self.keys
+        return domain == ZAP_DOMAIN and any(key in keys for keys in self.by_owner.values())
 
 
 _authenticators: dict[int, tuple[zmq.auth.thread.ThreadAuthenticator, _Allowed]] = {}
 _lock = threading.Lock()
 
 
-def _allow(context: zmq.Context[Any], keys: CurveKeys) -> None:
-    """Start (once per context) the ZAP handler and admit clients holding `keys`."""
+def allow_clients(context: zmq.Context[Any], owner: int, tokens: Sequence[str]) -> None:
+    """Admit clients holding the key pair of any of `tokens` on `owner`'s relay (replacing what
+    it admitted before: during a token rotation the old and the new token, then the new one).
+    Starts the context's ZAP handler once."""
     with _lock:
         entry = _authenticators.get(id(context))
         if entry is None:
@@ -76,13 +84,17 @@ def _allow(context: zmq.Context[Any], keys: CurveKeys) -> None:
             allowed = _Allowed()
             auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=allowed)
             entry = _authenticators[id(context)] = (auth, allowed)
-        entry[1].keys.add(keys.public)
+        keys = frozenset(curve_keys(t).public for t in tokens)
+        if keys:
+            entry[1].by_owner[owner] = keys
+        else:
+            entry[1].by_owner.pop(owner, None)
 
 
-def secure_server(sock: zmq.Socket[Any], context: zmq.Context[Any], token: str) -> None:
-    """Make a relay's ROUTER a CURVE server that admits only holders of the token's keys."""
+def secure_server(sock: zmq.Socket[Any], token: str) -> None:
+    """Make a relay's ROUTER a CURVE server with the token's key pair (before bind); clients
+    are admitted by `allow_clients`."""
     keys = curve_keys(token)
-    _allow(context, keys)
     sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
@@ -90,7 +102,8 @@ def secure_server(sock: zmq.Socket[Any], context: zmq.Context[Any], token: str) 
 
 
 def secure_client(sock: zmq.Socket[Any], token: str) -> None:
-    """Make a DEALER a CURVE client of relays serving the token's keys (before connect)."""
+    """Make a DEALER a CURVE client of relays serving the token's keys (before each connect:
+    the options apply to the connections made after they are set)."""
     keys = curve_keys(token)
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public

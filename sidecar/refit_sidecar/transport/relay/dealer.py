@@ -9,6 +9,11 @@ Backpressure: a relay whose queue is full answers WAIT and drops the body. The c
 the payload (the window bounds how many) and sends a body-less PROBE with exponential backoff
 until the relay answers READY, and only then the body again. No frame is lost on a full queue and
 no relay buffers more than it admitted.
+
+Token rotation (`refit_protocol.tokens`): frames carry the ring's sending token; answers must
+carry an accepted one. While two tokens are accepted the client holds one socket per token, each
+sending only once its handshake completed (ZMQ_IMMEDIATE), so frames go to whichever key the
+relay serves with; in-flight frames are resent when the set of sockets changes.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import structlog
 import zmq
 from pydantic import BaseModel, ConfigDict, Field
 
-from refit_protocol.auth import tokens_equal
+from refit_protocol.tokens import TokenRing, as_ring, ring_accepts
 from refit_sidecar.transport.errors import (
     AttemptObsoleteError,
     DeliveryTimeoutError,
@@ -118,7 +123,7 @@ class RelayDealer:
         self,
         endpoint: str,
         *,
-        token: str | None,
+        token: str | TokenRing | None,
         config: DealerConfig | None = None,
         context: zmq.Context[Any] | None = None,
         name: str = "relay-client",
@@ -126,7 +131,10 @@ class RelayDealer:
         self.endpoint = endpoint
         self.name = name
         self.config = config or DealerConfig()
-        self._token = token or ""
+        self._ring = as_ring(token)
+        self._socks: list[zmq.Socket[Any]] = []
+        self._sock_tokens: tuple[str, ...] | None = None
+        self._gen = -1
         self._ctx = context or zmq.Context.instance()
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -178,7 +186,7 @@ class RelayDealer:
         if self._closed:
             fut.set_exception(TransportError(f"{self.name}: client closed"))
             return fut
-        meta = meta.model_copy(update={"token": self._token})
+        meta = meta.model_copy(update={"token": self._ring.sending() or ""})
         item = _Item(kind, meta, meta.model_dump_json().encode(), body, size, fut)
         item.backoff = self.config.wait_backoff_min_s
         self._command("submit", item)
@@ -190,31 +198,22 @@ class RelayDealer:
             os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        sock.setsockopt(zmq.CONNECT_TIMEOUT, int(self.config.connect_timeout_s * 1000))
-        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        if self._token:
-            secure_client(sock, self._token)
-        sock.connect(self.endpoint)
-        self._sock = sock
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._sync_sockets(time.monotonic())
         self._ready.set()
         try:
             while True:
                 if not self._take_commands():
                     break
                 now = time.monotonic()
+                self._sync_sockets(now)
                 self._expire(now)
                 self._transmit(now)
                 timeout_ms = self._poll_timeout_ms(time.monotonic())
-                for s, _ in poller.poll(timeout_ms):
-                    if s is sock:
-                        self._receive()
+                for s, _ in self._poller.poll(timeout_ms):
+                    if isinstance(s, zmq.Socket):
+                        self._receive(s)
                     else:
                         with contextlib.suppress(BlockingIOError, OSError):
                             os.read(self._wake_r, 4096)
@@ -223,7 +222,47 @@ class RelayDealer:
             self._fail_all(TransportError(f"{self.name}: I/O thread failed: {exc!r}"))
         finally:
             self._fail_all(TransportError(f"{self.name}: client closed"))
+            self._close_sockets()
+
+    def _sync_sockets(self, now: float) -> None:
+        """One socket per accepted token (one plain socket without a token); rebuilt when the
+        ring's accepted tokens change, and frames awaiting an answer are then resent."""
+        gen = self._ring.current_generation()
+        if gen == self._gen:
+            return
+        self._gen = gen
+        tokens = self._ring.accepted()
+        if tokens == self._sock_tokens:
+            return
+        rebuilt = self._sock_tokens is not None
+        self._close_sockets()
+        self._sock_tokens = tokens
+        for token in tokens or (None,):
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.setsockopt(zmq.CONNECT_TIMEOUT, int(self.config.connect_timeout_s * 1000))
+            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            if len(tokens) > 1:
+                sock.setsockopt(zmq.IMMEDIATE, 1)  # only the socket whose handshake completed
+            if token:
+                secure_client(sock, token)
+            sock.connect(self.endpoint)
+            self._poller.register(sock, zmq.POLLIN)
+            self._socks.append(sock)
+        if rebuilt:
+            log.info("relay_client.keys_changed", client=self.name, sockets=len(self._socks))
+            for item in self._items.values():
+                if item.state == "awaiting":  # its socket is gone: send it again
+                    item.state, item.next_at, item.probe = "waiting", now, False
+
+    def _close_sockets(self) -> None:
+        for sock in self._socks:
+            with contextlib.suppress(KeyError):
+                self._poller.unregister(sock)
             sock.close(linger=0)
+        self._socks = []
 
     def _take_commands(self) -> bool:
         while True:
@@ -280,9 +319,13 @@ class RelayDealer:
         frames: list[Any] = [PROBE if probe else item.kind, item.meta_json]
         if not probe and item.body is not None:
             frames.append(item.body)
-        try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+        for sock in self._socks:  # more than one only during a token rotation
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:
+                continue
+        else:
             return False
         item.state = "awaiting"
         item.probe = probe
@@ -355,14 +398,14 @@ class RelayDealer:
             nxt = min(nxt, self._blocked_since + self._blocked_budget_s())
         return max(0, int((nxt - now) * 1000) + 1)
 
-    def _receive(self) -> None:
+    def _receive(self, sock: zmq.Socket[Any]) -> None:
         while True:
             try:
-                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             ack = parse_ack(frames[1]) if len(frames) == 2 and frames[0] == ACK else None
-            if ack is None or not tokens_equal(self._token, ack.token):
+            if ack is None or not ring_accepts(self._ring, ack.token):
                 self.bad_replies += 1
                 continue
             key = (ack.kind, ack.attempt, ack.producer, ack.payload_id, ack.digest)

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from refit_sidecar.codec.decode import verify_mac
+from refit_sidecar.codec.decode import MacKeys, mac_keys, verify_mac
 from refit_sidecar.codec.errors import CodecError, DigestMismatch, HeaderMismatch
 from refit_sidecar.codec.wire import (
     DIGEST_SIZE,
@@ -129,7 +129,7 @@ def body_digest(body: bytes | bytearray | memoryview) -> bytes:
 
 
 def verify_body(
-    meta: FrameMeta, body: bytes | bytearray | memoryview, *, mac_key: bytes | None = None
+    meta: FrameMeta, body: bytes | bytearray | memoryview, *, mac_key: MacKeys = None
 ) -> None:
     """Check that `body` is the payload `meta` names: its MAC (with the policy's key: before
     anything else, so forged bytes are neither staged nor forwarded), identity, size, digest.
@@ -141,8 +141,9 @@ def verify_body(
     mv = memoryview(body).cast("B")
     if meta.size and len(mv) != meta.size:
         raise DigestMismatch(f"body has {len(mv)} bytes, metadata says {meta.size}")
-    if mac_key is not None:
-        verify_mac(mv, mac_key)
+    keys = mac_keys(mac_key)
+    if keys:
+        verify_mac(mv, keys)
     header = peek_header(mv)
     if (header.attempt, header.producer, header.payload_id, header.order) != (
         meta.attempt,

@@ -7,6 +7,10 @@ the sink register the payload and submit its local staging, submit at most two c
 (the balanced binary tree of `tree.py`) to per-child bounded DEALER clients, then answer with the
 staged ACK. The sink is the receiver core; this module knows nothing about applying.
 
+Token rotation (`refit_protocol.tokens`): frames, answers and MACs of every accepted token are
+taken; the ROUTER serves with the ring's sending token's Curve keys and is bound again (same
+address) when that token changes, after the rotation's grace.
+
 `drain(attempt)` is the relay-flush barrier: it waits until every forward of the attempt has been
 acknowledged by the child or has failed (a dead child fails within its retry budget).
 """
@@ -26,11 +30,11 @@ from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
 from zmq.utils.monitor import recv_monitor_message
 
-from refit_protocol.auth import tokens_equal
 from refit_protocol.keys import payload_mac_key
+from refit_protocol.tokens import TokenRing, as_ring, ring_accepts
 from refit_sidecar.codec.errors import CodecError
 from refit_sidecar.transport.relay import tree
-from refit_sidecar.transport.relay.curve import HANDSHAKE_FAILURES, secure_server
+from refit_sidecar.transport.relay.curve import HANDSHAKE_FAILURES, allow_clients, secure_server
 from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
 from refit_sidecar.transport.relay.frames import (
     ACK,
@@ -147,14 +151,15 @@ class RelayNode:
         config: RelayConfig,
         sink: RelaySink,
         *,
-        token: str | None,
+        token: str | TokenRing | None,
         registry: CollectorRegistry | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.config = config
         self.sink = sink
-        self._token = token or ""
-        self._mac_key = payload_mac_key(token) if token else None
+        self._ring = as_ring(token)
+        self._gen = -1
+        self._serving: str | None = None
         self._ctx = context or zmq.Context.instance()
         self.metrics = RelayMetrics(registry)
         self._clients: dict[str, RelayDealer] = {}
@@ -170,20 +175,58 @@ class RelayNode:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> RelayNode:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload_bytes + (1 << 16))
-        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        if self._token:
-            secure_server(sock, self._ctx, self._token)
-            self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
-        sock.bind(self.config.bind)
-        self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._sock = sock
+        self._sock = self._open(self.config.bind)
+        self.bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._run, name="relay-router", daemon=True)
         self._thread.start()
         log.info("relay.listening", node=self.sink.node, bind=self.bound)
         return self
+
+    def _open(self, endpoint: str) -> zmq.Socket[Any]:
+        """A ROUTER serving the ring's sending token, bound to `endpoint` (retried briefly: a
+        rebind may find the previous listener still closing)."""
+        self._gen = self._ring.current_generation()
+        self._serving = self._ring.sending()
+        allow_clients(self._ctx, id(self), self._ring.accepted())
+        sock: zmq.Socket[Any] = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload_bytes + (1 << 16))
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        if self._serving:
+            secure_server(sock, self._serving)
+            self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                sock.bind(endpoint)
+                return sock
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    self._close_socket(sock)
+                    raise
+                time.sleep(0.05)
+
+    def _close_socket(self, sock: zmq.Socket[Any]) -> None:
+        if self._monitor is not None:
+            sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+        sock.close(linger=0)
+
+    def _follow_rotation(self) -> bool:
+        """Admit the ring's accepted clients; bind again when the sending token changed.
+        True when the socket was replaced."""
+        gen = self._ring.current_generation()
+        if gen == self._gen:
+            return False
+        self._gen = gen
+        allow_clients(self._ctx, id(self), self._ring.accepted())
+        if self._ring.sending() == self._serving:
+            return False
+        self._close_socket(self._sock)
+        self._sock = self._open(self.bound)
+        log.info("relay.keys_rotated", node=self.sink.node, bind=self.bound)
+        return True
 
     def close(self) -> None:
         self._stop.set()
@@ -220,34 +263,39 @@ class RelayNode:
 
     # -- the ROUTER loop --------------------------------------------------------------------------
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(100))
-                if not events:
-                    continue
-                if self._monitor is not None and self._monitor in events:
-                    try:
-                        self._handshake_failures()
-                    except Exception:  # pragma: no cover - counting must never stop the relay
-                        log.exception("relay.monitor_failed", node=self.sink.node)
-                while True:
-                    try:
-                        frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._handle(frames)
-                    except Exception:  # pragma: no cover - never let one frame kill the relay
-                        log.exception("relay.frame_failed", node=self.sink.node)
+                poller = zmq.Poller()
+                poller.register(self._sock, zmq.POLLIN)
+                if self._monitor is not None:
+                    poller.register(self._monitor, zmq.POLLIN)
+                while not self._stop.is_set():
+                    if self._follow_rotation():
+                        break  # a new socket: poll it
+                    events = dict(poller.poll(100))
+                    if events:
+                        self._serve(events)
+        except Exception:  # pragma: no cover - a rebind that failed: the node cannot serve
+            log.exception("relay.stopped", node=self.sink.node)
         finally:
-            if self._monitor is not None:
-                self._sock.disable_monitor()
-                self._monitor.close(linger=0)
-            self._sock.close(linger=0)
+            allow_clients(self._ctx, id(self), ())
+            self._close_socket(self._sock)
+
+    def _serve(self, events: dict[Any, int]) -> None:
+        if self._monitor is not None and self._monitor in events:
+            try:
+                self._handshake_failures()
+            except Exception:  # pragma: no cover - counting must never stop the relay
+                log.exception("relay.monitor_failed", node=self.sink.node)
+        while True:
+            try:
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                self._handle(frames)
+            except Exception:  # pragma: no cover - never let one frame kill the relay
+                log.exception("relay.frame_failed", node=self.sink.node)
 
     def _handshake_failures(self) -> None:
         """Count connections refused by CurveZMQ (no frame of theirs was ever buffered); log
@@ -287,7 +335,7 @@ class RelayNode:
         if meta is None or kind not in (DATA, PROBE, END):
             self.metrics.dropped.labels("malformed").inc()
             return
-        if not tokens_equal(self._token, meta.token):
+        if not ring_accepts(self._ring, meta.token):
             self.metrics.dropped.labels("unauthenticated").inc()
             log.warning("relay.unauthenticated_frame", node=self.sink.node, attempt=meta.attempt)
             return
@@ -316,7 +364,7 @@ class RelayNode:
         body = frame.buffer
         self.metrics.bytes.inc(body.nbytes)
         try:
-            verify_body(meta, body, mac_key=self._mac_key)
+            verify_body(meta, body, mac_key=[payload_mac_key(t) for t in self._ring.accepted()])
         except CodecError as exc:
             reason = f"payload {meta.producer}/{meta.payload_id}: {type(exc).__name__}: {exc}"
             self.sink.relay_fail(meta.attempt, reason)
@@ -361,7 +409,7 @@ class RelayNode:
         if client is None:
             client = RelayDealer(
                 endpoint,
-                token=self._token,
+                token=self._ring,
                 config=self.config.forward,
                 context=self._ctx,
                 name=f"forward->{endpoint}",
@@ -417,7 +465,7 @@ class RelayNode:
             status=verdict[0],
             error=verdict[1],
             node=self.sink.node,
-            token=self._token,
+            token=self._ring.sending() or "",
         )
         with contextlib.suppress(zmq.ZMQError):
             self._sock.send_multipart([ident, ACK, ack.model_dump_json().encode()])

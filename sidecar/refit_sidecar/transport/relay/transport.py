@@ -18,6 +18,7 @@ import structlog
 import zmq
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from refit_protocol.tokens import TokenRing
 from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.transport.base import SendInterval, SendObserver, TransportSummary
 from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
@@ -56,14 +57,20 @@ class RelayTransport:
         *,
         context: zmq.Context[Any] | None = None,
         observer: SendObserver | None = None,
+        tokens: TokenRing | None = None,
     ) -> None:
         """`observer` receives every payload's transport interval (benchmarks measure the
-        transport lower bound with it)."""
+        transport lower bound with it). `tokens`: the process's token ring, followed across
+        rotations (instead of the config's fixed `token`)."""
         self.config = config
         self._observer = observer
         token = config.token.get_secret_value() if config.token else None
         self._client = RelayDealer(
-            config.root, token=token, config=config.client, context=context, name="zmq-producer"
+            config.root,
+            token=tokens if tokens is not None else token,
+            config=config.client,
+            context=context,
+            name="zmq-producer",
         )
         self._window = SendWindow(config.max_in_flight)
 
