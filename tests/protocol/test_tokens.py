@@ -103,8 +103,8 @@ def test_a_token_file_is_followed_and_read_again_at_once_on_a_miss(tmp_path: Pat
     clock.now += 61  # past the check interval, and past 2 x grace: B alone
     assert ring.accepted() == (B,)
     assert ring.sending() == B
+    (tmp_path / "empty").write_text("")
     with pytest.raises(ValueError, match="empty"):
-        (tmp_path / "empty").write_text("")
         FileTokenRing(tmp_path / "empty")
 
 
