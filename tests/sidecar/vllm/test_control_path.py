@@ -112,7 +112,7 @@ def test_token_from_the_environment_and_other_paths_untouched(
     path.write_text(TOKEN + "\n")
     monkeypatch.setenv("KUBEREFIT_TOKEN_FILE", str(path))
     mw = RefitControlMiddleware(inner)
-    assert mw.token == TOKEN
+    assert mw.tokens.accepted() == (TOKEN,)  # followed: a rotated file is taken live
     status, _ = _call(mw, "/v1/completions", token=None, peer="10.0.0.9")
     assert status == 204
     status, _ = _call(mw, "/collective_rpc", token=None)
