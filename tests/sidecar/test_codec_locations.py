@@ -56,3 +56,20 @@ def test_compiled_and_numpy_gap_encodings_agree(first: int, gaps: list[int]) -> 
 def test_unsorted_or_repeated_positions_are_refused(positions: list[int]) -> None:
     with pytest.raises(LocationError, match="strictly increasing"):
         encode_positions(np.array(positions, dtype=np.int64), 2**62 + 1)
+
+
+@pytest.mark.parametrize("numel", [1, 2, 10, 256, 65_537, 2**40])
+def test_decoded_locations_must_lie_inside_the_tensor(numel: int) -> None:
+    """The last position may be numel - 1 and never numel: an out-of-range position would be an
+    out-of-bounds `index_put_` on the receiver (a device assert on a GPU, not a clean error)."""
+    # Every position but the last is fine; the last lands exactly on the boundary.
+    if numel > 1:
+        inside = decode_gaps(0, np.array([numel - 2], dtype=np.uint64), numel)
+        assert inside.tolist() == [0, numel - 1]
+        with pytest.raises(LocationError, match="outside"):
+            decode_gaps(0, np.array([numel - 1], dtype=np.uint64), numel)  # last == numel
+        with pytest.raises(LocationError, match="outside"):
+            decode_gaps(1, np.array([numel - 2], dtype=np.uint64), numel)  # last == numel
+    with pytest.raises(LocationError, match="outside"):
+        decode_gaps(numel, np.array([], dtype=np.uint64), numel)  # first == numel
+    assert decode_gaps(numel - 1, np.array([], dtype=np.uint64), numel).tolist() == [numel - 1]

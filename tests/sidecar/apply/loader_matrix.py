@@ -140,3 +140,19 @@ class LyingModel(MatrixModel):
             if name == "plain.weight":
                 return {"plain"}
         return super().load_weights(weights)
+
+
+class InPlaceScalingModel(MatrixModel):
+    """A loader that edits its input in place before copying it (`w.mul_(2); p.copy_(w)`): the
+    copy's source is still scratch, but no longer the bits that were scattered into it."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        for name, w in weights:
+            if name == "plain.weight":
+                w.mul_(2)
+                self.plain.data.copy_(w)
+                loaded.add("plain")
+            else:
+                loaded |= super().load_weights([(name, w)])
+        return loaded

@@ -26,6 +26,7 @@ from tests.sidecar.apply.loader_matrix import (
     CANONICAL,
     FP8,
     FillingModel,
+    InPlaceScalingModel,
     LyingModel,
     MatrixModel,
     SwappingModel,
@@ -192,6 +193,33 @@ def test_xor_fails_closed_where_bits_are_not_preserved(name: str, error: type) -
     ctx = ctx_for(model)
     with pytest.raises(error):
         ctx.apply([it])
+
+
+def test_a_loader_that_edits_its_input_in_place_never_gets_xor() -> None:
+    """`w.mul_(2); p.copy_(w)`: XOR would copy a doubled mask and differ from a dense load, so
+    prewarm marks the name XOR-incompatible, an XOR item for it fails closed, and overwrite
+    items end at the bits a dense load of the same loader writes."""
+    old, new = canonical_random(30), perturb(canonical_random(30), 0.3, seed=31)
+
+    def dense_copy(state: dict[str, torch.Tensor]) -> MatrixModel:
+        m = InPlaceScalingModel()
+        m.load_weights((n, t.clone()) for n, t in state.items())  # it edits its input
+        return m
+
+    model = dense_copy(old)
+    ctx = ApplyContext(model, METAS)
+    report = prewarm(ctx)
+    assert "modified scratch" in report.xor_incompatible["plain.weight"]
+    xor = diff_item("plain.weight", old["plain.weight"], new["plain.weight"], Op.XOR)
+    assert xor is not None
+    with pytest.raises(XorTransformError, match="modified scratch"):
+        ctx.apply([xor])
+    incompatible = set(report.xor_incompatible)
+    ctx.apply(
+        items(old, new, lambda n: Op.OVERWRITE if n in incompatible else Op.XOR),
+        check_samples=-1,
+    )
+    assert_same_bits(model, dense_copy(new))
 
 
 def test_unknown_names_fail_closed() -> None:
