@@ -285,8 +285,26 @@ class Publisher:
         self, done: Callable[[ProducerStatus], bool], what: str, version: int
     ) -> ProducerStatus:
         deadline = time.monotonic() + self.config.commit_timeout_s
+        outage: SidecarUnreachableError | None = None
         while True:
-            status = self.status()
+            try:
+                status = self.status()
+            except SidecarUnreachableError as exc:
+                # A sidecar restarting while a transition runs: keep waiting (it then says
+                # whether it still holds the candidate), within the same deadline.
+                if outage is None:
+                    log.warning("publisher.sidecar_unreachable_while_waiting", error=str(exc))
+                outage = exc
+                if time.monotonic() >= deadline:
+                    raise TransitionTimeoutError(
+                        f"waited {self.config.commit_timeout_s:.0f}s for {what}; the sidecar "
+                        f"stopped answering: {exc}"
+                    ) from exc
+                time.sleep(self.config.poll_interval_s)
+                continue
+            if outage is not None:
+                log.info("publisher.sidecar_back", version=version)
+                outage = None
             if done(status):
                 return status
             if status.candidate_version != version and status.committed_version < version:

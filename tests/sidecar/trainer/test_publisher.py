@@ -5,6 +5,8 @@ the bound on chunk files in flight."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -23,20 +25,29 @@ from refit_sidecar.bits import int_view
 from refit_sidecar.codec import apply_item_, decode_payload
 from refit_sidecar.trainer.chunk_files import write_chunk_file
 from refit_sidecar.trainer.errors import (
+    CandidateDroppedError,
     CandidateMismatchError,
     ChunkFileError,
     FingerprintMismatchError,
     SidecarUnreachableError,
     StagingError,
     StagingStateError,
+    TransitionTimeoutError,
     VersionMismatchError,
 )
 from refit_sidecar.trainer.manifest import to_wire
 from refit_sidecar.trainer.publisher import Publisher, PublisherConfig
 from refit_sidecar.trainer.state_dict import StateDictSource
 from refit_sidecar.trainer.synthetic import SyntheticTrainer
-from tests.harness.procs import free_port
-from tests.sidecar.trainer.sidecars import Sidecar, run_transition, serve_sidecars
+from tests.harness.operator_env import REPO, wait_for
+from tests.harness.procs import ManagedProcess, free_port, http_ok
+from tests.sidecar.trainer.sidecars import (
+    TOKEN,
+    Sidecar,
+    run_transition,
+    serve_sidecars,
+    shm_root,
+)
 
 CHUNK = 20_000  # ~2 tensors of 64x64 BF16 per chunk
 
@@ -362,3 +373,71 @@ async def test_incomplete_or_foreign_chunks_are_refused(tmp_path: Path) -> None:
                 CandidateChunkAck,
             )
         assert side.service.candidate_version is None
+
+
+async def test_a_wait_that_outlasts_its_deadline_says_so(tmp_path: Path) -> None:
+    """publish(wait=True) with no coordinator running: TransitionTimeoutError naming what it
+    waited for; the staged candidate stays for the coordinator to pick up."""
+    v0 = weights()
+    async with serve_sidecars(tmp_path, 1, chunk_bytes=CHUNK) as sidecars:
+        pub = Publisher(sidecars[0].publisher_config(commit_timeout_s=1, poll_interval_s=0.05))
+        await asyncio.to_thread(pub.initialize, StateDictSource(v0))
+        v1 = SyntheticTrainer(v0, relative_step=1e-3, seed=5).step()
+        t0 = time.monotonic()
+        with pytest.raises(TransitionTimeoutError, match="is the coordinator running"):
+            await asyncio.to_thread(pub.publish, 1, StateDictSource(v1))
+        assert 1 <= time.monotonic() - t0 < 30
+        assert sidecars[0].service.candidate_version == 1
+
+
+def _producer_process(tmp_path: Path, port: int, inbox: Path) -> ManagedProcess:
+    config = {
+        "host": "127.0.0.1",
+        "port": port,
+        "token": TOKEN,
+        "baseline": {"directory": str(tmp_path / "baseline"), "export_chunk_bytes": CHUNK},
+        "staging": {"inbox": str(inbox), "candidate_dir": str(tmp_path / "candidates")},
+        "transport": {"root": "", "stop_timeout_s": 5.0},
+    }
+    path = tmp_path / "producer.json"
+    path.write_text(json.dumps(config))
+    argv = [str(REPO / ".venv/bin/kuberefit"), "producer", "serve", "--config", str(path)]
+    return ManagedProcess("producer", argv, tmp_path / "producer.log", cwd=REPO)
+
+
+async def test_a_sidecar_restart_during_the_wait_drops_the_candidate_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """The real `kuberefit producer serve` process is killed while the trainer waits for v1 to
+    commit and started again: the wait rides out the outage, then raises CandidateDroppedError
+    (the new process does not hold v1), which tells the trainer to publish v1 again."""
+    port = free_port()
+    inbox = shm_root() / "restart"
+    inbox.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{port}"
+    proc = _producer_process(tmp_path, port, inbox)
+    try:
+        proc.start(lambda: http_ok(url + "/healthz"), timeout=60)
+        pub = Publisher(
+            PublisherConfig(
+                url=url, inbox=inbox, token=TOKEN, commit_timeout_s=120, poll_interval_s=0.1
+            )
+        )
+        v0 = weights()
+        await asyncio.to_thread(pub.initialize, StateDictSource(v0))
+        v1 = SyntheticTrainer(v0, relative_step=1e-3, seed=6).step()
+        waiting = asyncio.create_task(asyncio.to_thread(pub.publish, 1, StateDictSource(v1)))
+        await asyncio.to_thread(
+            wait_for, "v1 staged", lambda: pub.status().candidate_version == 1, timeout=60
+        )
+        assert not waiting.done()
+        proc.kill()
+        proc.proc.wait(10)  # type: ignore[union-attr]
+        await asyncio.sleep(0.5)  # the publisher now meets a refused connection, and waits on
+        assert not waiting.done()
+        proc.start(lambda: http_ok(url + "/healthz"), timeout=60)
+        with pytest.raises(CandidateDroppedError, match="publish v1 again"):
+            await asyncio.wait_for(waiting, 60)
+    finally:
+        proc.stop(grace=5)
+        shutil.rmtree(inbox, ignore_errors=True)
