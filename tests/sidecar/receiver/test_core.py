@@ -27,7 +27,9 @@ from refit_sidecar.fingerprint import module_fingerprint
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.core import ReceiverCore
 from refit_sidecar.receiver.errors import ReceiverError
+from refit_sidecar.receiver.state import EntryState
 from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta, verify_body
+from tests.harness.operator_env import wait_for
 from tests.sidecar.receiver.models import (
     RecordingApplier,
     TinyModel,
@@ -101,6 +103,14 @@ def flush(core: ReceiverCore, attempt: str, expected: dict[int, int], timeout: f
     return core.control.flush(FlushRequest(attempt=attempt, expected=expected, timeout_s=timeout))
 
 
+def entries_in(node: ReceiverCore, *states: EntryState) -> int:
+    """How many payloads of the current attempt are in one of `states` (decoded and queued:
+    READY; applied: APPLIED)."""
+    st = node.state.current
+    with node.state.cond:
+        return 0 if st is None else sum(e.state in states for e in st.entries.values())
+
+
 def applied(tmp_path: Path) -> list[tuple[int, int]]:
     return [(r["producer"], r["order"]) for r in read_applied(tmp_path / "applied.jsonl")]
 
@@ -113,7 +123,7 @@ def test_out_of_order_arrival_is_applied_in_declared_order(
     shuffled = ps[:]
     random.Random(3).shuffle(shuffled)
     assert [offer(node, p) for p in shuffled] == [AckStatus.STAGED] * len(ps)
-    time.sleep(0.2)
+    wait_for("every payload decoded", lambda: entries_in(node, EntryState.READY) == len(ps))
     assert applied(tmp_path) == []  # sync RL: nothing applies before open_apply
     node.control.gate(GateRequest(attempt="a1", closed=True))
     node.control.open_apply("a1")
@@ -145,15 +155,13 @@ def test_stream_end_lets_apply_finish_before_flush(node: ReceiverCore, tmp_path:
     p1 = payloads("a1", 1, V0, V1, names=names[1:])
     for p in [*p0, *p1]:
         offer(node, p)
-    time.sleep(0.3)
+    wait_for("(0,0) and (1,0) applied", lambda: len(applied(tmp_path)) >= 2)
+    wait_for("nothing left to decode", lambda: entries_in(node, EntryState.REGISTERED) == 0)
     assert len(applied(tmp_path)) == 2  # (0,0), (1,0); (1,1) waits for producer 0's (1,0)
     assert (
         node.intake.stream_end(StreamEnd(attempt="a1", producer=0, total=1))[0] is AckStatus.STAGED
     )
-    deadline = time.monotonic() + 5
-    while len(applied(tmp_path)) < 8 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(applied(tmp_path)) == 8
+    wait_for("all 8 applied", lambda: len(applied(tmp_path)) == 8)
     extra = payloads("a1", 0, V0, V1, names=names[1:2])[0]
     late = overwrite_payload(
         "a1",
@@ -200,9 +208,7 @@ def test_corrupted_body_fails_the_attempt(node: ReceiverCore) -> None:
     bad = bytearray(p.body)
     bad[-5] ^= 0xFF
     assert offer(node, p, bytes(bad)) is AckStatus.REJECTED  # the relay's digest check
-    deadline = time.monotonic() + 5
-    while node.control.status().phase != "failed" and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for("the attempt failed", lambda: node.control.status().phase == "failed")
     status = node.control.status()
     assert status.phase == "failed"
     assert "DigestMismatch" in status.errors[0]
@@ -214,7 +220,7 @@ def test_obsolete_attempt_payloads_are_dropped(node: ReceiverCore, tmp_path: Pat
     old = payloads("a1", 0, V0, V1)
     offer(node, old[0])
     offer(node, old[1])
-    time.sleep(0.3)  # both validated and queued
+    wait_for("both decoded and queued", lambda: entries_in(node, EntryState.READY) == 2)
     prep(node, "a2", mode="overwrite", open_apply=False)
     before = node.control.status().dropped
     assert offer(node, old[2]) is AckStatus.OBSOLETE
@@ -242,7 +248,7 @@ def test_admission_tracks_held_version_and_partial_writes(tmp_path: Path) -> Non
     ps = payloads("a1", 0, V0, V1)
     for p in ps[:3]:
         offer(core, p)
-    time.sleep(0.3)  # some payloads applied: partial writes
+    wait_for("partial writes", lambda: entries_in(core, EntryState.APPLIED) >= 1)
     # A rejected prepare leaves the running attempt alone.
     rejected = core.control.prepare(
         PrepareRequest(attempt="x2", from_version=3, target_version=4, mode="mixed", producers=[0])
@@ -301,7 +307,7 @@ def test_open_apply_needs_the_gate_closed(node: ReceiverCore) -> None:
     node.control.gate(GateRequest(attempt="a1", closed=True))
     node.control.open_apply("a1")
     offer(node, payloads("a1", 0, V0, V1)[0])
-    time.sleep(0.2)
+    wait_for("applying", lambda: node.control.status().applied >= 1)
     with pytest.raises(ReceiverError, match="applying"):
         node.control.gate(GateRequest(attempt="a1", closed=False))
 
@@ -318,7 +324,7 @@ def test_async_mode_stages_compressed_and_applies_after_open(
     )
     assert rf.ok
     assert rf.staged == len(ps)
-    time.sleep(0.2)
+    wait_for("every payload held", lambda: entries_in(node, EntryState.STAGED) == len(ps))
     assert applied(tmp_path) == []  # serving v0 while staged
     assert node.metrics.staged_bytes._value.get() == sum(p.size for p in ps)  # type: ignore[attr-defined]
     node.control.gate(GateRequest(attempt="a1", closed=True))
@@ -373,8 +379,6 @@ def test_xor_item_for_an_xor_incompatible_tensor_is_rejected(tmp_path: Path) -> 
     target["negexp.weight"] = state["negexp.weight"] + 1
     bad = payloads("a1", 0, state, target, names=["negexp.weight"])[0]
     offer(core, bad)
-    deadline = time.monotonic() + 5
-    while core.control.status().phase != "failed" and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for("the attempt failed", lambda: core.control.status().phase == "failed")
     assert "XOR-incompatible" in core.control.status().errors[0]
     assert set(CANONICAL) == {m.name for m in metas(state)}

@@ -148,11 +148,14 @@ def test_duplicates_are_acknowledged_and_ignored(cluster: Cluster) -> None:
     prepare(cluster, "t2", "mixed", [0])
     t = transport(cluster, 0)
     raw = RelayDealer(cluster.relay_tree[5], token=cluster.token, config=CLIENT)
+
+    def node5_staged() -> int:
+        return cluster.nodes[5].ctl.status().staged
+
     try:
         send_all(t, "t2", ps)
-        deadline = time.monotonic() + 10  # forwarding to node 5 continues after the root's ACK
-        while cluster.nodes[5].ctl.status().staged < len(ps) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        # Forwarding to node 5 continues after the root's ACK.
+        wait_for("node 5 has every payload", lambda: node5_staged() == len(ps), timeout=10)
         for p in ps[:3]:  # a producer retry to the root, and a late forward to an inner node
             assert (
                 _send_raw(RelayDealer(cluster.relay_tree[0], token=cluster.token, config=CLIENT), p)
@@ -223,11 +226,11 @@ def test_payloads_of_an_obsolete_attempt_are_dropped(cluster: Cluster) -> None:
         for p in stale[:2]:
             t.send("t5a", p)
         assert t.stop_and_wait("t5a").payloads_acknowledged == 2
-        deadline = time.monotonic() + 10  # until the tree delivered both everywhere
-        while time.monotonic() < deadline:
-            if all(s.staged == 2 for s in cluster.each(lambda n: n.ctl.status())):
-                break
-            time.sleep(0.02)
+        wait_for(
+            "the tree delivered both everywhere",
+            lambda: all(s.staged == 2 for s in cluster.each(lambda n: n.ctl.status())),
+            timeout=10,
+        )
         before = [s.dropped for s in cluster.each(lambda n: n.ctl.status())]
         prepare(cluster, "t5b", "overwrite", [0])  # replaces t5a everywhere
         client = RelayDealer(cluster.relay_tree[0], token=cluster.token, config=CLIENT)

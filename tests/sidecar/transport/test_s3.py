@@ -5,7 +5,6 @@ apply, stream-end sweep of leftovers, and cleanup that leaves the bucket empty."
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from refit_sidecar.transport.s3 import (
     attempt_prefix,
     object_key,
 )
+from tests.harness.operator_env import wait_for
 from tests.harness.receivers import Cluster, start_cluster
 from tests.harness.s3 import S3Server
 from tests.sidecar.receiver.models import (
@@ -160,9 +160,7 @@ def test_corrupted_object_is_rejected_and_leftovers_are_swept(
     code, body = node.ctl.raw("POST", "/v1/manifest", entry.model_dump_json().encode())
     assert code == 202
     assert body["status"] == "staged"
-    deadline = time.monotonic() + 10
-    while node.ctl.status().phase != "failed" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for("node 0 failed the attempt", lambda: node.ctl.status().phase == "failed", timeout=10)
     status = node.ctl.status()
     assert status.phase == "failed"
     assert "AuthenticationError" in status.errors[0]  # the keyed MAC, checked before the digest
@@ -171,9 +169,11 @@ def test_corrupted_object_is_rejected_and_leftovers_are_swept(
         "POST", "/v1/manifest", wrong_bucket.model_dump_json().encode()
     )
     assert code == 202  # registered; the download refuses the foreign bucket and fails the attempt
-    deadline = time.monotonic() + 10
-    while cluster.nodes[1].ctl.status().phase != "failed" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(
+        "node 1 failed the attempt",
+        lambda: cluster.nodes[1].ctl.status().phase == "failed",
+        timeout=10,
+    )
     assert "not the configured payload bucket" in cluster.nodes[1].ctl.status().errors[0]
 
     t = S3Transport(
