@@ -350,6 +350,16 @@ class SourceBaseline:
                 items=tuple(items),
             )
 
+    def pending_complete(self, attempt: str) -> bool:
+        """True when `attempt`'s pending delta covers every owned chunk (a retry can be rebuilt
+        from it without an export)."""
+        with self._lock:
+            try:
+                self._check_complete(attempt)
+            except PendingStateError:
+                return False
+            return True
+
     def _check_complete(self, attempt: str) -> None:
         if self._attempt != attempt:
             raise PendingStateError(f"no pending delta for attempt {attempt}")

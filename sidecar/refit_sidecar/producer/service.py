@@ -146,9 +146,11 @@ class ProducerService:
         def run() -> None:
             try:
                 if plan.mode == "overwrite" and pending is not None:
-                    try:
+                    if self.baseline.pending_complete(pending):
+                        # A failure while sending is this attempt's failure, with its own cause
+                        # (the delta then belongs to this attempt, for the next retry).
                         metrics = pipeline.run_retry(pending, plan.attempt)
-                    except Exception:  # incomplete pending delta: compare again, all-overwrite
+                    else:  # an incomplete pending delta: compare again, all-overwrite
                         self.baseline.discard(pending)
                         metrics = pipeline.run(plan.attempt, export(), mode=Mode.OVERWRITE)
                 else:

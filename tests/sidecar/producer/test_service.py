@@ -164,6 +164,35 @@ async def test_transport_failure_surfaces(service) -> None:  # type: ignore[no-u
         )
 
 
+async def test_a_retry_whose_send_fails_reports_the_send_failure_and_can_retry_again(
+    service,  # type: ignore[no-untyped-def]
+) -> None:
+    """The link fails during an overwrite retry rebuilt from a complete pending delta: the
+    attempt fails with the link's error (not a compare error of a needless re-export), and the
+    next retry still sends every overwrite from the same delta."""
+    svc, transport = service
+    v0, v1 = state(0), bump(state(0), 4)
+    exports = []
+
+    def export() -> list[ExportChunk]:
+        exports.append(1)
+        return list(chunk_export(v1.items(), 20000))
+
+    svc.stage_candidate(1, export)
+    await svc.start(plan("a1", "mixed"))
+    await svc.wait_sent("a1")
+    transport.fail_after = 0
+    await svc.start(plan("a2", "overwrite"))
+    with pytest.raises(EndpointError, match="link down"):
+        await svc.wait_sent("a2")
+    transport.fail_after = None
+    await svc.start(plan("a3", "overwrite"))
+    await svc.wait_sent("a3")
+    assert exports == [1]  # both retries rebuilt from the pending delta
+    assert same(replay(v0, transport.sent["a3"]), v1)
+    await svc.update_baseline("a3", CommitRecord(1, "g3"))
+
+
 class RecordingObserver:
     """A `ProducerObserver` that records what it is told, in order."""
 

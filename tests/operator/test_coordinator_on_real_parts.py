@@ -1,0 +1,170 @@
+"""The coordinator driving real parts (issue 18): receiver processes (HTTP control plane, relay
+tree, the real in-process applier over a torch model), a real producer service (baseline, delta
+pipeline, codec, relay transport) and the SQLite commit store. Bits are checked by the test
+itself against a dense load of the target it builds, never against a label or a product verdict.
+
+One receiver runs `PartialApplyFault`: on one version's first attempt it raises after applying
+part of the payloads, leaving partial writes. The overwrite retry must end at the dense target's
+bits on every node."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+
+from refit_operator.commit_store.sqlite import SqliteCommitStore
+from refit_operator.coordinator import Coordinator, CoordinatorConfig, TransitionProgress
+from refit_operator.http_membership import HttpMembership, NodeEndpoint
+from refit_protocol.commit import CommitRecord
+from refit_protocol.keys import payload_mac_key
+from refit_sidecar.baseline.chunks import chunk_export
+from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+from refit_sidecar.pipeline.config import PipelineConfig
+from refit_sidecar.producer.service import ProducerService
+from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
+from refit_sidecar.transport.relay.transport import RelayTransportConfig
+from refit_sidecar.transport.selector import TransportSelector
+from tests.harness.receivers import Cluster, start_cluster
+from tests.sidecar.receiver.models import (
+    RecordingApplier,
+    TinyModel,
+    canonical,
+    fingerprint,
+    metas,
+    perturb,
+    read_applied,
+)
+
+SEED, TENSORS, NUMEL = 0, 8, 4096
+FAULTY_VERSION = 2  # the version whose first attempt fails part-way on node 1
+
+
+class PartialApplyFault(RecordingApplier):
+    """Fault injection: on the first attempt of `version` (attempt ids `<policy>-v<N>-a1-…`),
+    the apply call that would exceed `after` payloads raises once the earlier ones are written:
+    partial writes, as a device error or a killed worker leaves them."""
+
+    def __init__(self, model: TinyModel, log_path: str, version: int, after: int) -> None:
+        super().__init__(model, log_path)
+        self.tag = f"-v{version}-a1-"
+        self.after = after
+        self.applied = 0
+
+    def apply(self, batch: Sequence[StagedPayload], check_samples: int) -> ApplyReport:
+        if any(self.tag in s.header.attempt for s in batch):
+            if self.applied + len(batch) > self.after:
+                raise RuntimeError("PartialApplyFault: the device failed mid-attempt")
+            self.applied += len(batch)
+        return super().apply(batch, check_samples)
+
+
+def partial_apply_fault(log_path: str, version: int, after: int) -> PartialApplyFault:
+    return PartialApplyFault(TinyModel(canonical(SEED, TENSORS, NUMEL)), log_path, version, after)
+
+
+def applier(i: int, log: Path) -> dict[str, Any]:
+    if i == 1:
+        return {
+            "kind": "factory",
+            "factory": "tests.operator.test_coordinator_on_real_parts:partial_apply_fault",
+            "options": {"log_path": str(log), "version": FAULTY_VERSION, "after": 2},
+        }
+    return {
+        "kind": "factory",
+        "factory": "tests.sidecar.receiver.models:recording_applier",
+        "options": {"log_path": str(log), "seed": SEED, "tensors": TENSORS, "numel": NUMEL},
+    }
+
+
+class _Progress:
+    async def update(self, progress: TransitionProgress) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = start_cluster(tmp_path_factory.mktemp("coord-real"), 2, applier=applier)
+    try:
+        c.each(lambda n: n.ctl.prewarm(metas(canonical(SEED, TENSORS, NUMEL))))
+        yield c
+    finally:
+        c.stop_all()
+
+
+def _producer(tmp_path: Path, token: str, v0: dict[str, torch.Tensor]) -> ProducerService:
+    baseline = SourceBaseline(
+        producer=0,
+        producers=1,
+        config=BaselineConfig(directory=tmp_path / "baseline", export_chunk_bytes=8 * NUMEL),
+    )
+    baseline.load_initial(chunk_export(v0.items(), 8 * NUMEL))
+    template = RelayTransportConfig(root="", token=token, producer=0, stop_timeout_s=30.0)  # type: ignore[arg-type]
+    return ProducerService(
+        baseline,
+        TransportSelector(template),
+        PipelineConfig(bucket_bytes=3 * 4 * NUMEL),  # several payloads per attempt
+        committed=CommitRecord(0, "g-initial"),
+        mac_key=payload_mac_key(token),
+    )
+
+
+def _last_fingerprint(log: Path, version_tag: str) -> str:
+    rows = [r for r in read_applied(log) if version_tag in r["attempt"]]
+    assert rows, f"nothing applied for {version_tag} in {log.name}"
+    return str(rows[-1]["fingerprint"])
+
+
+async def test_overwrite_retry_ends_at_the_dense_targets_bits(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    states = [canonical(SEED, TENSORS, NUMEL)]
+    for v in range(1, 4):
+        states.append(perturb(states[-1], 100 + v))
+    producer = _producer(tmp_path, cluster.token, states[0])
+    store = SqliteCommitStore(tmp_path / "store.sqlite", "real")
+    await store.initialize(CommitRecord(0, "g-initial"))
+    try:
+        async with aiohttp.ClientSession() as session:
+            membership = HttpMembership(
+                [NodeEndpoint(n.name, n.http, n.relay) for n in cluster.nodes],
+                session,
+                token=cluster.token,
+                checkpoint_of=lambda v: str(tmp_path / f"never-read-v{v}"),
+            )
+            coordinator = Coordinator(
+                "real",
+                store,
+                [producer],
+                membership,
+                _Progress(),
+                CoordinatorConfig(control_timeout_s=30.0, flush_timeout_s=60.0),
+            )
+            await coordinator.start()
+            results = []
+            for v in range(1, 4):
+                state = states[v]
+                producer.stage_candidate(v, lambda s=state: chunk_export(s.items(), 8 * NUMEL))
+                results.append(await coordinator.run_transition())
+                dense = fingerprint(state)  # the test's own dense load of the target
+                for node in cluster.nodes:
+                    got = _last_fingerprint(node.applied_log, f"-v{v}-")
+                    assert got == dense, f"{node.name} at v{v}: not the dense target's bits"
+        assert [r.outcome for r in results] == ["committed"] * 3
+        assert results[0].modes == ["mixed"]
+        # v2: node 1 wrote part of the payloads and failed; the retry repaired it in overwrite.
+        assert results[1].modes == ["mixed", "overwrite"], results[1]
+        assert results[1].attempts == 2
+        faulty = [
+            r for r in read_applied(cluster.nodes[1].applied_log) if "-v2-a1-" in r["attempt"]
+        ]
+        assert 0 < len(faulty) < len(read_applied(cluster.nodes[0].applied_log)), "no partial write"
+        assert results[2].modes == ["mixed"]  # clean again: XOR where the loader allows it
+        assert (await store.read()).record.version == 3
+        assert producer.committed.version == 3
+    finally:
+        producer.baseline.close()
