@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 import structlog
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from refit_operator.commit_store import (
     ActiveAttempt,
@@ -60,6 +60,8 @@ Outcome = Literal["committed", "rejected", "conflict", "aborted", "failed"]
 class CoordinatorConfig(BaseModel):
     """Coordinator settings (defaults are the RefitPolicy CRD's)."""
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not a default
+
     sync: bool = Field(True, description="Sync RL: close the gate first, apply during delivery.")
     relay_tree: bool = Field(True, description="ZeroMQ relay tree: relay-flush before flush.")
     commit_timeout_s: float = Field(600.0, gt=0, description="Deadline of each attempt's commit.")
@@ -67,7 +69,9 @@ class CoordinatorConfig(BaseModel):
     flush_timeout_s: float = Field(600.0, gt=0, description="Timeout of a receiver flush.")
     max_attempts: int = Field(5, ge=1, description="Attempts before the operator must step in.")
     stop_retries: int = Field(3, ge=1, description="Tries to drain a silent receiver.")
-    check_samples: int = Field(0, description="Post-apply checks per payload (0 off, -1 all).")
+    check_samples: int = Field(
+        0, ge=-1, description="Post-apply checks per payload (0 off, N samples, -1 all)."
+    )
     liveness_probe_s: float = Field(
         1.0,
         gt=0,

@@ -28,6 +28,7 @@ from refit_operator.ports import TransitionProgress
 from refit_operator.producer_client import HttpProducerClient, all_staged
 from refit_protocol.auth import open_ring
 from refit_protocol.commit import CommitRecord
+from refit_protocol.errors import PeerAuthenticationError
 from refit_protocol.tokens import TokenRing
 
 log = structlog.get_logger("kuberefit.coordinator_service")
@@ -102,7 +103,19 @@ class JsonLinesSink:
 
 
 async def serve(config: CoordinatorServiceConfig) -> int:
-    """Run transitions until `until_version` is committed (or forever); returns an exit code."""
+    """Run transitions until `until_version` is committed (or forever); returns an exit code.
+    A sidecar refusing the coordinator's token is a configuration error (ValueError: one line,
+    exit 2), not an absent node to wait for."""
+    try:
+        return await _serve(config)
+    except PeerAuthenticationError as exc:
+        raise ValueError(
+            f"{exc} - the coordinator's token differs from that sidecar's: give both the same "
+            "token (token, token_file or $KUBEREFIT_TOKEN)"
+        ) from exc
+
+
+async def _serve(config: CoordinatorServiceConfig) -> int:
     token = config.bearer()
     sink = JsonLinesSink(config.progress_file)
     store = SqliteCommitStore(config.store_path, config.policy)

@@ -25,7 +25,7 @@ from refit_operator.checkpoint_meta import read_metas
 from refit_operator.ports import ReceiverClient
 from refit_operator.receiver_client import ReceiverHttpClient
 from refit_protocol.commit import CommitRecord
-from refit_protocol.errors import EndpointError
+from refit_protocol.errors import EndpointError, PeerAuthenticationError
 from refit_protocol.receiver_api import PrewarmRequest, RestoreRequest
 from refit_protocol.tensors import TensorMetaModel
 from refit_protocol.tokens import TokenRing
@@ -111,6 +111,8 @@ class HttpMembership:
     async def _answers(self, node: str) -> bool:
         try:
             await asyncio.wait_for(self.client(node).status(), self.probe_timeout_s)
+        except PeerAuthenticationError:
+            raise  # not absent: configured with another token; waiting cannot help
         except Exception as exc:
             log.info("receiver.absent", node=node, error=str(exc) or type(exc).__name__)
             return False

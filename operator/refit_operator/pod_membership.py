@@ -23,6 +23,7 @@ from refit_operator.discovery import PodView
 from refit_operator.http_membership import HttpMembership, NodeEndpoint
 from refit_operator.ports import ReceiverClient
 from refit_protocol.commit import CommitRecord
+from refit_protocol.errors import PeerAuthenticationError
 from refit_protocol.receiver_api import PrewarmRequest
 from refit_protocol.tensors import TensorMetaModel
 
@@ -115,6 +116,11 @@ class PodMembership(HttpMembership):
                 status = await asyncio.wait_for(
                     self.client(pod.name).status(), self.probe_timeout_s
                 )
+            except PeerAuthenticationError as exc:
+                # Not absent: its mounted Secret holds another token (mid-rotation, or a wrong
+                # tokenSecret); say so loudly, it never joins until the tokens agree.
+                log.warning("receiver.refused_token", node=pod.name, error=str(exc))
+                continue
             except Exception as exc:
                 log.info("receiver.absent", node=pod.name, error=str(exc) or type(exc).__name__)
                 continue

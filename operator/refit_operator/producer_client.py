@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from refit_protocol.auth import bearer_header
 from refit_protocol.commit import CommitRecord
-from refit_protocol.errors import EndpointError
+from refit_protocol.errors import EndpointError, PeerAuthenticationError
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
     AttemptPlan,
@@ -69,9 +69,8 @@ class HttpProducerClient:
                         err: Any = json.loads(raw).get("error")
                     except ValueError:
                         err = raw[:300].decode(errors="replace")
-                    raise EndpointError(
-                        f"producer {self.producer}{path}: HTTP {resp.status}: {err}"
-                    )
+                    error = PeerAuthenticationError if resp.status in (401, 403) else EndpointError
+                    raise error(f"producer {self.producer}{path}: HTTP {resp.status}: {err}")
                 return out.model_validate_json(raw)
         except aiohttp.ClientError as exc:
             raise EndpointError(f"producer {self.producer}{path}: {exc}") from exc
@@ -118,6 +117,8 @@ async def all_staged(
         statuses = await asyncio.gather(
             *(asyncio.wait_for(p.status(), timeout_s) for p in producers)
         )
+    except PeerAuthenticationError:
+        raise  # another token: waiting cannot help
     except (EndpointError, TimeoutError) as exc:
         log.info("producer.not_ready", error=str(exc) or type(exc).__name__)
         return False

@@ -13,7 +13,7 @@ import aiohttp
 from pydantic import BaseModel
 
 from refit_protocol.auth import bearer_header
-from refit_protocol.errors import EndpointError
+from refit_protocol.errors import EndpointError, PeerAuthenticationError
 from refit_protocol.receiver_api import (
     API_PREFIX,
     AttemptRequest,
@@ -45,6 +45,10 @@ class ReceiverHttpError(EndpointError):
         self.body = body
         self.reason = str(body.get("status", ""))
         super().__init__(f"{node}{path}: HTTP {status}: {body.get('error', body)}")
+
+
+class ReceiverAuthError(ReceiverHttpError, PeerAuthenticationError):
+    """The receiver refused the coordinator's token."""
 
 
 class ReceiverHttpClient:
@@ -87,7 +91,8 @@ class ReceiverHttpClient:
                         parsed = json.loads(raw)
                     except ValueError:
                         parsed = {"error": raw[:300].decode(errors="replace")}
-                    raise ReceiverHttpError(self.node, path, resp.status, parsed)
+                    error = ReceiverAuthError if resp.status in (401, 403) else ReceiverHttpError
+                    raise error(self.node, path, resp.status, parsed)
                 return out.model_validate_json(raw)
         except aiohttp.ClientError as exc:
             raise EndpointError(f"{self.node}{path}: {type(exc).__name__}: {exc}") from exc
