@@ -146,7 +146,7 @@ class ApplyContext:
 
     def _apply_item(self, item: Item) -> ApplyStats:
         stats = ApplyStats(items=1, values=item.count)
-        meta = self._known(item.meta)
+        meta = self.known(item.meta)
         stats.canonical_bytes = meta.nbytes
         if meta.name in self.skip_names:
             stats.skipped = 1  # prewarm recorded an explicit native skip on this rank
@@ -213,11 +213,11 @@ class ApplyContext:
         stats.copies += len(trace.copies)
         stats.checks += trace.checked
         self._assert_storages_unchanged(loaded or ())
-        self._match_loaded(meta.name, set(loaded or ()), trace)
+        self.match_loaded(meta.name, set(loaded or ()), trace)
         if not loaded and not trace.copies:
             stats.skipped += 1
 
-    def _match_loaded(self, name: str, loaded: set[str], trace: ItemTrace) -> None:
+    def match_loaded(self, name: str, loaded: set[str], trace: ItemTrace) -> None:
         """Loaded names and intercepted copies must describe the same storages."""
         loaded_keys = {self._storages.key_by_name.get(n) for n in loaded}
         if None in loaded_keys:
@@ -236,7 +236,7 @@ class ApplyContext:
                 f"(reported {sorted(loaded)})",
             )
 
-    def _known(self, meta: TensorMeta) -> TensorMeta:
+    def known(self, meta: TensorMeta) -> TensorMeta:
         known = self.metas.get(meta.name)
         if known is None:
             raise LoaderMismatchError(meta.name, "not a canonical tensor of this model")

@@ -2,8 +2,9 @@
 
 Every aten op the loader runs passes through `__torch_dispatch__`. Ops that write into model
 parameter/buffer storage (found by storage identity, so views and offsets count) are either an
-`aten.copy_` — turned into an XOR or a masked overwrite — or fail the apply. Nothing else is
-touched: views, reads and writes to other tensors run unchanged.
+`aten.copy_` — turned into an XOR or a masked overwrite, or (COMPARE, the audit) compared with
+what the copy would write and not performed — or fail the apply. Nothing else is touched:
+views, reads and writes to other tensors run unchanged.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class Mode(enum.Enum):
     DISCOVER = "discover"  # prewarm: classify copies, write nothing
     XOR = "xor"
     OVERWRITE = "overwrite"
+    COMPARE = "compare"  # audit: compare each copy's result with the destination, write nothing
+
+
+#: Mismatching positions kept per destination view (the count is always exact).
+MISMATCH_SAMPLES = 8
 
 
 def _ints(t: torch.Tensor) -> torch.Tensor:
@@ -51,11 +57,24 @@ class CopyTrace:
 
 
 @dataclass
+class Mismatch:
+    """COMPARE: destination bits that differ from what a copy would write."""
+
+    storages: tuple[str, ...]
+    count: int
+    positions: list[int]  # flat positions in the destination view (the first few)
+    held_bits: list[int]  # what the destination holds there (integer views)
+    expected_bits: list[int]  # what the copy would write there
+
+
+@dataclass
 class ItemTrace:
     """What the hook saw while one item's loader call ran."""
 
     copies: list[CopyTrace] = field(default_factory=list)
     checked: int = 0
+    compared: int = 0  # COMPARE: destination elements compared
+    mismatches: list[Mismatch] = field(default_factory=list)
     scratch_written: bool = False  # the loader changed scratch in place (masks not preserved)
 
     @property
@@ -168,6 +187,9 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._trace.copies.append(CopyTrace(names, xor_compatible=not reason, reason=reason))
         if self._mode is Mode.DISCOVER:
             return dest
+        if self._mode is Mode.COMPARE:
+            self._compare(dest, src, names)
+            return dest
         if self._mode is Mode.XOR:
             if reason:
                 exc = OverlappingXorError if overlap else XorTransformError
@@ -176,6 +198,26 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
         else:
             self._overwrite(dest, src, names)
         return dest
+
+    def _compare(self, dest: torch.Tensor, src: torch.Tensor, names: tuple[str, ...]) -> None:
+        """What `dest.copy_(src)` would write, compared bit for bit with what `dest` holds."""
+        expected = torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
+        expected.copy_(src)  # the copy's own casting and broadcasting
+        held, want = _ints(dest).reshape(-1), _ints(expected).reshape(-1)
+        differ = held != want
+        self._trace.compared += held.numel()
+        count = int(differ.sum())
+        if count:
+            where = torch.nonzero(differ).reshape(-1)[:MISMATCH_SAMPLES]
+            self._trace.mismatches.append(
+                Mismatch(
+                    names,
+                    count,
+                    [int(i) for i in where],
+                    [int(v) for v in held[where]],
+                    [int(v) for v in want[where]],
+                )
+            )
 
     def _xor_blocker(self, dest: torch.Tensor, src: Any) -> str:
         if not isinstance(src, torch.Tensor):

@@ -79,7 +79,7 @@ def prewarm(ctx: ApplyContext, names: Iterable[str] | None = None) -> PrewarmRep
             with ctx.hook:
                 loaded = ctx.model.load_weights([(name, view)])
             trace = ctx.hook.end_item()
-            ctx._match_loaded(name, set(loaded or ()), trace)
+            ctx.match_loaded(name, set(loaded or ()), trace)
         except _LOADER_ERRORS as exc:
             ctx.hook.end_item()
             report.unsupported[name] = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,95 @@
+"""The audit (apply/audit.py): the native loader runs over a checkpoint in COMPARE mode and
+proves each destination holds exactly what a dense load would write, writing nothing.
+
+Over the loader matrix (split, fused, transposed, transformed, cast, padded, skipped, FP8,
+buffers): after refits through XOR and overwrite retries the audit passes; one flipped bit on one
+element is reported with its tensor, count, position and both bit patterns; weights are never
+modified (checked by fingerprint), whatever the audit finds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit_sidecar.apply import ApplyContext, UnsupportedWriteError, prewarm
+from refit_sidecar.apply.audit import audit
+from refit_sidecar.bits import int_view
+from refit_sidecar.codec.records import Op, TensorMeta
+from refit_sidecar.fingerprint import module_fingerprint
+from tests.sidecar.apply.loader_matrix import CANONICAL, FillingModel, MatrixModel, canonical_random
+from tests.sidecar.apply.test_context import items, mixed, perturb, special_old
+
+METAS = {n: TensorMeta(n, shape, dtype) for n, (shape, dtype) in CANONICAL.items()}
+
+
+def dense(state: dict[str, torch.Tensor], cls: type[MatrixModel] = MatrixModel) -> MatrixModel:
+    m = cls()
+    m.load_weights((n, t.clone()) for n, t in state.items())
+    return m
+
+
+def context(model: MatrixModel) -> ApplyContext:
+    ctx = ApplyContext(model, METAS)
+    assert not prewarm(ctx).unsupported
+    return ctx
+
+
+def test_after_xor_and_overwrite_retries_the_audit_passes_and_writes_nothing() -> None:
+    v0 = special_old(canonical_random(50))
+    v1, v2 = perturb(v0, 0.05, seed=51), perturb(v0, 0.2, seed=52)
+    model = dense(v0)
+    ctx = context(model)
+    ctx.apply(items(v0, v1, mixed))  # XOR where the loader allows it
+    first = items(v1, v2, mixed)
+    ctx.apply(first[: len(first) // 2])  # a failed attempt's partial writes
+    ctx.apply(items(v1, v2, lambda _n: Op.OVERWRITE))  # the overwrite retry
+    before = module_fingerprint(model)
+    report = audit(ctx, v2.items())
+    assert report.ok, report.mismatches
+    assert report.skipped == ["skip.weight"]  # held by another rank: nothing to compare
+    assert report.tensors == len(CANONICAL) - 1
+    assert report.elements >= sum(t.numel() for n, t in v2.items() if n != "skip.weight")
+    assert module_fingerprint(model) == before
+    # Against the previous version instead: every changed tensor is reported, nothing written.
+    stale = audit(ctx, v1.items())
+    assert not stale.ok
+    assert {m.name for m in stale.mismatches} >= {"plain.weight", "q.weight", "fp8.weight"}
+    assert module_fingerprint(model) == before
+
+
+@pytest.mark.parametrize("name", ["plain.weight", "t.weight", "negexp.weight", "fp8.weight"])
+def test_one_flipped_bit_is_found_with_its_position_and_patterns(name: str) -> None:
+    state = canonical_random(53)
+    model = dense(state)
+    ctx = context(model)
+    # A legitimate write path flips one bit of one element: a dense load of a one-bit change.
+    flipped = dict(state)
+    bits = int_view(state[name]).clone().reshape(-1)
+    bits[3] ^= 1 << 1
+    flipped[name] = bits.view(state[name].dtype).reshape(state[name].shape)
+    model.load_weights([(name, flipped[name].clone())])
+    before = module_fingerprint(model)
+    report = audit(ctx, state.items())
+    assert module_fingerprint(model) == before
+    assert [m.name for m in report.mismatches] == [name]
+    (m,) = report.mismatches
+    assert m.count == 1
+    assert m.held_bits != m.expected_bits
+    # The reported patterns are the destination's and the dense load's at that position.
+    reference = dense(state)
+    storage = getattr(reference, m.storages[0])
+    want = int_view(storage.detach()).reshape(-1)
+    assert report.mismatched_elements == 1
+    assert len(m.positions) == 1
+    assert m.expected_bits == [int(want[m.positions[0]])]
+    assert audit(ctx, flipped.items()).ok  # and the flipped checkpoint is exactly what it holds
+
+
+def test_a_non_copy_write_fails_closed_and_writes_nothing() -> None:
+    state = canonical_random(54)
+    model = dense(state, FillingModel)
+    ctx = ApplyContext(model, METAS)
+    before = module_fingerprint(model)
+    with pytest.raises(UnsupportedWriteError):
+        audit(ctx, [("plain.weight", state["plain.weight"])])
+    assert module_fingerprint(model) == before
