@@ -41,6 +41,61 @@ def coordinator(config_path: Path) -> None:
     sys.exit(asyncio.run(serve(config)))
 
 
+@commands.command()
+@click.option(
+    "--node",
+    "nodes",
+    multiple=True,
+    required=True,
+    help="A receiver's control-plane URL, e.g. http://10.0.0.5:8470 (repeat for each node).",
+)
+@click.option(
+    "--checkpoint",
+    required=True,
+    help="The committed version's checkpoint directory, as the nodes' runtimes see it.",
+)
+@click.option("--version", "version", type=int, required=True, help="The committed version.")
+@click.option(
+    "--token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="File holding the policy's token (default $KUBEREFIT_TOKEN_FILE, $KUBEREFIT_TOKEN).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the nodes' answers as JSON.")
+def verify(
+    nodes: tuple[str, ...], checkpoint: str, version: int, token_file: Path | None, as_json: bool
+) -> None:
+    """Prove each node holds exactly what a dense load of the checkpoint would write.
+
+    Every node runs its own loader over the checkpoint in compare mode (nothing is written) and
+    reports mismatches with positions and bit patterns; a node with a mismatch stops serving
+    until it is restored densely. Exit codes: 0 all nodes verified, 1 a node holds other bits,
+    3 a node could not be compared (unreachable, busy, or holds another version).
+    """
+    import asyncio
+    import json as json_mod
+
+    from refit_operator.verify import exit_code, render, verify_nodes
+    from refit_protocol.auth import open_ring
+
+    ring = open_ring(None, token_file)
+    results = asyncio.run(verify_nodes(nodes, checkpoint, version, token=ring))
+    if as_json:
+        click.echo(
+            json_mod.dumps(
+                [
+                    {"url": r.url, "error": r.error}
+                    | ({"answer": r.answer.model_dump()} if r.answer else {})
+                    for r in results
+                ]
+            )
+        )
+    else:
+        for line in render(results):
+            click.echo(line)
+    sys.exit(exit_code(results))
+
+
 @commands.command(epilog=STARTUP_ERROR_HELP)
 @click.option(
     "--namespace",

@@ -17,6 +17,8 @@ from refit_protocol.errors import EndpointError, PeerAuthenticationError
 from refit_protocol.receiver_api import (
     API_PREFIX,
     AttemptRequest,
+    AuditRequest,
+    AuditResponse,
     CommitNotice,
     FlushRequest,
     FlushResponse,
@@ -152,6 +154,10 @@ class ReceiverHttpClient:
     async def restore(self, req: RestoreRequest) -> PrewarmResponse:
         """Dense restore to the committed version, then prewarm (see `RestoreRequest`)."""
         return await self._call("POST", f"{API_PREFIX}/restore", req, PrewarmResponse)
+
+    async def audit(self, req: AuditRequest) -> AuditResponse:
+        """Prove the node holds exactly a dense load of a checkpoint (see `AuditRequest`)."""
+        return await self._call("POST", f"{API_PREFIX}/audit", req, AuditResponse)
 
     async def manifest(self, entry: ManifestEntry) -> ManifestResponse:
         return await self._call(

@@ -37,6 +37,44 @@ class RestoreRequest(_Msg):
     metas: list[TensorMetaModel]
 
 
+class AuditRequest(_Msg):
+    """Compare what the node holds with a dense load of `checkpoint` (a directory of safetensors
+    files the node's runtime can read), writing nothing; `version` is the version it should
+    hold (the audit reports `version_moved` when the node holds another)."""
+
+    checkpoint: str = Field(min_length=1)
+    version: int = Field(ge=0)
+
+
+class AuditMismatch(_Msg):
+    name: str  # canonical tensor
+    storages: list[str]  # the runtime's parameters/buffers the copy wrote
+    count: int
+    positions: list[int]  # first flat positions in the destination view
+    held_bits: list[int]
+    expected_bits: list[int]
+
+
+class RankAudit(_Msg):
+    rank: int
+    ok: bool
+    tensors: int
+    elements: int
+    copies: int
+    skipped: list[str] = Field(default_factory=list)
+    mismatches: list[AuditMismatch] = Field(default_factory=list)
+
+
+class AuditResponse(_Msg):
+    node: str
+    version: int  # the version audited
+    held_version: int | None  # what the node held when the audit ended
+    version_moved: bool  # the node did not hold `version`: nothing was compared
+    ok: bool  # every rank holds exactly a dense load of the checkpoint
+    seconds: float
+    ranks: list[RankAudit] = Field(default_factory=list)
+
+
 class RankPrewarm(_Msg):
     rank: int
     skipped: list[str] = Field(default_factory=list)

@@ -9,6 +9,8 @@ bits on every node."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,19 +18,23 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from refit_operator.commit_store.sqlite import SqliteCommitStore
 from refit_operator.coordinator import Coordinator, CoordinatorConfig, TransitionProgress
 from refit_operator.http_membership import HttpMembership, NodeEndpoint
 from refit_protocol.commit import CommitRecord
 from refit_protocol.keys import payload_mac_key
+from refit_protocol.receiver_api import PrewarmResponse, RestoreRequest
 from refit_sidecar.baseline.chunks import chunk_export
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+from refit_sidecar.bits import int_view
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
 from refit_sidecar.transport.relay.transport import RelayTransportConfig
 from refit_sidecar.transport.selector import TransportSelector
+from tests.harness.operator_env import REPO
 from tests.harness.receivers import Cluster, start_cluster
 from tests.sidecar.receiver.models import (
     RecordingApplier,
@@ -170,3 +176,53 @@ async def test_overwrite_retry_ends_at_the_dense_targets_bits(
         assert producer.committed.version == 3
     finally:
         producer.baseline.close()
+    _verify_then_flip_one_bit(cluster, states[3], tmp_path)
+
+
+def _kuberefit_verify(cluster: Cluster, checkpoint: Path, version: int) -> tuple[int, str]:
+    out = subprocess.run(
+        [str(REPO / ".venv/bin/kuberefit"), "verify", "--checkpoint", str(checkpoint)]
+        + ["--version", str(version)]
+        + [arg for n in cluster.nodes for arg in ("--node", n.http)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "KUBEREFIT_TOKEN": cluster.token},
+    )
+    return out.returncode, out.stdout + out.stderr
+
+
+def _verify_then_flip_one_bit(cluster: Cluster, v3: dict[str, torch.Tensor], tmp: Path) -> None:
+    """`kuberefit verify` (issue 17): both nodes hold exactly a dense load of v3 after XOR
+    refits and an overwrite retry over partial writes; one bit flipped on node 1 through a
+    legitimate path (a dense restore of a one-bit change) is found there only, and node 1 then
+    holds no known version (restored densely before it serves again)."""
+    (tmp / "v3").mkdir()
+    save_file(v3, str(tmp / "v3" / "model.safetensors"))
+    code, text = _kuberefit_verify(cluster, tmp / "v3", 3)
+    assert code == 0, text
+    assert text.count(": OK v3") == 2, text
+    code, text = _kuberefit_verify(cluster, tmp / "v3", 2)
+    assert code == 3, text  # they hold v3: nothing compared
+    assert text.count("holds v3, not v2") == 2, text
+
+    flipped = dict(v3)
+    bits = int_view(v3["t5.weight"]).clone()
+    bits[7] ^= 1 << 4
+    flipped["t5.weight"] = bits.view(torch.float32)
+    (tmp / "flip").mkdir()
+    save_file(flipped, str(tmp / "flip" / "model.safetensors"))
+    node1 = cluster.nodes[1]
+    # A legitimate dense load (the restore path), after which node 1 says it holds v3.
+    restore = RestoreRequest(version=3, source=str(tmp / "flip"), metas=metas(v3))
+    node1.ctl.call("/restore", restore, PrewarmResponse)
+    code, text = _kuberefit_verify(cluster, tmp / "v3", 3)
+    assert code == 1, text
+    assert f"{cluster.nodes[0].name}: OK v3" in text
+    assert f"{node1.name}: MISMATCH v3" in text
+    assert "t5.weight" in text
+    assert "1 element(s) differ, first at [7]" in text
+    status = node1.ctl.status()
+    assert status.held_version is None  # unknown bits: a dense restore comes first
+    assert status.gate_closed

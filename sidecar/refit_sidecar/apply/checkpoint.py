@@ -39,6 +39,15 @@ def feed_checkpoint(model: _Loader, files: Iterable[Path]) -> set[str]:
     return fed
 
 
+def checkpoint_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of `files`, one at a time (the audit holds one canonical tensor at once)."""
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            yield from _tensors(fh, list(fh.keys()))
+
+
 def _tensors(fh: Any, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for name in names:
         yield name, fh.get_tensor(name)

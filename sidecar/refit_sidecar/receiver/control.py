@@ -16,6 +16,8 @@ import time
 import structlog
 
 from refit_protocol.receiver_api import (
+    AuditRequest,
+    AuditResponse,
     CommitNotice,
     FlushRequest,
     FlushResponse,
@@ -24,6 +26,7 @@ from refit_protocol.receiver_api import (
     PrepareResponse,
     PrewarmRequest,
     PrewarmResponse,
+    RankAudit,
     ReceiverStatus,
     RelayFlushRequest,
     RelayFlushResponse,
@@ -164,6 +167,55 @@ class ReceiverControl:
             self.commit(CommitNotice(attempt=f"restore-v{v}", version=v, dense=True))
             self._set_gate(closed=False)
         return answer
+
+    def audit(self, req: AuditRequest) -> AuditResponse:
+        """Prove the node holds exactly a dense load of `req.checkpoint` (`apply.audit`).
+
+        The node holds its version while it verifies: the audit runs under the control lock,
+        so a prepare arriving meanwhile waits for it; an attempt already in progress refuses
+        the audit. A mismatch means unknown bits: the node then holds no known version and
+        closes its gate, so it is restored densely before it serves or takes the next one."""
+        s = self.state
+        t0 = time.perf_counter()
+        with self._lock:
+            with s.cond:
+                if s.current is not None and s.current.phase in ACTIVE:
+                    raise ReceiverError(f"attempt {s.current.attempt} is in progress")
+                held = s.held_version
+            if held != req.version:
+                return AuditResponse(
+                    node=s.node,
+                    version=req.version,
+                    held_version=held,
+                    version_moved=True,
+                    ok=False,
+                    seconds=time.perf_counter() - t0,
+                )
+            try:
+                ranks = [RankAudit.model_validate(r) for r in s.applier.audit(req.checkpoint)]
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise ReceiverError(f"audit against {req.checkpoint} failed: {exc}") from exc
+            ok = bool(ranks) and all(r.ok for r in ranks)
+            if not ok:
+                log.error(
+                    "receiver.audit_mismatch",
+                    node=s.node,
+                    version=req.version,
+                    tensors=sorted({m.name for r in ranks for m in r.mismatches})[:10],
+                )
+                with s.cond:
+                    s.held_version = None  # unknown bits: restored densely before serving
+                    s.set_held_metric()
+                self._set_gate(closed=True)
+            return AuditResponse(
+                node=s.node,
+                version=req.version,
+                held_version=s.held_version,
+                version_moved=False,
+                ok=ok,
+                seconds=time.perf_counter() - t0,
+                ranks=ranks,
+            )
 
     def close_gate_for_unknown_bits(self) -> None:
         """At start-up without a known version: close the gate (best effort: the serving

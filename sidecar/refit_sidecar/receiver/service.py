@@ -25,6 +25,7 @@ from refit_protocol.auth import ring_accepts_bearer
 from refit_protocol.receiver_api import (
     API_PREFIX,
     AttemptRequest,
+    AuditRequest,
     CommitNotice,
     FlushRequest,
     GateRequest,
@@ -191,6 +192,9 @@ def create_app(
         req = await _parse(request, AttemptRequest)
         return _model(await blocking(core.control.cleanup, req.attempt))
 
+    async def audit(request: web.Request) -> web.Response:
+        return _model(await blocking(core.control.audit, await _parse(request, AuditRequest)))
+
     async def restore(request: web.Request) -> web.Response:
         return _model(await blocking(core.control.restore, await _parse(request, RestoreRequest)))
 
@@ -233,6 +237,7 @@ def create_app(
     app.router.add_post(f"{p}/cleanup", cleanup)
     app.router.add_post(f"{p}/commit", commit)
     app.router.add_post(f"{p}/restore", restore)
+    app.router.add_post(f"{p}/audit", audit)
 
     async def shutdown(app: web.Application) -> None:
         app[POOL].shutdown(wait=False, cancel_futures=True)

@@ -11,7 +11,7 @@ peer (the sidecar in the same pod) carrying the pod's bearer token (`$KUBEREFIT_
 file `$KUBEREFIT_TOKEN_FILE`):
 
 - `POST /kuberefit/v1/rpc {"method", "args", "timeout"}`: the engine's `collective_rpc` for the
-  refit worker methods in `ALLOWED` only (prewarm, apply, dense load, fingerprint);
+  refit worker methods in `ALLOWED` only (prewarm, apply, dense load, fingerprint, audit);
 - `POST /kuberefit/v1/pause?mode=wait|abort|keep` and `POST /kuberefit/v1/resume`: the
   engine's own pause and resume (the request gate).
 
@@ -34,7 +34,9 @@ PREFIX = "/kuberefit/v1"
 #: What `vllm ... --middleware` takes.
 MIDDLEWARE_QUALNAME = VLLM_MIDDLEWARE  # what injection appends as --middleware
 #: The worker extension's methods the control path runs; nothing else reaches a worker.
-ALLOWED = frozenset({"refit_prewarm", "refit_apply", "refit_dense_load", "refit_fingerprint"})
+ALLOWED = frozenset(
+    {"refit_prewarm", "refit_apply", "refit_dense_load", "refit_fingerprint", "refit_audit"}
+)
 PAUSE_MODES = frozenset({"wait", "abort", "keep"})
 #: Requests carry metadata and file paths, never tensors.
 MAX_BODY_BYTES = 8 << 20

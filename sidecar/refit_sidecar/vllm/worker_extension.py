@@ -89,6 +89,19 @@ class RefitWorkerExtension:
         files = checkpoint_files(checkpoint_dir)
         return sorted(feed_checkpoint(self._refit_model(), files))
 
+    def refit_audit(self, checkpoint_dir: str) -> dict[str, Any]:
+        """Compare what this rank holds with a dense load of a checkpoint, writing nothing
+        (`apply.audit`: the native loader in COMPARE mode, one tensor at a time)."""
+        from refit_sidecar.apply.audit import audit
+        from refit_sidecar.apply.checkpoint import checkpoint_files, checkpoint_tensors
+
+        self._refit_check_runtime()
+        ctx = self._refit_ctx
+        if ctx is None:
+            raise RuntimeError("refit_audit before refit_prewarm")
+        report = audit(ctx, checkpoint_tensors(checkpoint_files(checkpoint_dir)))
+        return report.to_json() | {"rank": _rank()}
+
     def refit_dense_reload(self, checkpoint_dir: str) -> None:
         """vLLM's own dense in-place reload (re-runs post-load processing)."""
         self.model_runner.reload_weights(weights_path=checkpoint_dir)

@@ -105,6 +105,40 @@ def _payload(
     return str(path), sum(i.count for i in items), sum(1 for i in items if i.op is Op.XOR)
 
 
+def _audit_after_retry_and_flip(
+    llm: Any,
+    versions: list[dict[str, torch.Tensor]],
+    dirs: list[Path],
+    incompatible: set[str],
+    payload_dir: Path,
+    tp: int,
+) -> None:
+    """An overwrite retry of the last transition (idempotent), then the audit against the
+    final checkpoint passes on every rank without writing; then one bit flipped through a
+    legitimate path (a dense load of a one-bit change) is found, on its tensor only."""
+    path, _, _ = _payload(versions[2], versions[3], Mode.OVERWRITE, incompatible, payload_dir, 9)
+    llm.collective_rpc("refit_apply", args=(path,))
+    held = llm.collective_rpc("refit_fingerprint")
+    audits = llm.collective_rpc("refit_audit", args=(str(dirs[3]),))
+    assert [a["rank"] for a in audits] == list(range(tp))
+    assert all(a["ok"] and a["tensors"] > 0 and a["elements"] > 0 for a in audits), audits
+    assert llm.collective_rpc("refit_fingerprint") == held  # the audit wrote nothing
+    final = versions[3]
+    name = next(n for n in sorted(final) if n.endswith("down_proj.weight"))
+    bits = int_view(final[name]).clone().reshape(-1)
+    bits[3] ^= 1 << 2
+    flipped = bits.view(final[name].dtype).reshape(final[name].shape)
+    flip_dir = _save({name: flipped}, dirs[3], dirs[3].parent / "flipped")
+    llm.collective_rpc("refit_dense_load", args=(str(flip_dir),))
+    held = llm.collective_rpc("refit_fingerprint")
+    audits = llm.collective_rpc("refit_audit", args=(str(dirs[3]),))
+    assert llm.collective_rpc("refit_fingerprint") == held
+    found = [m for a in audits for m in a["mismatches"]]
+    assert {m["name"] for m in found} == {name}, found
+    assert sum(m["count"] for m in found) == 1  # one element, on the rank that holds it
+    assert not all(a["ok"] for a in audits)
+
+
 def _digests(llm: Any) -> list[dict[str, str]]:
     """Per-rank {tensor: digest}: every rank's slice is compared."""
     return [dict(d) for d in llm.collective_rpc("refit_tensor_digests")]
@@ -160,6 +194,8 @@ def test_deltas_equal_dense_load(
         tokens = greedy_tokens(target, PROMPTS)
         assert tokens == greedy_tokens(reference, PROMPTS)
         fingerprint = target.collective_rpc("refit_fingerprint")
+        _audit_after_retry_and_flip(target, versions, dirs, incompatible, payload_dir, tp)
+        assert target.collective_rpc("refit_fingerprint") != fingerprint  # the flipped bit
     finally:
         shutdown_llm(target)
         shutdown_llm(reference)

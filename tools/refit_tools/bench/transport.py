@@ -60,6 +60,9 @@ class DiscardApplier:
     def restore(self, source: str) -> set[str]:
         return set()
 
+    def audit(self, source: str) -> list[dict[str, Any]]:
+        raise RuntimeError("the benchmark's discarding applier holds no weights to audit")
+
     def close(self) -> None:
         pass
 

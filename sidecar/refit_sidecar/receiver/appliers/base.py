@@ -71,4 +71,9 @@ class Applier(Protocol):
         returns the canonical names loaded (on every rank)."""
         ...
 
+    def audit(self, source: str) -> list[dict[str, Any]]:
+        """Compare every rank's weights with a dense load of the checkpoint directory `source`,
+        writing nothing; one `apply.audit.AuditReport.to_json()` (plus "rank") per rank."""
+        ...
+
     def close(self) -> None: ...

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from refit_protocol.receiver_api import RankPrewarm
 from refit_sidecar.apply import ApplyContext, NativeModel, prewarm
-from refit_sidecar.apply.checkpoint import checkpoint_files, feed_checkpoint
+from refit_sidecar.apply.audit import audit
+from refit_sidecar.apply.checkpoint import checkpoint_files, checkpoint_tensors, feed_checkpoint
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
@@ -71,6 +73,13 @@ class InProcessApplier:
         names = feed_checkpoint(self.model, checkpoint_files(source))
         self.ctx = None  # prewarm again: the loader may have replaced storages
         return names
+
+    def audit(self, source: str) -> list[dict[str, Any]]:
+        """One rank's audit against the checkpoint directory `source` (nothing is written)."""
+        if self.ctx is None:
+            raise RuntimeError("audit before prewarm")
+        report = audit(self.ctx, checkpoint_tensors(checkpoint_files(source)))
+        return [report.to_json() | {"rank": 0}]
 
     def close(self) -> None:
         self.ctx = None

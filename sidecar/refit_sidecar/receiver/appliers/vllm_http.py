@@ -136,5 +136,9 @@ class VllmHttpApplier:
         per_rank = [set(names) for names in self._rpc("refit_dense_load", source)]
         return set.intersection(*per_rank) if per_rank else set()
 
+    def audit(self, source: str) -> list[dict[str, Any]]:
+        """Every rank's audit against the checkpoint directory `source` (the workers read it)."""
+        return [dict(r) for r in self._rpc("refit_audit", source)]
+
     def close(self) -> None:
         self._http.clear()
