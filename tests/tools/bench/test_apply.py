@@ -22,3 +22,9 @@ def test_apply_bench_reports_every_figure() -> None:
     for key in ("receiver_ms", "worker_read_ms", "worker_decode_ms", "worker_apply_wall_ms"):
         assert node[key] > 0, key
     assert node["worker_read_over_decode"] == node["worker_read_ms"] / node["worker_decode_ms"]
+    audit = out["audit"]  # the audit of the model the bench holds passed (it raises otherwise)
+    assert audit["tensors"] == out["tensors"]
+    assert audit["elements"] * 2 == out["checkpoint_bytes"]  # every BF16 element compared
+    assert audit["audit_s"] > 0
+    assert audit["dense_load_s"] > 0
+    assert audit["audit_peak_extra_bytes"] >= 0

@@ -15,10 +15,12 @@ payloads (`worker_read_over_decode`).
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from refit_sidecar.apply import ApplyContext, prewarm
+from refit_sidecar.apply.audit import audit
 from refit_sidecar.codec import (
     CODEC_VERSION,
     Item,
@@ -162,7 +165,79 @@ def run_apply_bench(
             f"{row['node_cpu']['worker_apply_wall_ms']:.2f} ms wall"
         )
         out["rates"][f"{rate:.2f}"] = row
+    out["audit"] = _audit_figures(ctx, model, metas)
+    a = out["audit"]
+    say(
+        f"[bench apply] audit: {a['audit_s']:.2f} s for {a['elements'] / 1e6:.0f} M elements "
+        f"(a dense load: {a['dense_load_s']:.2f} s, x{a['audit_over_dense']:.2f}), peak extra "
+        f"memory {a['audit_peak_extra_bytes'] / 2**20:.0f} MiB (dense load "
+        f"{a['dense_peak_extra_bytes'] / 2**20:.0f} MiB)"
+    )
     return out
+
+
+class _PeakRss:
+    """The process's resident set sampled every few milliseconds: peak minus the start."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self.start = self.peak = _rss()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
+    def __enter__(self) -> _PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.start
+
+
+def _rss() -> int:
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _audit_figures(
+    ctx: ApplyContext, model: SyntheticServingModel, metas: list[TensorMeta]
+) -> dict[str, Any]:
+    """The audit over the checkpoint the model holds, beside a dense load of the same tensors
+    (both fed one canonical tensor at a time, as from a safetensors file)."""
+
+    def checkpoint() -> Iterator[tuple[str, torch.Tensor]]:
+        for m in metas:
+            key, offset = model.slots[m.name]
+            yield m.name, model.params[key].data.narrow(0, offset, m.shape[0]).clone()
+
+    with _PeakRss() as audit_mem:
+        t0 = time.perf_counter()
+        report = audit(ctx, checkpoint())
+        audit_s = time.perf_counter() - t0
+    if not report.ok:
+        raise RuntimeError(f"the audit of an untouched model found {report.mismatched_elements}")
+    with _PeakRss() as dense_mem:
+        t0 = time.perf_counter()
+        model.load_weights(checkpoint())
+        dense_s = time.perf_counter() - t0
+    return {
+        "tensors": report.tensors,
+        "elements": report.elements,
+        "audit_s": audit_s,
+        "dense_load_s": dense_s,
+        "audit_over_dense": audit_s / dense_s,
+        "audit_peak_extra_bytes": audit_mem.extra,
+        "dense_peak_extra_bytes": dense_mem.extra,
+        "largest_tensor_bytes": max(m.nbytes for m in metas),
+    }
 
 
 def _node_cpu(
