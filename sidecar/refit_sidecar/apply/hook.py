@@ -40,6 +40,8 @@ class Mode(enum.Enum):
 
 #: Mismatching positions kept per destination view (the count is always exact).
 MISMATCH_SAMPLES = 8
+#: COMPARE works through a destination in blocks of rows of about this size.
+COMPARE_BLOCK_BYTES = 16 << 20
 
 
 def _ints(t: torch.Tensor) -> torch.Tensor:
@@ -200,24 +202,36 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return dest
 
     def _compare(self, dest: torch.Tensor, src: torch.Tensor, names: tuple[str, ...]) -> None:
-        """What `dest.copy_(src)` would write, compared bit for bit with what `dest` holds."""
-        expected = torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
-        expected.copy_(src)  # the copy's own casting and broadcasting
-        held, want = _ints(dest).reshape(-1), _ints(expected).reshape(-1)
-        differ = held != want
-        self._trace.compared += held.numel()
-        count = int(differ.sum())
+        """What `dest.copy_(src)` would write, compared bit for bit with what `dest` holds, in
+        blocks of rows (bounded temporaries) when the copy is shape to shape."""
+        if dest.dim() >= 1 and tuple(src.shape) == tuple(dest.shape):
+            row = max(dest[0].numel() * dest.element_size(), 1)
+            step = max(COMPARE_BLOCK_BYTES // row, 1)
+            blocks = [(i, dest[i : i + step], src[i : i + step]) for i in range(0, len(dest), step)]
+            row_elems = dest[0].numel()
+        else:
+            blocks, row_elems = [(0, dest, src)], 0
+        count = 0
+        where: list[int] = []
+        held_bits: list[int] = []
+        want_bits: list[int] = []
+        for first_row, d, s in blocks:
+            expected = torch.empty(d.shape, dtype=d.dtype, device=d.device)
+            expected.copy_(s)  # the copy's own casting and broadcasting
+            held, want = _ints(d), _ints(expected)
+            if torch.equal(held, want):
+                continue
+            differ = (held != want).reshape(-1)
+            count += int(differ.sum())
+            if len(where) < MISMATCH_SAMPLES:
+                at = torch.nonzero(differ).reshape(-1)[: MISMATCH_SAMPLES - len(where)]
+                flat_held, flat_want = held.reshape(-1), want.reshape(-1)
+                where += [first_row * row_elems + int(i) for i in at]
+                held_bits += [int(v) for v in flat_held[at]]
+                want_bits += [int(v) for v in flat_want[at]]
+        self._trace.compared += dest.numel()
         if count:
-            where = torch.nonzero(differ).reshape(-1)[:MISMATCH_SAMPLES]
-            self._trace.mismatches.append(
-                Mismatch(
-                    names,
-                    count,
-                    [int(i) for i in where],
-                    [int(v) for v in held[where]],
-                    [int(v) for v in want[where]],
-                )
-            )
+            self._trace.mismatches.append(Mismatch(names, count, where, held_bits, want_bits))
 
     def _xor_blocker(self, dest: torch.Tensor, src: Any) -> str:
         if not isinstance(src, torch.Tensor):

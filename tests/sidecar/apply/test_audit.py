@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from refit_sidecar.apply import ApplyContext, UnsupportedWriteError, prewarm
+from refit_sidecar.apply import hook as hook_module
 from refit_sidecar.apply.audit import audit
 from refit_sidecar.bits import int_view
 from refit_sidecar.codec.records import Op, TensorMeta
@@ -93,3 +94,24 @@ def test_a_non_copy_write_fails_closed_and_writes_nothing() -> None:
     with pytest.raises(UnsupportedWriteError):
         audit(ctx, [("plain.weight", state["plain.weight"])])
     assert module_fingerprint(model) == before
+
+
+def test_blocks_of_rows_report_exact_counts_and_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison runs in blocks of rows (bounded temporaries): mismatches in later blocks
+    keep their flat positions in the destination view and the count stays exact."""
+    monkeypatch.setattr(hook_module, "COMPARE_BLOCK_BYTES", 64)  # 2 rows of 16 bf16 per block
+    state = canonical_random(55)
+    model = dense(state)
+    ctx = context(model)
+    name = "fp8.weight"  # (16, 16) FP8: 4 rows per 64-byte block
+    bits = int_view(state[name]).clone().reshape(-1)
+    changed = [5, 70, 200, 255]
+    for i in changed:
+        bits[i] ^= 0x01
+    model.load_weights([(name, bits.view(state[name].dtype).reshape(16, 16).clone())])
+    report = audit(ctx, state.items())
+    (m,) = report.mismatches
+    assert m.name == name
+    assert m.count == len(changed)
+    assert m.positions == changed
+    assert m.held_bits == [int(b) for b in bits[changed]]
