@@ -23,6 +23,8 @@ def test_demo_recovers_from_killed_nodes_bit_exactly(tmp_path: Path) -> None:
             "2",
             "--kill-receiver-every",
             "2",
+            "--verify-every",
+            "2",
             "--workdir",
             str(tmp_path),
             "--json",
@@ -39,6 +41,12 @@ def test_demo_recovers_from_killed_nodes_bit_exactly(tmp_path: Path) -> None:
     assert summary["receivers_killed"] == 2
     assert summary["retries"] >= 2  # each kill fails an attempt, repaired by an overwrite retry
     assert summary["manual_interventions"] == 0
+    # kuberefit verify after v2 and v4, each after a kill and its overwrite retry: every node
+    # (the restarted one too) holds exactly the dense bits, by its engine's own loader.
+    audits = summary["audits"]
+    assert [a["version"] for a in audits] == [2, 4]
+    assert all(a["ok"] and a["nodes"] == 2 and a["mismatched_elements"] == 0 for a in audits)
+    assert summary["audit_failures"] == 0
     rows = summary["transitions"]
     assert [r["modes"].split("/")[0] for r in rows] == ["mixed"] * 4
     assert all(r["modes"].split("/")[1:] in ([], ["overwrite"]) for r in rows)

@@ -38,6 +38,15 @@ def commands() -> None:
     help="SIGKILL a random node mid-refit every K transitions (0: never).",
 )
 @click.option(
+    "--verify-every",
+    "verify_every",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, None),
+    help="After every K-th commit, audit every node against the committed checkpoint "
+    "(kuberefit verify: the engines' loaders in compare mode; 0: never).",
+)
+@click.option(
     "--workdir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Where checkpoints, the commit database and logs go (default: a temp dir).",
@@ -62,6 +71,7 @@ def demo(
     steps: int,
     nodes: int,
     kill_every: int,
+    verify_every: int,
     workdir: Path | None,
     transport: str,
     async_rl: bool,
@@ -81,6 +91,7 @@ def demo(
             steps=steps,
             nodes=nodes,
             kill_receiver_every=kill_every,
+            verify_every=verify_every,
             workdir=workdir,
             transport=transport,
             sync=not async_rl,
@@ -92,7 +103,11 @@ def demo(
     if as_json:
         click.echo(report_json(report))
     summary = report.summary()
-    if summary["bit_mismatches"] or summary["transitions_committed"] != steps:
+    if (
+        summary["bit_mismatches"]
+        or summary["audit_failures"]
+        or summary["transitions_committed"] != steps
+    ):
         sys.exit(1)
 
 

@@ -51,8 +51,21 @@ class TransitionRow:
 
 
 @dataclass
+class AuditRow:
+    """One `kuberefit verify` round: every live node against the committed checkpoint."""
+
+    version: int
+    nodes: int
+    ok: bool
+    seconds: float
+    mismatched_elements: int
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
 class DemoReport:
     rows: list[TransitionRow] = field(default_factory=list)
+    audits: list[AuditRow] = field(default_factory=list)
     kills: list[str] = field(default_factory=list)
     nodes: int = 0
     transport: str = "zmq"
@@ -69,6 +82,8 @@ class DemoReport:
             "transport": self.transport,
             "mode": self.mode,
             "transitions": [asdict(r) for r in self.rows],
+            "audits": [asdict(a) for a in self.audits],
+            "audit_failures": sum(not a.ok for a in self.audits),
         }
 
 
@@ -77,6 +92,7 @@ def run_demo(
     steps: int = 3,
     nodes: int = 2,
     kill_receiver_every: int = 0,
+    verify_every: int = 0,
     workdir: Path | None = None,
     seed: int = 0,
     transport: str = "zmq",
@@ -85,16 +101,21 @@ def run_demo(
 ) -> DemoReport:
     """`transport`: "zmq" (the relay tree) or "s3" (SeaweedFS started locally); `sync=False`
     runs async RL (payloads are staged while the engine serves; the gate closes only to apply).
+    `verify_every` K: after every K-th commit, `kuberefit verify` audits every node against the
+    committed checkpoint (the engines' own loaders in compare mode; nothing is written).
     """
     if transport not in ("zmq", "s3"):
         raise ValueError(f"unknown transport {transport!r} (zmq or s3)")
-    return asyncio.run(_run(steps, nodes, kill_receiver_every, workdir, seed, transport, sync, say))
+    return asyncio.run(
+        _run(steps, nodes, kill_receiver_every, verify_every, workdir, seed, transport, sync, say)
+    )
 
 
 async def _run(
     steps: int,
     n_nodes: int,
     kill_every: int,
+    verify_every: int,
     workdir: Path | None,
     seed: int,
     transport_kind: str,
@@ -306,6 +327,14 @@ async def _run(
                         restored = n.rpc("refit_fingerprint") == reference.rpc("refit_fingerprint")
                         row.bit_exact = row.bit_exact and restored
                         say(f"[demo]   {n.name} restored: bit-exact {'yes' if restored else 'NO'}")
+                if verify_every and version % verify_every == 0:
+                    audit = await _audit(nodes, str(checkpoint_of(version)), version, token)
+                    report.audits.append(audit)
+                    verdict = "hold exactly the dense bits" if audit.ok else "MISMATCH"
+                    say(
+                        f"[demo]   verify v{version}: {audit.nodes} node(s) {verdict} "
+                        f"({audit.seconds:.2f}s)" + "".join(f"; {p}" for p in audit.problems)
+                    )
     finally:
         if transports is not None:
             transports.close()
@@ -316,6 +345,25 @@ async def _run(
         baseline.close()
         sweep_orphaned_shm(segments_before)  # left by the vLLM servers we SIGKILLed
     return report
+
+
+async def _audit(nodes: list[Any], checkpoint: str, version: int, token: str) -> AuditRow:
+    """`kuberefit verify` against every live node (what an operator runs on a cluster)."""
+    from refit_operator.verify import EXIT_OK, exit_code, render, verify_nodes
+
+    t0 = time.perf_counter()
+    results = await verify_nodes(
+        [n.url for n in nodes if n.alive()], checkpoint, version, token=token
+    )
+    answers = [r.answer for r in results if r.answer is not None]
+    return AuditRow(
+        version=version,
+        nodes=len(results),
+        ok=exit_code(results) == EXIT_OK,
+        seconds=time.perf_counter() - t0,
+        mismatched_elements=sum(m.count for a in answers for x in a.ranks for m in x.mismatches),
+        problems=[line for line in render(results) if ": OK v" not in line],
+    )
 
 
 def _exporter(state: dict[str, Any], limit: int) -> Callable[[], Any]:
@@ -353,6 +401,11 @@ def format_report(report: DemoReport) -> str:
         f"reference; {s['retries']} retries; {s['receivers_killed']} nodes killed mid-refit; "
         f"{s['manual_interventions']} manual interventions.",
     ]
+    if report.audits:
+        lines.append(
+            f"{len(report.audits)} audits (kuberefit verify): {s['audit_failures']} found a node "
+            "not holding exactly the dense bits of its committed version."
+        )
     return "\n".join(lines)
 
 
