@@ -60,6 +60,7 @@ class AuditRow:
     seconds: float
     mismatched_elements: int
     problems: list[str] = field(default_factory=list)
+    reference_dense_load_s: float = 0.0  # the reference engine's dense load of that version
 
 
 @dataclass
@@ -283,7 +284,7 @@ async def _run(
                 t0 = time.perf_counter()
                 result = await coordinator.run_transition(frozenset(membership.incompatible))
                 wall = time.perf_counter() - t0
-                exact = await asyncio.to_thread(
+                exact, dense_s = await asyncio.to_thread(
                     _verify, reference, [n for n in nodes if n.alive()], checkpoint_of(version)
                 )
                 prog = result.progress
@@ -329,6 +330,7 @@ async def _run(
                         say(f"[demo]   {n.name} restored: bit-exact {'yes' if restored else 'NO'}")
                 if verify_every and version % verify_every == 0:
                     audit = await _audit(nodes, str(checkpoint_of(version)), version, token)
+                    audit.reference_dense_load_s = dense_s
                     report.audits.append(audit)
                     verdict = "hold exactly the dense bits" if audit.ok else "MISMATCH"
                     say(
@@ -373,11 +375,14 @@ def _exporter(state: dict[str, Any], limit: int) -> Callable[[], Any]:
     return lambda: chunk_export(sorted(state.items()), limit)
 
 
-def _verify(reference: Any, nodes: list[Any], checkpoint: Path) -> bool:
-    """Dense-load `checkpoint` into the reference; every node's bits must equal it."""
+def _verify(reference: Any, nodes: list[Any], checkpoint: Path) -> tuple[bool, float]:
+    """Dense-load `checkpoint` into the reference; every node's bits must equal it. Also
+    returns the dense load's wall time (beside which audits are reported)."""
+    t0 = time.perf_counter()
     reference.rpc("refit_dense_load", str(checkpoint))
+    dense_s = time.perf_counter() - t0
     want = reference.rpc("refit_fingerprint")
-    return all(n.rpc("refit_fingerprint") == want for n in nodes)
+    return all(n.rpc("refit_fingerprint") == want for n in nodes), dense_s
 
 
 def format_report(report: DemoReport) -> str:
