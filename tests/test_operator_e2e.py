@@ -264,7 +264,7 @@ def world(refit_crds: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_operator_journey(world: World) -> None:
     w, env, alpha, beta = world, world.env, world.alpha, world.beta
     env.apply(env.policy("alpha", w.policy_spec(alpha, mode="async")))
-    env.apply(env.policy("beta", w.policy_spec(beta, mode="sync")))
+    env.apply(env.policy("beta", w.policy_spec(beta, mode="sync", verify={"everyVersions": 1})))
     w.start_operator("op-a")
     wait_for("op-a holds both Leases", lambda: w.lease_holders() == {"op-a"})
     standby = w.start_operator("op-b")  # a second replica: must never coordinate
@@ -360,6 +360,17 @@ def test_operator_journey(world: World) -> None:
     assert "Retry" in w.events(alpha, 4)
     w.commit_and_check(beta, 2)
     assert w.transition(beta, 2)["status"]["attempt"] == 1
+    # spec.verify.everyVersions: after each commit beta's node proved, with its engine's own
+    # loader in compare mode, that it holds exactly a dense load of the committed checkpoint.
+    verified = wait_for(
+        "beta verified at v2",
+        lambda: (c := env.condition("beta", "Verified")).get("message", "").startswith("v2:") and c,
+    )
+    assert verified["status"] == "True", verified
+    assert verified["reason"] == "Verified"
+    assert "1 rollout node(s) hold exactly" in verified["message"]
+    assert [e["reason"] for e in env.events("beta")].count("Verified") >= 2  # v1 and v2
+    assert env.condition("alpha", "Verified") == {}  # not asked for: no condition
     # The pod comes back (new UID) from the base model; it is restored densely and rejoins.
     victim.start_vllm(alpha.ckpt / "v0")
     victim.wait_vllm()

@@ -47,6 +47,17 @@ LEADER = Gauge(
     "1 while this operator holds the policy's Lease (coordinates it), else 0.",
     _POLICY,
 )
+AUDITS = Counter(
+    "kuberefit_operator_audits_total",
+    "Audits of the rollout nodes against the committed checkpoint (spec.verify) by result: "
+    "verified, mismatch (a node holds other bits), incomplete (a node could not be compared).",
+    [*_POLICY, "result"],
+)
+AUDITED_VERSION = Gauge(
+    "kuberefit_operator_audited_version",
+    "The last version every rollout node was proven to hold exactly (spec.verify).",
+    _POLICY,
+)
 ADMISSIONS = Counter(
     "kuberefit_webhook_admissions_total",
     "Pod admissions by result: injected, unchanged (not opted in, or injected already), "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,6 +44,7 @@ from refit_operator.policy_spec import PolicySpec, SpecError, parse_spec
 from refit_operator.policy_status import Observed, policy_status, same_status
 from refit_operator.producer_client import HttpProducerClient
 from refit_operator.transitions import TransitionRecorder, to_prune
+from refit_operator.verify import EXIT_MISMATCH, EXIT_OK, exit_code, render, verify_nodes
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
 from refit_protocol.tensors import TensorMetaModel
@@ -106,6 +108,7 @@ class PolicyRunner:
         self._token: tuple[tuple[str, str, str], TokenRing] | None = None
         self._token_error: tuple[str, str] | None = None
         self._token_at = 0.0
+        self._verified: tuple[bool, str, str] | None = None  # the last audit (spec.verify)
         self._error = ""  # the last pass's failure, until a pass succeeds
         self._generation = 0
         self._state: StoreState | None = None
@@ -306,10 +309,55 @@ class PolicyRunner:
             return
         after = await self._record_state(fresh=True)
         metrics.COMMITTED_VERSION.labels(**self.labels).set(after.record.version)
+        every = spec.verify.every_versions
+        if result.outcome == "committed" and every and result.version % every == 0:
+            await self._audit(obj, spec, result.version, token)
         await self._write_status(obj, self._observed(spec, discover(self.pods(), spec), after))
         await self._prune(spec)
         if result.outcome == "rejected":
             await self._sleep(spec.rejected_backoff_seconds)
+
+    async def _audit(
+        self, obj: Mapping[str, Any], spec: PolicySpec, version: int, token: str
+    ) -> None:
+        """spec.verify: every ready rollout node proves it holds exactly a dense load of the
+        committed checkpoint (`kuberefit verify`); the result is the `Verified` condition, an
+        Event and metrics. A node with a mismatch closed its gate and forgot its version: the
+        next transition restores it densely before it serves again."""
+        pods = discover(self.pods(), spec).ready_rollouts
+        checkpoint = spec.restore.checkpoint_template.format(version=version)
+        t0 = time.monotonic()
+        results = await verify_nodes(
+            [p.url for p in pods],
+            checkpoint,
+            version,
+            token=token,
+            timeout_s=float(spec.flush_timeout_seconds),
+        )
+        code, lines = exit_code(results), render(results)
+        took = time.monotonic() - t0
+        if code == EXIT_OK:
+            outcome, reason = "verified", "Verified"
+            message = (
+                f"v{version}: {len(results)} rollout node(s) hold exactly the bits of a dense "
+                f"load of {checkpoint} ({took:.1f}s)"
+            )
+            metrics.AUDITED_VERSION.labels(**self.labels).set(version)
+        else:
+            outcome = "mismatch" if code == EXIT_MISMATCH else "incomplete"
+            reason = "Mismatch" if code == EXIT_MISMATCH else "Incomplete"
+            problems = [line for line in lines if ": OK v" not in line]
+            message = f"v{version}: " + "; ".join(problems)[:900]
+        metrics.AUDITS.labels(**self.labels, result=outcome).inc()
+        self._verified = (code == EXIT_OK, reason, message)
+        log.info("policy.audited", policy=self.name, version=version, result=outcome)
+        with contextlib.suppress(Exception):
+            await self.api.post_event(
+                object_ref(dict(obj)),
+                "Verified" if code == EXIT_OK else f"Audit{reason}",
+                message,
+                warning=code != EXIT_OK,
+            )
 
     async def _run_while_leader(
         self, work: Awaitable[TransitionResult], version: int
@@ -531,6 +579,8 @@ class PolicyRunner:
             producers_error=self._producer_error,
             coordinator=self.settings.identity,
             not_injected=tuple(p.name for p in found.not_injected),
+            verify_every=spec.verify.every_versions,
+            verified=self._verified,
         )
 
     async def _write_status(self, obj: Mapping[str, Any], observed: Observed) -> None:

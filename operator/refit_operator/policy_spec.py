@@ -79,6 +79,10 @@ class RestoreSpec(_Spec):
     checkpoint_template: str = ""
 
 
+class VerifySpec(_Spec):
+    every_versions: int = Field(0, ge=0)
+
+
 class PolicySpec(_Spec):
     """`spec` of a RefitPolicy (field names as in the CRD, camelCase)."""
 
@@ -94,6 +98,7 @@ class PolicySpec(_Spec):
     post_apply_checks: int = Field(0, ge=-1)
     mode: Literal["sync", "async"] = "sync"
     restore: RestoreSpec = Field(default_factory=RestoreSpec)
+    verify: VerifySpec = Field(default_factory=VerifySpec)
     commit_timeout_seconds: int = Field(600, ge=1)
     control_timeout_seconds: int = Field(60, ge=1)
     flush_timeout_seconds: int = Field(600, ge=1)
@@ -108,6 +113,11 @@ class PolicySpec(_Spec):
         if self.transport == "s3" and (self.s3 is None or not self.s3.bucket):
             raise ValueError("spec.s3.bucket is required when spec.transport is s3")
         template = self.restore.checkpoint_template
+        if self.verify.every_versions and not template:
+            raise ValueError(
+                "spec.verify.everyVersions needs spec.restore.checkpointTemplate: the committed "
+                "checkpoint every rollout node is audited against"
+            )
         if template and "{version}" not in template:
             raise ValueError(
                 "spec.restore.checkpointTemplate must contain {version}, e.g. /ckpt/v{version}"

@@ -38,6 +38,8 @@ class Observed:
     producers_error: str = ""  # why the running trainer pods cannot be used as producers
     coordinator: str = ""
     not_injected: tuple[str, ...] = ()  # opted-in pods admitted without the sidecar
+    verify_every: int = 0  # spec.verify.everyVersions
+    verified: tuple[bool, str, str] | None = None  # the last audit: (ok, reason, message)
 
 
 def _ready(o: Observed) -> tuple[bool, str, str]:
@@ -88,6 +90,15 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
         idle = reason if not ready else "Idle"
         out.append(_cond("Progressing", False, idle, "no transition running", o.generation))
     out.append(_injected(o))
+    if o.verify_every or o.verified is not None:
+        every = max(o.verify_every, 1)
+        first = every * (1 + (o.committed_version or 0) // every)
+        ok, why, text = o.verified or (
+            False,
+            "NotVerifiedYet",
+            f"no audit yet: the first runs when v{first} is committed",
+        )
+        out.append(_cond("Verified", ok, why, text, o.generation))
     degraded: tuple[str, str] | None = None
     if o.aborted_by:
         degraded = ("Aborted", f"aborted by {o.aborted_by}")
@@ -98,7 +109,9 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
     elif o.last_outcome and o.last_outcome != "committed":
         degraded = (f"Last{o.last_outcome.capitalize()}", f"{o.last}: {o.last_message}")
     elif o.not_injected:
-        degraded = ("PodsNotInjected", out[-1]["message"])
+        degraded = ("PodsNotInjected", _injected(o)["message"])
+    elif o.verified is not None and not o.verified[0] and o.verified[1] == "Mismatch":
+        degraded = ("AuditMismatch", o.verified[2])
     elif o.rollouts_ready < o.rollouts or o.trainers_ready < o.trainers:
         degraded = (
             "PodsNotRunning",

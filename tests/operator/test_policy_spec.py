@@ -33,6 +33,8 @@ def test_defaults_map_to_the_coordinator() -> None:
         ({"maxAttempts": 0}, "spec.maxAttempts"),
         ({"encoding": {"zstdLevel": 40}}, "spec.encoding.zstdLevel"),
         ({"mode": "eventually"}, "spec.mode"),
+        ({"verify": {"everyVersions": 2}}, "spec.verify.everyVersions needs spec.restore"),
+        ({"verify": {"everyVersions": -1}}, "spec.verify.everyVersions"),
     ],
 )
 def test_errors_name_the_field(spec: dict[str, object], names: str) -> None:

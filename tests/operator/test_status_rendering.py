@@ -3,6 +3,8 @@ status (the e2e checks the same fields on a real API server)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from refit_operator.coordinator import TransitionResult
 from refit_operator.policy_status import Observed, policy_status, same_status
 from refit_operator.ports import TransitionProgress
@@ -39,6 +41,19 @@ def test_healthy_policy() -> None:
     assert conds["Ready"]["status"] == "True"
     assert conds["Degraded"]["reason"] == "AsExpected"
     assert conds["Progressing"]["status"] == "False"
+
+
+def test_verified_condition_only_when_asked_for_and_mismatch_degrades() -> None:
+    assert "Verified" not in _conds(HEALTHY)
+    waiting = _conds(replace(HEALTHY, verify_every=5))["Verified"]
+    assert (waiting["status"], waiting["reason"]) == ("False", "NotVerifiedYet")
+    assert "v10" in str(waiting["message"])  # v7 committed: the next multiple of 5
+    ok = _conds(replace(HEALTHY, verify_every=5, verified=(True, "Verified", "v5: 2 nodes")))
+    assert (ok["Verified"]["status"], ok["Degraded"]["status"]) == ("True", "False")
+    bad = (False, "Mismatch", "v5: n1: MISMATCH v5 ...")
+    conds = _conds(replace(HEALTHY, verify_every=5, verified=bad))
+    assert (conds["Verified"]["status"], conds["Verified"]["reason"]) == ("False", "Mismatch")
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "AuditMismatch")
 
 
 def test_reasons_in_priority_order() -> None:
