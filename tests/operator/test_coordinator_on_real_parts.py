@@ -226,3 +226,10 @@ def _verify_then_flip_one_bit(cluster: Cluster, v3: dict[str, torch.Tensor], tmp
     status = node1.ctl.status()
     assert status.held_version is None  # unknown bits: a dense restore comes first
     assert status.gate_closed
+    # Restored densely from the committed checkpoint (what the next transition does first),
+    # the node passes the next audit.
+    fixed = RestoreRequest(version=3, source=str(tmp / "v3"), metas=metas(v3))
+    node1.ctl.call("/restore", fixed, PrewarmResponse)
+    code, text = _kuberefit_verify(cluster, tmp / "v3", 3)
+    assert code == 0, text
+    assert text.count(": OK v3") == 2, text
