@@ -429,6 +429,20 @@ def test_operator_journey(world: World) -> None:
     assert "AbortCleared" in [e["reason"] for e in env.events("alpha")]
     policy = env.get("refitpolicies", "alpha")
     assert "kuberefit.io/clear-abort" not in (policy["metadata"].get("annotations") or {})
+    # An audit on demand: every alpha node (the rejoined one too) holds exactly v7's bits.
+    env.kube.kubectl(
+        "annotate", "-n", env.namespace, "refitpolicy", "alpha", "kuberefit.io/verify-now=now"
+    )
+    verified = wait_for(
+        "alpha verified at v7",
+        lambda: (
+            (c := env.condition("alpha", "Verified")).get("message", "").startswith("v7:") and c
+        ),
+    )
+    assert (verified["status"], verified["reason"]) == ("True", "Verified"), verified
+    assert "2 rollout node(s) hold exactly" in verified["message"]
+    policy = env.get("refitpolicies", "alpha")
+    assert "kuberefit.io/verify-now" not in (policy["metadata"].get("annotations") or {})
 
     # What kubectl 1.20 shows.
     wait_for(

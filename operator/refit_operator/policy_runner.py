@@ -38,7 +38,7 @@ from refit_operator.coordinator import Coordinator, TransitionResult
 from refit_operator.discovery import Discovered, PodView, discover
 from refit_operator.kube.api import KubeApi, NotFoundError, SecretRefusedError, object_ref
 from refit_operator.kube.lease import PolicyLease
-from refit_operator.kube.names import CLEAR_ABORT
+from refit_operator.kube.names import CLEAR_ABORT, VERIFY_NOW
 from refit_operator.pod_membership import PodMembership
 from refit_operator.policy_spec import PolicySpec, SpecError, parse_spec
 from refit_operator.policy_status import Observed, policy_status, same_status
@@ -171,6 +171,8 @@ class PolicyRunner:
         await self._write_status(obj, self._observed(spec, found, state))
         if token is None or state.aborted_by:
             return
+        if VERIFY_NOW in (obj.get("metadata", {}).get("annotations") or {}):
+            await self._verify_now(obj, spec, state, token)
         producers = await self._producers(found, spec, token, state.record)
         if producers is None:
             return
@@ -316,6 +318,22 @@ class PolicyRunner:
         await self._prune(spec)
         if result.outcome == "rejected":
             await self._sleep(spec.rejected_backoff_seconds)
+
+    async def _verify_now(
+        self, obj: Mapping[str, Any], spec: PolicySpec, state: StoreState, token: str
+    ) -> None:
+        """The `kuberefit.io/verify-now` annotation: audit the committed version once now."""
+        if spec.restore.checkpoint_template:
+            await self._audit(obj, spec, state.record.version, token)
+        else:
+            self._verified = (
+                False,
+                "NoCheckpointTemplate",
+                "an audit compares against the committed checkpoint: set "
+                "spec.restore.checkpointTemplate",
+            )
+        await self.api.remove_policy_annotation(self.namespace, self.name, VERIFY_NOW)
+        await self._write_status(obj, self._observed(spec, discover(self.pods(), spec), state))
 
     async def _audit(
         self, obj: Mapping[str, Any], spec: PolicySpec, version: int, token: str

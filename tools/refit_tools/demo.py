@@ -23,6 +23,7 @@ import random
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,7 @@ class AuditRow:
     mismatched_elements: int
     problems: list[str] = field(default_factory=list)
     reference_dense_load_s: float = 0.0  # the reference engine's dense load of that version
+    peak_extra_rss_bytes: int = 0  # the vLLM servers' process trees during the audit
 
 
 @dataclass
@@ -353,12 +355,14 @@ async def _audit(nodes: list[Any], checkpoint: str, version: int, token: str) ->
     """`kuberefit verify` against every live node (what an operator runs on a cluster)."""
     from refit_operator.verify import EXIT_OK, exit_code, render, verify_nodes
 
+    live = [n for n in nodes if n.alive()]
+    sampler = _TreeRss([n.vllm.pid for n in live if n.vllm is not None])
     t0 = time.perf_counter()
-    results = await verify_nodes(
-        [n.url for n in nodes if n.alive()], checkpoint, version, token=token
-    )
+    with sampler:
+        results = await verify_nodes([n.url for n in live], checkpoint, version, token=token)
     answers = [r.answer for r in results if r.answer is not None]
     return AuditRow(
+        peak_extra_rss_bytes=sampler.extra,
         version=version,
         nodes=len(results),
         ok=exit_code(results) == EXIT_OK,
@@ -366,6 +370,46 @@ async def _audit(nodes: list[Any], checkpoint: str, version: int, token: str) ->
         mismatched_elements=sum(m.count for a in answers for x in a.ranks for m in x.mismatches),
         problems=[line for line in render(results) if ": OK v" not in line],
     )
+
+
+class _TreeRss:
+    """Resident memory of process trees (a vLLM server and its engine/worker processes),
+    sampled every few milliseconds: the peak of the sum, minus its value at the start."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._total())
+
+    def _total(self) -> int:
+        total, todo = 0, list(self.pids)
+        while todo:
+            pid = todo.pop()
+            try:
+                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+        return total * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> _TreeRss:
+        self.start = self.peak = self._total()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def extra(self) -> int:
+        return max(self.peak - self.start, 0)
 
 
 def _exporter(state: dict[str, Any], limit: int) -> Callable[[], Any]:

@@ -23,6 +23,9 @@ COMPONENT_LABEL = "kuberefit.io/component"
 TOKEN_LABEL = "kuberefit.io/token"  # noqa: S105 - a label key, not a secret
 #: RefitPolicy annotation that clears an abort (any value); the operator removes it after.
 CLEAR_ABORT = "kuberefit.io/clear-abort"
+#: RefitPolicy annotation that asks for an audit of the committed version now (any value); the
+#: operator removes it after (`kuberefit verify` for every ready rollout node).
+VERIFY_NOW = "kuberefit.io/verify-now"
 #: kopf's own bookkeeping, kept under our prefix so it does not change with kopf's version.
 KOPF_PREFIX, FINALIZER = "kuberefit.io", "kuberefit.io/finalizer"
 
