@@ -60,6 +60,9 @@ class HttpMembership:
         self.checkpoint_of = checkpoint_of
         self.probe_timeout_s = probe_timeout_s
         self.incompatible: set[str] = set()
+        #: A node refusing the token stops a static deployment (`kuberefit coordinator`: a
+        #: configuration error); in a cluster (`PodMembership`) only that node stays out.
+        self.strict_auth = True
         self._metas: dict[int, list[TensorMetaModel]] = {}
 
     def client(self, node: str) -> ReceiverHttpClient:
@@ -111,8 +114,11 @@ class HttpMembership:
     async def _answers(self, node: str) -> bool:
         try:
             await asyncio.wait_for(self.client(node).status(), self.probe_timeout_s)
-        except PeerAuthenticationError:
-            raise  # not absent: configured with another token; waiting cannot help
+        except PeerAuthenticationError as exc:
+            if self.strict_auth:
+                raise  # not absent: configured with another token; waiting cannot help
+            log.warning("receiver.refused_token", node=node, error=str(exc))
+            return False
         except Exception as exc:
             log.info("receiver.absent", node=node, error=str(exc) or type(exc).__name__)
             return False

@@ -60,6 +60,7 @@ class PodMembership(HttpMembership):
         )
         self.pods = pods
         self.checkpoint_template = checkpoint_template
+        self.strict_auth = False  # a pod with another token stays out; the others go on
         self._metas_source = metas
         self.on_join = on_join
         self._incarnation: dict[str, tuple[str, int]] = {}

@@ -323,16 +323,18 @@ class PolicyRunner:
         self, obj: Mapping[str, Any], spec: PolicySpec, state: StoreState, token: str
     ) -> None:
         """The `kuberefit.io/verify-now` annotation: audit the committed version once now."""
-        if spec.restore.checkpoint_template:
-            await self._audit(obj, spec, state.record.version, token)
-        else:
-            self._verified = (
-                False,
-                "NoCheckpointTemplate",
-                "an audit compares against the committed checkpoint: set "
-                "spec.restore.checkpointTemplate",
-            )
-        await self.api.remove_policy_annotation(self.namespace, self.name, VERIFY_NOW)
+        try:
+            if spec.restore.checkpoint_template:
+                await self._audit(obj, spec, state.record.version, token)
+            else:
+                self._verified = (
+                    False,
+                    "NoCheckpointTemplate",
+                    "an audit compares against the committed checkpoint: set "
+                    "spec.restore.checkpointTemplate",
+                )
+        finally:  # asked once: never again on every pass, whatever happened
+            await self.api.remove_policy_annotation(self.namespace, self.name, VERIFY_NOW)
         await self._write_status(obj, self._observed(spec, discover(self.pods(), spec), state))
 
     async def _audit(
@@ -345,13 +347,19 @@ class PolicyRunner:
         pods = discover(self.pods(), spec).ready_rollouts
         checkpoint = spec.restore.checkpoint_template.format(version=version)
         t0 = time.monotonic()
-        results = await verify_nodes(
-            [p.url for p in pods],
-            checkpoint,
-            version,
-            token=token,
-            timeout_s=float(spec.flush_timeout_seconds),
-        )
+        try:
+            results = await verify_nodes(
+                [p.url for p in pods],
+                checkpoint,
+                version,
+                token=token,
+                timeout_s=float(spec.flush_timeout_seconds),
+            )
+        except Exception as exc:  # never let an audit stop the policy's transitions
+            log.exception("policy.audit_failed", policy=self.name, version=version)
+            metrics.AUDITS.labels(**self.labels, result="incomplete").inc()
+            self._verified = (False, "Incomplete", f"v{version}: audit failed: {exc}")
+            return
         code, lines = exit_code(results), render(results)
         took = time.monotonic() - t0
         if code == EXIT_OK:

@@ -49,24 +49,27 @@ async def verify_nodes(
                 return NodeAudit(url, await client.audit(req))
             except EndpointError as exc:
                 return NodeAudit(url, error=str(exc))
+            except (TimeoutError, aiohttp.ClientError) as exc:  # e.g. the total timeout
+                return NodeAudit(url, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
 
         return list(await asyncio.gather(*(one(u) for u in urls)))
 
 
 def exit_code(results: Sequence[NodeAudit]) -> int:
-    """1 when a node holds other bits; 3 when a node could not be compared; else 0."""
+    """1 when a node holds other bits; 3 when a node could not be compared (or there was no
+    node to compare); else 0."""
     if any(
         r.answer is not None and not r.answer.ok and not r.answer.version_moved for r in results
     ):
         return EXIT_MISMATCH
-    if any(r.answer is None or r.answer.version_moved for r in results):
+    if not results or any(r.answer is None or r.answer.version_moved for r in results):
         return EXIT_INCOMPLETE
     return EXIT_OK
 
 
 def render(results: Sequence[NodeAudit]) -> list[str]:
     """One line per node, then one per mismatching tensor (what a person reads)."""
-    lines = []
+    lines = [] if results else ["no rollout node to audit"]
     for r in results:
         a = r.answer
         if a is None:

@@ -181,10 +181,11 @@ class FileTokenRing(TokenRing):
         self._stat: tuple[int, int, int] | None = None
         self._checked = float("-inf")
         super().__init__(None, grace_s=grace_s, clock=clock)
+        # Stat before reading: a swap in between is then seen as a change at the next look.
+        self._stat = self._signature()
         text = path.read_text()
         if not text.strip():
             raise ValueError(f"token file {path} is empty")
-        self._stat = self._signature()
         self._checked = clock()
         self.update(text, first=True)
 

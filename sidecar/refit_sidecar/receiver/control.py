@@ -179,9 +179,14 @@ class ReceiverControl:
         t0 = time.perf_counter()
         with self._lock:
             with s.cond:
-                if s.current is not None and s.current.phase in ACTIVE:
-                    raise ReceiverError(f"attempt {s.current.attempt} is in progress")
-                held = s.held_version
+                cur = s.current
+                if cur is not None and (
+                    cur.phase in ACTIVE or any(t.is_alive() for t in cur.threads)
+                ):
+                    raise ReceiverError(f"attempt {cur.attempt} is in progress")
+                # Partial writes since the held version (a failed attempt awaiting its
+                # overwrite retry, or flushed but not yet committed): not that version.
+                held = None if s.dirty else s.held_version
             if held != req.version:
                 return AuditResponse(
                     node=s.node,

@@ -61,11 +61,13 @@ class _Allowed:
     """ZAP credentials provider: the client keys each relay of this process admits now."""
 
     def __init__(self) -> None:
-        self.by_owner: dict[int, frozenset[bytes]] = {}
+        self.by_owner: dict[int, frozenset[bytes]] = {}  # changed under `_lock` only
+        self.keys: frozenset[bytes] = frozenset()  # their union, replaced whole
 
     def callback(self, domain: str, key: bytes) -> bool:
-        """`key` is the client's public key, Z85-encoded by pyzmq."""
-        return domain == ZAP_DOMAIN and any(key in keys for keys in self.by_owner.values())
+        """`key` is the client's public key, Z85-encoded by pyzmq (runs in the ZAP thread:
+        it reads one immutable set, never the dict being changed)."""
+        return domain == ZAP_DOMAIN and key in self.keys
 
 
 _authenticators: dict[int, tuple[zmq.auth.thread.ThreadAuthenticator, _Allowed]] = {}
@@ -85,10 +87,12 @@ def allow_clients(context: zmq.Context[Any], owner: int, tokens: Sequence[str]) 
             auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=allowed)
             entry = _authenticators[id(context)] = (auth, allowed)
         keys = frozenset(curve_keys(t).public for t in tokens)
+        allowed = entry[1]
         if keys:
-            entry[1].by_owner[owner] = keys
+            allowed.by_owner[owner] = keys
         else:
-            entry[1].by_owner.pop(owner, None)
+            allowed.by_owner.pop(owner, None)
+        allowed.keys = frozenset().union(*allowed.by_owner.values())
 
 
 def secure_server(sock: zmq.Socket[Any], token: str) -> None:

@@ -254,8 +254,8 @@ class RelayDealer:
         if rebuilt:
             log.info("relay_client.keys_changed", client=self.name, sockets=len(self._socks))
             for item in self._items.values():
-                if item.state == "awaiting":  # its socket is gone: send it again
-                    item.state, item.next_at, item.probe = "waiting", now, False
+                if item.state == "awaiting":  # its socket is gone: resend now (a counted try)
+                    item.deadline = now
 
     def _close_sockets(self) -> None:
         for sock in self._socks:
@@ -290,6 +290,8 @@ class RelayDealer:
         return sum(1 for i in self._items.values() if i.state == "awaiting")
 
     def _transmit(self, now: float) -> None:
+        if not self._queued:
+            self._blocked_since = None
         room = self.config.window - self._awaiting()
         if room <= 0:
             return
@@ -316,6 +318,10 @@ class RelayDealer:
             room -= 1
 
     def _send(self, item: _Item, *, probe: bool, now: float) -> bool:
+        token = self._ring.sending() or ""
+        if item.meta.token != token:  # rotated since it was queued: send the token in force
+            item.meta = item.meta.model_copy(update={"token": token})
+            item.meta_json = item.meta.model_dump_json().encode()
         frames: list[Any] = [PROBE if probe else item.kind, item.meta_json]
         if not probe and item.body is not None:
             frames.append(item.body)

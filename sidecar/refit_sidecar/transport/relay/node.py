@@ -175,8 +175,9 @@ class RelayNode:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> RelayNode:
-        self._sock = self._open(self.config.bind)
-        self.bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        sock = self._open(self.config.bind)
+        self._sock: zmq.Socket[Any] | None = sock
+        self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._run, name="relay-router", daemon=True)
         self._thread.start()
         log.info("relay.listening", node=self.sink.node, bind=self.bound)
@@ -223,8 +224,20 @@ class RelayNode:
         allow_clients(self._ctx, id(self), self._ring.accepted())
         if self._ring.sending() == self._serving:
             return False
-        self._close_socket(self._sock)
-        self._sock = self._open(self.bound)
+        if self._sock is not None:
+            self._close_socket(self._sock)
+            self._sock = None
+        self._reopen()
+        return True
+
+    def _reopen(self) -> bool:
+        """Bind the relay's address again with the keys of the sending token; on failure the
+        node serves no relay frame until a later try succeeds (logged, retried by `_run`)."""
+        try:
+            self._sock = self._open(self.bound)
+        except Exception as exc:
+            log.error("relay.rebind_failed", node=self.sink.node, bind=self.bound, error=str(exc))
+            return False
         log.info("relay.keys_rotated", node=self.sink.node, bind=self.bound)
         return True
 
@@ -265,23 +278,29 @@ class RelayNode:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                if self._sock is None and not self._reopen():
+                    self._stop.wait(1.0)  # a rebind failed: try again
+                    continue
+                sock = self._sock
+                assert sock is not None
                 poller = zmq.Poller()
-                poller.register(self._sock, zmq.POLLIN)
+                poller.register(sock, zmq.POLLIN)
                 if self._monitor is not None:
                     poller.register(self._monitor, zmq.POLLIN)
                 while not self._stop.is_set():
                     if self._follow_rotation():
-                        break  # a new socket: poll it
+                        break  # a new socket (or none yet): start over
                     events = dict(poller.poll(100))
                     if events:
-                        self._serve(events)
-        except Exception:  # pragma: no cover - a rebind that failed: the node cannot serve
+                        self._serve(sock, events)
+        except Exception:  # pragma: no cover - a bug: say so, the HTTP side keeps serving
             log.exception("relay.stopped", node=self.sink.node)
         finally:
             allow_clients(self._ctx, id(self), ())
-            self._close_socket(self._sock)
+            if self._sock is not None:
+                self._close_socket(self._sock)
 
-    def _serve(self, events: dict[Any, int]) -> None:
+    def _serve(self, sock: zmq.Socket[Any], events: dict[Any, int]) -> None:
         if self._monitor is not None and self._monitor in events:
             try:
                 self._handshake_failures()
@@ -289,7 +308,7 @@ class RelayNode:
                 log.exception("relay.monitor_failed", node=self.sink.node)
         while True:
             try:
-                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             try:
@@ -467,5 +486,8 @@ class RelayNode:
             node=self.sink.node,
             token=self._ring.sending() or "",
         )
+        sock = self._sock
+        if sock is None:
+            return
         with contextlib.suppress(zmq.ZMQError):
-            self._sock.send_multipart([ident, ACK, ack.model_dump_json().encode()])
+            sock.send_multipart([ident, ACK, ack.model_dump_json().encode()])
