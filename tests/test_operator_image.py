@@ -77,7 +77,7 @@ def test_every_control_plane_module_imports(operator_venv: Path) -> None:
 def test_kuberefit_help_lists_the_control_plane(operator_venv: Path) -> None:
     out = _run(operator_venv, "kuberefit", "--help")
     commands = _commands(out)
-    assert "coordinator" in commands
+    assert {"coordinator", "operator", "verify"} <= commands  # verify: the control plane's too
     assert not {"demo", "bench", "receiver", "producer"} & commands, out
     assert "Usage: kuberefit coordinator" in _run(operator_venv, "kuberefit", "coordinator", "-h")
 

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from refit_operator.discovery import PodView
 from refit_operator.pod_membership import NoRestoreSourceError, PodMembership
 from refit_protocol.commit import CommitRecord
+from refit_protocol.errors import PeerAuthenticationError
 from refit_protocol.receiver_api import RankPrewarm
 from refit_protocol.tensors import TensorMetaModel
 from refit_sidecar.bits import bits_numpy
@@ -159,3 +160,27 @@ async def test_joining_node_restored_densely_or_refused_without_a_source(
             assert (bits_numpy(got) == bits_numpy(want)).all(), name
     finally:
         await node.close()
+
+
+async def test_a_pod_refusing_the_token_stays_out_and_the_others_go_on(
+    session: aiohttp.ClientSession,
+) -> None:
+    """A pod whose mounted Secret holds another token (mid-rotation, or a wrong tokenSecret):
+    in a cluster only that pod stays out; the standalone coordinator's membership stops."""
+    good, _, _ = await _node(held=0)
+    model = TinyModel(canonical(0))
+    other = ReceiverNode(
+        ReceiverConfig(node="r1", port=0, token=SecretStr("another-token"), held_version=0),
+        InProcessApplier(model),
+    )
+    await other.start()
+    try:
+        pods = [_pod(good.port), replace(_pod(other.port, uid="uid-9"), name="r1")]
+        m, _ = _membership(session, pods)
+        assert [r.node for r in await m.receivers()] == ["r0"]
+        m.strict_auth = True  # what HttpMembership does for `kuberefit coordinator`
+        with pytest.raises(PeerAuthenticationError, match="HTTP 401"):
+            await m.receivers()
+    finally:
+        await good.close()
+        await other.close()

@@ -24,6 +24,7 @@ def test_full_install_lists_every_package_command() -> None:
         "operator",
         "producer",
         "receiver",
+        "verify",
     }
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0

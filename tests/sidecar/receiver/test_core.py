@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from refit_protocol.receiver_api import (
+    AuditRequest,
     CommitNotice,
     FlushRequest,
     GateRequest,
@@ -259,6 +260,10 @@ def test_admission_tracks_held_version_and_partial_writes(tmp_path: Path) -> Non
     status = core.control.status()
     assert status.dirty
     assert status.held_version is None
+    # Partial writes since v0: an audit of v0 compares nothing and changes nothing.
+    moved = core.control.audit(AuditRequest(checkpoint=str(tmp_path), version=0))
+    assert (moved.version_moved, moved.ok, moved.held_version) == (True, False, None)
+    assert core.control.status() == status
     mixed = core.control.prepare(
         PrepareRequest(attempt="a2", from_version=0, target_version=1, mode="mixed", producers=[0])
     )
