@@ -62,7 +62,7 @@ def bearer_ok(expected: str | None, authorization: str) -> bool:
 def ring_accepts_bearer(ring: TokenRing, authorization: str) -> bool:
     """`bearer_ok` against every token `ring` accepts now (a rotation accepts two)."""
     given = authorization[7:] if authorization.startswith("Bearer ") else None
-    return ring_accepts(ring, given, derive=http_bearer) or ring_accepts(ring, given)
+    return ring_accepts(ring, given, forms=lambda token: (http_bearer(token), token))
 
 
 def open_ring(

@@ -246,20 +246,24 @@ def as_ring(token: str | TokenRing | None) -> TokenRing:
 
 
 def ring_accepts(
-    ring: TokenRing, given: str | None, *, derive: Callable[[str], str] | None = None
+    ring: TokenRing,
+    given: str | None,
+    *,
+    forms: Callable[[str], tuple[str, ...]] = lambda token: (token,),
 ) -> bool:
-    """True when `ring` requires no token, or `given` equals an accepted token (or its
-    `derive`d form), compared in constant time. On a miss the source is looked at once more
-    at once: a peer in the same pod may have read a rotated file a moment earlier."""
+    """True when `ring` requires no token, or `given` equals one of the `forms` of an accepted
+    token (the token itself by default), compared in constant time. On a miss the source is
+    looked at once more at once: a peer in the same pod may have read a rotated file a moment
+    earlier."""
     for attempt in range(2):
         tokens = ring.accepted()
         if not tokens:
             return True
         if given is not None:
             for token in tokens:
-                expected = derive(token) if derive is not None else token
-                if hmac.compare_digest(expected.encode(), given.encode()):
-                    return True
+                for expected in forms(token):
+                    if hmac.compare_digest(expected.encode(), given.encode()):
+                        return True
         if attempt == 0 and not ring.refresh(force=True):
             return False
     return False

@@ -23,7 +23,6 @@ import random
 import secrets
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -354,9 +353,10 @@ async def _run(
 async def _audit(nodes: list[Any], checkpoint: str, version: int, token: str) -> AuditRow:
     """`kuberefit verify` against every live node (what an operator runs on a cluster)."""
     from refit_operator.verify import EXIT_OK, exit_code, render, verify_nodes
+    from refit_tools.peak_rss import PeakRss
 
     live = [n for n in nodes if n.alive()]
-    sampler = _TreeRss([n.vllm.pid for n in live if n.vllm is not None])
+    sampler = PeakRss([n.vllm.pid for n in live if n.vllm is not None], every_s=0.005)
     t0 = time.perf_counter()
     with sampler:
         results = await verify_nodes([n.url for n in live], checkpoint, version, token=token)
@@ -370,46 +370,6 @@ async def _audit(nodes: list[Any], checkpoint: str, version: int, token: str) ->
         mismatched_elements=sum(m.count for a in answers for x in a.ranks for m in x.mismatches),
         problems=[line for line in render(results) if ": OK v" not in line],
     )
-
-
-class _TreeRss:
-    """Resident memory of process trees (a vLLM server and its engine/worker processes),
-    sampled every few milliseconds: the peak of the sum, minus its value at the start."""
-
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = pids
-        self.start = self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self._total())
-
-    def _total(self) -> int:
-        total, todo = 0, list(self.pids)
-        while todo:
-            pid = todo.pop()
-            try:
-                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    todo += [int(c) for c in (task / "children").read_text().split()]
-            except (OSError, ValueError):
-                continue
-        return total * os.sysconf("SC_PAGE_SIZE")
-
-    def __enter__(self) -> _TreeRss:
-        self.start = self.peak = self._total()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def extra(self) -> int:
-        return max(self.peak - self.start, 0)
 
 
 def _exporter(state: dict[str, Any], limit: int) -> Callable[[], Any]:

@@ -150,9 +150,8 @@ def fill(view: torch.Tensor, placeholder: Placeholder) -> None:
 
 
 def active_mask(src: torch.Tensor, placeholder: Placeholder) -> torch.Tensor:
-    """Positions of a copy source that carry a change (not the placeholder)."""
-    if placeholder.covers_all:
-        return torch.ones(src.shape, dtype=torch.bool, device=src.device)
+    """Positions of a copy source that carry a change (not the placeholder). Whole-tensor
+    items (`covers_all`) have no mask: the hook writes each of their copies whole."""
     if placeholder.is_nan:
         return ~torch.isnan(src)
     assert placeholder.bits is not None

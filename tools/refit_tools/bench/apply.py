@@ -15,10 +15,8 @@ payloads (`worker_read_over_decode`).
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -41,6 +39,7 @@ from refit_sidecar.codec import (
 from refit_sidecar.codec.decoded_file import read_decoded, write_decoded
 from refit_sidecar.transport.relay.frames import FrameMeta, verify_body
 from refit_tools.bench.synthetic import FULL_SHAPE, checkpoint_layout
+from refit_tools.peak_rss import PeakRss
 
 BF16 = torch.bfloat16
 #: Where pods keep decoded payload files (a tmpfs); the system temp directory if absent.
@@ -176,37 +175,6 @@ def run_apply_bench(
     return out
 
 
-class _PeakRss:
-    """The process's resident set sampled every few milliseconds: peak minus the start."""
-
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self.start = self.peak = _rss()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss())
-
-    def __enter__(self) -> _PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.start
-
-
-def _rss() -> int:
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
 def _audit_figures(
     ctx: ApplyContext, model: SyntheticServingModel, metas: list[TensorMeta]
 ) -> dict[str, Any]:
@@ -218,13 +186,13 @@ def _audit_figures(
             key, offset = model.slots[m.name]
             yield m.name, model.params[key].data.narrow(0, offset, m.shape[0]).clone()
 
-    with _PeakRss() as audit_mem:
+    with PeakRss() as audit_mem:
         t0 = time.perf_counter()
         report = audit(ctx, checkpoint())
         audit_s = time.perf_counter() - t0
     if not report.ok:
         raise RuntimeError(f"the audit of an untouched model found {report.mismatched_elements}")
-    with _PeakRss() as dense_mem:
+    with PeakRss() as dense_mem:
         t0 = time.perf_counter()
         model.load_weights(checkpoint())
         dense_s = time.perf_counter() - t0
