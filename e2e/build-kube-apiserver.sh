@@ -3,7 +3,7 @@
 #
 # No registry reachable from our machines ships a kube-apiserver binary, but Debian's source package
 # carries the full upstream v1.20.2 tree with vendor/. It builds with Debian's Go 1.19 in GOPATH mode.
-# Three fixes are needed (see ../shared/reference/HARNESS.md and docs/development.md):
+# Three fixes are needed (docs/development.md, "kube-apiserver"):
 #   1. pkg/generated/openapi is not shipped: `make gen_openapi` (needs rsync; a cp-based stand-in works);
 #   2. vendored modern-go/reflect2 1.0.1 crashes under Go >= 1.18: use Debian's 1.0.2 sources;
 #   3. version ldflags must name the vendored version packages, else /version says v0.0.0.

@@ -46,6 +46,7 @@ INJECTION_KEYS = {
     "env",
     "vllmContainer",
     "logFormat",
+    "logLevel",
 }
 OPERATOR_EXCLUSION = {"key": "kuberefit.io/component", "operator": "NotIn", "values": ["operator"]}
 
@@ -140,7 +141,7 @@ def test_operator_deployment(chart: helm_python.Chart) -> None:
 
     container = operator_container(out)
     assert container["image"] == "kuberefit/operator:0.1.0"
-    assert container["command"] == ["kuberefit", "operator"]
+    assert container["command"] == ["kuberefit", "operator", "serve"]
     assert container["args"] == [
         "--metrics-bind=0.0.0.0:8080",
         "--metrics-token-file=/etc/kuberefit/metrics-token/token",
@@ -154,6 +155,7 @@ def test_operator_deployment(chart: helm_python.Chart) -> None:
     assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert env["KUBEREFIT_LOG_FORMAT"]["value"] == "json"
+    assert env["KUBEREFIT_LOG_LEVEL"]["value"] == "info"
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
         "metrics": 8080,
         "webhook": 9443,
@@ -311,7 +313,7 @@ def test_injection_config(chart: helm_python.Chart) -> None:
     assert config["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
     assert (config["workDir"], config["shmDir"]) == ("/var/lib/kuberefit", "/dev/shm/kuberefit")
     assert (config["shmSizeLimit"], config["env"], config["vllmContainer"]) == ("8Gi", [], "")
-    assert config["logFormat"] == "json"
+    assert (config["logFormat"], config["logLevel"]) == ("json", "info")
 
 
 def test_notes_name_the_next_commands(chart: helm_python.Chart) -> None:
@@ -348,6 +350,7 @@ def test_webhook_disabled_renders_no_webhook(chart: helm_python.Chart) -> None:
         {"operator": {"leaseSeconds": 2}},
         {"operator": {"metricsPort": 70000}},
         {"logFormat": "xml"},
+        {"logLevel": "verbose"},
         {"image": {"pullPolicy": "Sometimes"}},
         {"webhook": {"url": "http://insecure.example"}},
         {"operatr": {}},

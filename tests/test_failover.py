@@ -94,7 +94,15 @@ class Cluster:
         path.write_text(json.dumps(cfg))
         proc = ManagedProcess(
             f"coordinator-{n}",
-            [sys.executable, "-m", "refit_protocol.cli", "coordinator", "--config", str(path)],
+            [
+                sys.executable,
+                "-m",
+                "refit_protocol.cli",
+                "coordinator",
+                "serve",
+                "--config",
+                str(path),
+            ],
             self.root / f"coordinator-{n}.log",
         ).launch()
         self.coordinators.append(proc)

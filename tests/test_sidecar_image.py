@@ -137,8 +137,8 @@ def test_chart_deployment_runs_existing_operator_flags() -> None:
     deployment = (REPO / "charts/kuberefit/templates/deployment.yaml").read_text()
     command = re.search(r"command: (\[.*\])", deployment)
     assert command is not None
-    assert json.loads(command.group(1)) == ["kuberefit", "operator"]
-    help_text = _invoke("operator", "--help")
+    assert json.loads(command.group(1)) == ["kuberefit", "operator", "serve"]
+    help_text = _invoke("operator", "serve", "--help")
     flags = set(re.findall(r"- --([a-z-]+)=", deployment))
     required = {"webhook-bind", "webhook-cert-dir", "injection-config", "metrics-bind"}
     required |= {"metrics-token-file", "lease-seconds", "poll-seconds", "namespace"}

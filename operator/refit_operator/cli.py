@@ -6,12 +6,32 @@ operator image, which has no torch, vllm or zmq.
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import click
+import structlog
 
-from refit_protocol.cli import STARTUP_ERROR_HELP, config_file_option, service_command
+from refit_protocol.cli import (
+    STARTUP_ERROR_HELP,
+    config_command,
+    config_file_option,
+    service_command,
+)
+from refit_protocol.config_files import load_config
+
+COORDINATOR_CONFIG = "refit_operator.coordinator_service:CoordinatorServiceConfig"
+#: What `kuberefit coordinator serve` exits with (refit_operator.coordinator_service).
+OPERATOR_EXIT_HELP = "Exit codes: 0 stopped by SIGTERM; 1 an unexpected error (traceback)."
+COORDINATOR_EXIT_HELP = (
+    "Exit codes: 0 done (until_version reached, or SIGTERM); 1 an unexpected error (traceback); "
+    "2 refused start-up or a peer refusing the token; 3 aborted (operator intervention "
+    "needed); 4 conflict (another coordinator took over)."
+)
 
 
 @click.group()
@@ -19,26 +39,44 @@ def commands() -> None:
     """Control plane: the coordinator (and the operator)."""
 
 
-@commands.command(epilog=STARTUP_ERROR_HELP)
-@config_file_option(
-    "JSON file with a CoordinatorServiceConfig (refit_operator.coordinator_service)."
-)
+@commands.group()
+def coordinator() -> None:
+    """One policy's coordinator as a process: serve, or show/check its settings."""
+
+
+@coordinator.command("serve", epilog=f"{STARTUP_ERROR_HELP} {COORDINATOR_EXIT_HELP}")
+@config_file_option("CoordinatorServiceConfig (`kuberefit coordinator config --example`).")
 @service_command
-def coordinator(config_path: Path) -> None:
-    """Run one policy's coordinator as a process (local mode with separate processes).
+def coordinator_serve(config_path: Path) -> None:
+    """Run one policy's coordinator (local mode with separate processes).
 
     Transitions start when every producer has staged the next version. Safe to SIGKILL: a new
-    coordinator takes over from the commit store. Exit codes: 0 done (until_version reached),
-    3 aborted (operator intervention needed), 4 conflict (another coordinator took over).
+    coordinator takes over from the commit store. SIGTERM stops it between steps (exit 0).
     """
-    import asyncio
-
     from refit_operator.coordinator_service import CoordinatorServiceConfig, serve
-    from refit_protocol.logs import configure_logging
+    from refit_protocol.logs import configure_logging, log_settings
 
     configure_logging()
-    config = CoordinatorServiceConfig.model_validate_json(config_path.read_text())
-    sys.exit(asyncio.run(serve(config)))
+    config = load_config(CoordinatorServiceConfig, path=config_path)
+    log_settings("coordinator", config)
+    sys.exit(asyncio.run(_until_signal(serve(config))))
+
+
+async def _until_signal(run: Coroutine[Any, Any, int]) -> int:
+    """`run`'s exit code, or 0 when SIGTERM/SIGINT stops it (safe at any point: a new
+    coordinator takes over from the commit store)."""
+    task = asyncio.ensure_future(run)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        structlog.get_logger("kuberefit.coordinator").info("coordinator.stopped", reason="signal")
+        return 0
+
+
+coordinator.add_command(config_command(COORDINATOR_CONFIG))
 
 
 @commands.command()
@@ -72,7 +110,6 @@ def verify(
     until it is restored densely. Exit codes: 0 all nodes verified, 1 a node holds other bits,
     3 a node could not be compared (unreachable, busy, or holds another version).
     """
-    import asyncio
     import json as json_mod
 
     from refit_operator.verify import exit_code, render, verify_nodes
@@ -96,7 +133,12 @@ def verify(
     sys.exit(exit_code(results))
 
 
-@commands.command(epilog=STARTUP_ERROR_HELP)
+@commands.group("operator")
+def operator_group() -> None:
+    """The Kubernetes operator (what the Helm chart runs)."""
+
+
+@operator_group.command("serve", epilog=f"{STARTUP_ERROR_HELP} {OPERATOR_EXIT_HELP}")
 @click.option(
     "--namespace",
     "namespaces",
@@ -154,7 +196,7 @@ def verify(
     "default values.",
 )
 @service_command
-def operator(
+def operator_serve(
     namespaces: tuple[str, ...],
     identity: str | None,
     metrics_bind: str,
@@ -170,10 +212,8 @@ def operator(
     Reads the cluster credentials of the kubernetes client (in-cluster service account, else
     $KUBECONFIG). See docs/operator.md.
     """
-    import asyncio
-
     from refit_operator.operator_main import OperatorConfig, run
-    from refit_protocol.logs import configure_logging
+    from refit_protocol.logs import configure_logging, log_settings
 
     configure_logging()
     host, port = _host_port(metrics_bind, "--metrics-bind")
@@ -190,7 +230,9 @@ def operator(
     fields["webhook_cert_dir"], fields["injection_config"] = webhook_cert_dir, injection_config
     if identity:
         fields["identity"] = identity
-    asyncio.run(run(OperatorConfig.model_validate(fields)))  # errors: see service_command
+    config = OperatorConfig.model_validate(fields)
+    log_settings("operator", config)
+    asyncio.run(run(config))  # errors: see service_command
 
 
 def _host_port(value: str, flag: str) -> tuple[str, int]:

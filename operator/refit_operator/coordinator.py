@@ -41,7 +41,7 @@ from refit_operator.ports import (
     TransitionProgress,
 )
 from refit_protocol.commit import AttemptMode, CommitRecord
-from refit_protocol.errors import EndpointError
+from refit_protocol.errors import EndpointError, PeerAuthenticationError
 from refit_protocol.producer_api import AttemptPlan, SentReport
 from refit_protocol.receiver_api import (
     FlushRequest,
@@ -391,6 +391,7 @@ class Coordinator:
         progress.wire_bytes = sum(s.wire_bytes for s in sent)
         progress.changed_elements = sum(s.changed_elements for s in sent)
         progress.total_elements = sum(s.total_elements for s in sent)
+        progress.timings.update(_producer_stages(sent))
         if self.config.relay_tree:
             flushed = await self._all(
                 receivers,
@@ -414,6 +415,11 @@ class Coordinator:
         bad_acks = [a for a in acks if not a.ok]
         if bad_acks:
             raise AttemptFailedError(f"flush: {bad_acks[0].node}: {bad_acks[0].errors}")
+        # The slowest receiver's applier calls and device sync (what its flush ACK reports).
+        progress.timings["apply_s"] = max(
+            (a.timings.get("apply_s", 0.0) + a.timings.get("sync_s", 0.0) for a in acks),
+            default=0.0,
+        )
         return list(sent)
 
     async def _watching(self, receivers: Sequence[ReceiverClient], work: Awaitable[T]) -> T:
@@ -625,10 +631,27 @@ class Coordinator:
         )
         for p, a in zip(self.producers, answers, strict=True):
             if isinstance(a, BaseException):
+                if isinstance(a, PeerAuthenticationError) and not tolerate:
+                    raise a  # another token: a configuration error, not a failed attempt
                 if tolerate:
                     log.warning("producer.call_failed", producer=p.producer, error=str(a))
                 else:
                     raise AttemptFailedError(f"producer {p.producer}: {a}") from a
+
+
+#: The producer pipeline stages that construct the delta and encode it (`SentReport.timings`).
+CONSTRUCT_STAGES = ("intake", "compare", "coalesce", "compress")
+
+
+def _producer_stages(sent: Sequence[SentReport]) -> dict[str, float]:
+    """The slowest producer's busy time constructing and encoding the delta (`construct_s`)
+    and sending it (`transport_s`), as the producers reported them."""
+    return {
+        "construct_s": max(
+            (sum(r.timings.get(k, 0.0) for k in CONSTRUCT_STAGES) for r in sent), default=0.0
+        ),
+        "transport_s": max((r.timings.get("send", 0.0) for r in sent), default=0.0),
+    }
 
 
 def _why(exc: BaseException) -> str:

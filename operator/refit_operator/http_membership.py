@@ -1,6 +1,7 @@
 """The coordinator's Membership port over the receivers' HTTP control planes.
 
-Used by the coordinator process (`kuberefit coordinator`) when the nodes are separate processes.
+Used by the coordinator process (`kuberefit coordinator serve`) when the nodes are separate
+processes.
 A node takes part while its control plane answers. It is confirmed dead when its control port
 refuses connections: nothing listens there any more, so the process that held the attempt's
 state is gone and none of its pending writes can resume (the paper's condition for retiring a
@@ -60,7 +61,7 @@ class HttpMembership:
         self.checkpoint_of = checkpoint_of
         self.probe_timeout_s = probe_timeout_s
         self.incompatible: set[str] = set()
-        #: A node refusing the token stops a static deployment (`kuberefit coordinator`: a
+        #: A node refusing the token stops a static deployment (`kuberefit coordinator serve`: a
         #: configuration error); in a cluster (`PodMembership`) only that node stays out.
         self.strict_auth = True
         self._metas: dict[int, list[TensorMetaModel]] = {}

@@ -1,4 +1,4 @@
-"""`kuberefit operator`: the kopf operator with its health and metrics endpoints.
+"""`kuberefit operator serve`: the kopf operator with its health and metrics endpoints.
 
 One process serves every RefitPolicy it can see (cluster-wide, or the namespaces given). Next
 to kopf it serves `/healthz` (the event loop answers), `/readyz` (kopf has started and its
@@ -16,11 +16,20 @@ from pathlib import Path
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import REGISTRY
 from pydantic import BaseModel, ConfigDict, Field
 
+from refit_operator import metrics as _metrics  # noqa: F401 - the families /metrics serves
 from refit_operator.injection.config import load_injection_config
 from refit_protocol.auth import bearer_ok, require_token_or_loopback, resolve_token
+from refit_protocol.http_log import request_logger
+from refit_protocol.service_http import (
+    Readiness,
+    json_errors,
+    metrics_response,
+    readiness_response,
+    unauthorized,
+)
 
 log = structlog.get_logger("kuberefit.operator")
 
@@ -31,7 +40,8 @@ def default_identity() -> str:
 
 
 class OperatorConfig(BaseModel):
-    """Settings of `kuberefit operator` (all but `status_interval_s` are command-line flags)."""
+    """Settings of `kuberefit operator serve` (all but `status_interval_s` are command-line
+    flags)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -69,17 +79,16 @@ def health_app(ready: asyncio.Event, token: str | None) -> web.Application:
         return web.json_response({"ok": True})
 
     async def readyz(_: web.Request) -> web.Response:
-        if not ready.is_set():
-            return web.json_response({"ready": False}, status=503)
-        return web.json_response({"ready": True})
+        started = ready.is_set()
+        detail = "started, indices filled" if started else "starting: kopf's indices not filled"
+        return readiness_response(Readiness.of([("kopf", started, detail)]))
 
     async def metrics(request: web.Request) -> web.Response:
         if not bearer_ok(token, request.headers.get("Authorization", "")):
-            return web.json_response({"error": "unauthorized"}, status=401)
-        body = generate_latest()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+            return unauthorized()
+        return metrics_response(REGISTRY)
 
-    app = web.Application()
+    app = web.Application(middlewares=[request_logger("operator"), json_errors])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -62,7 +62,7 @@ TOKEN_REFRESH_S = 60.0
 
 @dataclass(frozen=True)
 class RunnerSettings:
-    """Operator-wide timing (flags of `kuberefit operator`)."""
+    """Operator-wide timing (flags of `kuberefit operator serve`)."""
 
     identity: str
     poll_s: float = 0.5
@@ -92,6 +92,7 @@ class PolicyRunner:
         self.stopped = stopped
         self.settings = settings
         self.labels = {"namespace": namespace, "policy": name}
+        metrics.preset_policy(namespace, name)
         self.lease = PolicyLease(api, namespace, name, settings.identity, settings.lease_s)
         self.store = KubernetesCommitStore(api.custom, namespace, name)
         self.coordinator: Coordinator | None = None
@@ -415,6 +416,9 @@ class PolicyRunner:
         p = result.progress
         if result.outcome == "committed":
             metrics.LATENCY.labels(**self.labels).observe(result.latency_s)
+            metrics.LAST_COMMIT.labels(**self.labels).set(time.time())
+            for stage, seconds in metrics.stage_seconds(result).items():
+                metrics.STAGE_SECONDS.labels(**self.labels, stage=stage).observe(seconds)
             if p is not None:
                 metrics.WIRE_BYTES.labels(**self.labels).inc(p.wire_bytes)
                 if p.total_elements:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import aiohttp
 import structlog
@@ -13,7 +12,7 @@ from pydantic import BaseModel
 
 from refit_protocol.auth import bearer_header
 from refit_protocol.commit import CommitRecord
-from refit_protocol.errors import EndpointError, PeerAuthenticationError
+from refit_protocol.errors import EndpointError, ErrorBody, PeerAuthenticationError
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
     AttemptPlan,
@@ -65,10 +64,7 @@ class HttpProducerClient:
             ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
-                    try:
-                        err: Any = json.loads(raw).get("error")
-                    except ValueError:
-                        err = raw[:300].decode(errors="replace")
+                    err = ErrorBody.parse(raw, resp.status).error
                     error = PeerAuthenticationError if resp.status in (401, 403) else EndpointError
                     raise error(f"producer {self.producer}{path}: HTTP {resp.status}: {err}")
                 return out.model_validate_json(raw)

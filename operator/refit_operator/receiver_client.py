@@ -1,19 +1,19 @@
 """An asyncio HTTP client of one receiver node (no torch, no zmq: usable by the operator).
 
 It implements the coordinator's `ReceiverClient` port plus the producer-facing calls. Non-2xx
-answers raise `ReceiverHttpError` (an `EndpointError`) carrying the status and the JSON error.
+answers raise `ReceiverHttpError` (an `EndpointError`) carrying the status and the error body
+(`refit_protocol.errors.ErrorBody`: its message, and its `code` as `reason`).
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import aiohttp
 from pydantic import BaseModel
 
 from refit_protocol.auth import bearer_header
-from refit_protocol.errors import EndpointError, PeerAuthenticationError
+from refit_protocol.errors import EndpointError, ErrorBody, PeerAuthenticationError
 from refit_protocol.receiver_api import (
     API_PREFIX,
     AttemptRequest,
@@ -42,11 +42,11 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class ReceiverHttpError(EndpointError):
-    def __init__(self, node: str, path: str, status: int, body: dict[str, Any]) -> None:
+    def __init__(self, node: str, path: str, status: int, body: ErrorBody) -> None:
         self.status = status
         self.body = body
-        self.reason = str(body.get("status", ""))
-        super().__init__(f"{node}{path}: HTTP {status}: {body.get('error', body)}")
+        self.reason = body.code  # e.g. obsolete, unknown_attempt, bad_request
+        super().__init__(f"{node}{path}: HTTP {status}: {body.error}")
 
 
 class ReceiverAuthError(ReceiverHttpError, PeerAuthenticationError):
@@ -89,10 +89,7 @@ class ReceiverHttpClient:
             ) as resp:
                 raw = await resp.read()
                 if resp.status not in ok:
-                    try:
-                        parsed = json.loads(raw)
-                    except ValueError:
-                        parsed = {"error": raw[:300].decode(errors="replace")}
+                    parsed = ErrorBody.parse(raw, resp.status)
                     error = ReceiverAuthError if resp.status in (401, 403) else ReceiverHttpError
                     raise error(self.node, path, resp.status, parsed)
                 return out.model_validate_json(raw)

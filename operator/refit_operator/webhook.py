@@ -35,6 +35,8 @@ from refit_operator.kube.api import KubeApi, NotFoundError
 from refit_operator.kube.names import POLICY
 from refit_operator.metrics import ADMISSIONS
 from refit_operator.policy_spec import SpecError, parse_spec
+from refit_protocol.http_log import request_logger
+from refit_protocol.service_http import error_response, json_errors
 
 log = structlog.get_logger("kuberefit.webhook")
 
@@ -92,7 +94,7 @@ def webhook_app(api: KubeApi, config: InjectionConfig) -> web.Application:
             admission = parse_review(await request.read())
         except ReviewError as exc:
             ADMISSIONS.labels("invalid").inc()
-            return web.json_response({"error": str(exc)}, status=400)
+            return error_response(400, str(exc))
         pod = admission.pod
         warnings: list[str] = []
         facts = PolicyFacts(exists=False, token_secret=config.default_token_secret)
@@ -120,7 +122,9 @@ def webhook_app(api: KubeApi, config: InjectionConfig) -> web.Application:
             )
         return web.json_response(review_response(admission.uid, decision))
 
-    app = web.Application(client_max_size=MAX_REVIEW_BYTES)
+    app = web.Application(
+        middlewares=[request_logger("webhook"), json_errors], client_max_size=MAX_REVIEW_BYTES
+    )
     app.router.add_post(PATH, mutate)
     return app
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import errno
 import functools
+import importlib
+import json
 import os
 import re
 import sys
@@ -20,14 +22,17 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar, cast
 
 import click
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from refit_protocol import __version__
-from refit_protocol.pod_contract import CONFIG_ENV
+from refit_protocol.config_files import example_yaml, load_config
+from refit_protocol.logs import FORMATS, LEVELS
+from refit_protocol.pod_contract import CONFIG_ENV, LOG_FORMAT_ENV, LOG_LEVEL_ENV
 
 ENTRY_POINT_GROUP = "kuberefit.commands"
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 #: Set to 1 to get the Python traceback of a refused start-up instead of one line.
 DEBUG_ENV = "KUBEREFIT_DEBUG"
@@ -36,8 +41,21 @@ STARTUP_ERROR_EXIT = 2
 #: The help text that says so, for every service command.
 STARTUP_ERROR_HELP = (
     "A refused start-up (invalid settings, missing token or token file, address in use) "
-    f"prints one line '<command>: error: <reason>' and exits {STARTUP_ERROR_EXIT}; set "
-    f"${DEBUG_ENV}=1 for the Python traceback."
+    f"prints one line '<command>: error: <reason>' and exits {STARTUP_ERROR_EXIT}; --debug "
+    f"(or ${DEBUG_ENV}=1) prints the Python traceback."
+)
+#: Exit codes of a sidecar service.
+SERVICE_EXIT_HELP = (
+    "Exit codes: 0 stopped by SIGTERM or SIGINT; 1 an unexpected error (traceback); "
+    f"{STARTUP_ERROR_EXIT} refused start-up."
+)
+#: How every --config file is read.
+CONFIG_FORMAT_HELP = (
+    "YAML or JSON; sizes take units (256MiB); relative paths are relative to the file."
+)
+#: Exit codes of `<component> config`.
+CONFIG_EXIT_HELP = (
+    f"Exit codes: 0 shown or valid; {STARTUP_ERROR_EXIT} invalid (one line names the setting)."
 )
 _BIND_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
 
@@ -49,30 +67,74 @@ def config_file_option(help_text: str) -> Callable[[F], F]:
         "config_path",
         required=True,
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
-        help=help_text,
+        help=f"{help_text} {CONFIG_FORMAT_HELP}",
     )
 
 
 def sidecar_config_option(help_text: str) -> Callable[[F], F]:
     """`--config FILE` (optional: an injected sidecar gets its settings in $KUBEREFIT_CONFIG),
-    passed to the command as `config_path`; read it with `read_sidecar_config`."""
+    passed to the command as `config_path`; read it with `load_service_config`."""
     return click.option(
         "--config",
         "config_path",
         default=None,
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
-        help=f"{help_text} Default: the JSON in ${CONFIG_ENV} (set by injection).",
+        help=f"{help_text} {CONFIG_FORMAT_HELP} Default: the settings in ${CONFIG_ENV} "
+        "(set by injection).",
     )
 
 
-def read_sidecar_config(config_path: Path | None) -> str:
-    """The JSON settings: the `--config` file, else $KUBEREFIT_CONFIG."""
+def load_service_config(model: type[M], config_path: Path | None) -> M:
+    """The settings: the `--config` file, else the text in $KUBEREFIT_CONFIG."""
     if config_path is not None:
-        return config_path.read_text()
+        return load_config(model, path=config_path)
     text = os.environ.get(CONFIG_ENV, "").strip()
     if not text:
-        raise click.UsageError(f"give --config FILE or set ${CONFIG_ENV} to the JSON settings")
-    return text
+        raise click.UsageError(f"give --config FILE or set ${CONFIG_ENV} to the settings")
+    return load_config(model, text=text, source=f"${CONFIG_ENV}")
+
+
+def import_model(ref: str) -> type[BaseModel]:
+    """The settings model at 'module:Class' (imported only when a command needs it)."""
+    module, _, name = ref.partition(":")
+    model = getattr(importlib.import_module(module), name)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise TypeError(f"{ref} is not a pydantic model")
+    return model
+
+
+def config_command(model_ref: str) -> click.Command:
+    """`<component> config --example | --schema | --check FILE` for the model at `model_ref`."""
+    name = model_ref.rpartition(":")[2]
+
+    @click.command("config", epilog=CONFIG_EXIT_HELP)
+    @click.option(
+        "--example", is_flag=True, help="Print a commented YAML example with every default."
+    )
+    @click.option("--schema", is_flag=True, help="Print the settings' JSON schema.")
+    @click.option(
+        "--check",
+        "check",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        default=None,
+        help="Validate FILE (YAML or JSON) without starting anything.",
+    )
+    @service_command
+    def config(example: bool, schema: bool, check: Path | None) -> None:
+        if sum((example, schema, check is not None)) != 1:
+            raise click.UsageError("give exactly one of --example, --schema, --check FILE")
+        model = import_model(model_ref)
+        if example:
+            click.echo(example_yaml(model), nl=False)
+        elif schema:
+            click.echo(json.dumps(model.model_json_schema(), indent=2))
+        else:
+            assert check is not None
+            load_config(model, path=check)
+            click.echo(f"{check}: valid {model.__name__}")
+
+    config.help = f"Show or check this component's settings ({name})."
+    return config
 
 
 def startup_error_message(exc: BaseException) -> str | None:
@@ -151,6 +213,58 @@ def service_command(fn: F) -> F:
     return cast(F, wrapper)
 
 
+def _set_env(name: str, value: str) -> Callable[[click.Context, click.Parameter, Any], None]:
+    def callback(_: click.Context, __: click.Parameter, given: Any) -> None:
+        if given:
+            os.environ[name] = value if value else str(given).lower()
+
+    return callback
+
+
+def common_options() -> list[click.Option]:
+    """--log-level, --log-format and --debug: every command has them. They set the variables
+    the processes read (so child processes inherit them) before the command runs."""
+    return [
+        click.Option(
+            ["--log-level"],
+            type=click.Choice(LEVELS, case_sensitive=False),
+            expose_value=False,
+            is_eager=True,
+            callback=_set_env(LOG_LEVEL_ENV, ""),
+            help=f"Log level (debug also logs every HTTP request). Default: ${LOG_LEVEL_ENV}, "
+            "else info.",
+        ),
+        click.Option(
+            ["--log-format"],
+            type=click.Choice(FORMATS, case_sensitive=False),
+            expose_value=False,
+            is_eager=True,
+            callback=_set_env(LOG_FORMAT_ENV, ""),
+            help=f"json (one object per line) or console. Default: ${LOG_FORMAT_ENV}, else json "
+            "in a pod or when stderr is not a terminal.",
+        ),
+        click.Option(
+            ["--debug"],
+            is_flag=True,
+            expose_value=False,
+            is_eager=True,
+            callback=_set_env(DEBUG_ENV, "1"),
+            help=f"Print the Python traceback of a refused start-up (or set ${DEBUG_ENV}=1).",
+        ),
+    ]
+
+
+def add_common_options(command: click.Command) -> click.Command:
+    """Give `command` and every command below it the `common_options` (once)."""
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            add_common_options(sub)
+        return command
+    present = {name for p in command.params for name in p.opts}
+    command.params.extend(o for o in common_options() if not set(o.opts) & present)
+    return command
+
+
 def _load(ep: EntryPoint) -> click.Group | None:
     """The group behind `ep`, or None when its package is not installed in this image."""
     package = ep.value.split(":", 1)[0].split(".", 1)[0]
@@ -180,7 +294,7 @@ def build() -> click.Group:
         for name, command in group.commands.items():
             if name in main.commands:
                 raise RuntimeError(f"command {name!r} is contributed twice (by {ep.name})")
-            main.add_command(command, name)
+            main.add_command(add_common_options(command), name)
     return main
 
 

@@ -17,6 +17,8 @@ POD_NAME_ENV, POD_IP_ENV = "KUBEREFIT_POD_NAME", "KUBEREFIT_POD_IP"
 PRODUCER_URL_ENV, INBOX_ENV = "KUBEREFIT_PRODUCER_URL", "KUBEREFIT_INBOX"
 #: json | console (default: json inside a pod or when stderr is not a terminal).
 LOG_FORMAT_ENV = "KUBEREFIT_LOG_FORMAT"
+#: debug, info, warning or error (default: info).
+LOG_LEVEL_ENV = "KUBEREFIT_LOG_LEVEL"
 
 #: vLLM options that load the worker extension and the guarded refit control path.
 VLLM_WORKER_EXTENSION = "refit_sidecar.vllm.worker_extension.RefitWorkerExtension"

@@ -8,11 +8,16 @@ from pathlib import Path
 import click
 
 from refit_protocol.cli import (
+    SERVICE_EXIT_HELP,
     STARTUP_ERROR_HELP,
-    read_sidecar_config,
+    config_command,
+    load_service_config,
     service_command,
     sidecar_config_option,
 )
+
+RECEIVER_CONFIG = "refit_sidecar.receiver.config:ReceiverConfig"
+PRODUCER_CONFIG = "refit_sidecar.producer.main:ProducerProcessConfig"
 
 
 @click.group()
@@ -22,29 +27,36 @@ def commands() -> None:
 
 @commands.group()
 def receiver() -> None:
-    """The rollout node's receiver service."""
+    """The rollout node's receiver sidecar: serve, or show/check its settings."""
 
 
-@receiver.command("serve", epilog=STARTUP_ERROR_HELP)
-@sidecar_config_option("ReceiverConfig as JSON (see docs/transports.md).")
+@receiver.command("serve", epilog=f"{STARTUP_ERROR_HELP} {SERVICE_EXIT_HELP}")
+@sidecar_config_option("ReceiverConfig (`kuberefit receiver config --example`).")
 @service_command
 def receiver_serve(config_path: Path | None) -> None:
     """Run one receiver node (HTTP control plane, relay-tree node, S3 downloads) until SIGTERM."""
-    from refit_sidecar.receiver.__main__ import serve_json
+    from refit_sidecar.receiver.config import ReceiverConfig
+    from refit_sidecar.receiver.node import serve_forever
 
-    serve_json(read_sidecar_config(config_path))
+    serve_forever(load_service_config(ReceiverConfig, config_path))
+
+
+receiver.add_command(config_command(RECEIVER_CONFIG))
 
 
 @commands.group()
 def producer() -> None:
-    """The trainer pod's producer sidecar."""
+    """The trainer pod's producer sidecar: serve, or show/check its settings."""
 
 
-@producer.command("serve", epilog=STARTUP_ERROR_HELP)
-@sidecar_config_option("ProducerProcessConfig as JSON (see docs/trainer.md).")
+@producer.command("serve", epilog=f"{STARTUP_ERROR_HELP} {SERVICE_EXIT_HELP}")
+@sidecar_config_option("ProducerProcessConfig (`kuberefit producer config --example`).")
 @service_command
 def producer_serve(config_path: Path | None) -> None:
     """Run one trainer sidecar (baseline, candidate inbox, producer pipeline) until SIGTERM."""
-    from refit_sidecar.producer.main import serve_json
+    from refit_sidecar.producer.main import ProducerProcessConfig, serve_forever
 
-    serve_json(read_sidecar_config(config_path))
+    serve_forever(load_service_config(ProducerProcessConfig, config_path))
+
+
+producer.add_command(config_command(PRODUCER_CONFIG))

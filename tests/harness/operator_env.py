@@ -210,6 +210,7 @@ class OperatorEnv:
                 "-m",
                 "refit_protocol.cli",
                 "operator",
+                "serve",
                 "--namespace",
                 self.namespace,
                 "--identity",

@@ -1,5 +1,5 @@
-"""`kuberefit coordinator` and `kuberefit operator` refuse bad settings with one line and exit
-status 2 (no traceback; $KUBEREFIT_DEBUG=1 keeps it)."""
+"""`kuberefit coordinator serve` and `kuberefit operator serve` refuse bad settings with one
+line and exit status 2 (no traceback; $KUBEREFIT_DEBUG=1 keeps it)."""
 
 from __future__ import annotations
 
@@ -33,15 +33,20 @@ def one_line(args: list[str]) -> str:
 def test_coordinator_with_invalid_settings(tmp_path: Path) -> None:
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"until_version": "soon"}))
-    line = one_line(["coordinator", "--config", str(config)])
-    assert line.startswith("kuberefit coordinator: error: invalid CoordinatorServiceConfig: ")
+    line = one_line(["coordinator", "serve", "--config", str(config)])
+    assert line.startswith("kuberefit coordinator serve: error: invalid CoordinatorServiceConfig: ")
     config.write_text("{not json")
-    assert "Invalid JSON" in one_line(["coordinator", "--config", str(config)])
+    assert one_line(["coordinator", "serve", "--config", str(config)]) == (
+        f"kuberefit coordinator serve: error: {config}: not valid JSON at line 1 column 2: "
+        "Expecting property name enclosed in double quotes"
+    )
 
 
 def test_operator_with_a_missing_token_file(tmp_path: Path) -> None:
     missing = tmp_path / "token"
     line = one_line(
-        ["operator", "--metrics-bind", "127.0.0.1:0", "--metrics-token-file", str(missing)]
+        ["operator", "serve", "--metrics-bind", "127.0.0.1:0", "--metrics-token-file", str(missing)]
     )
-    assert line == f"kuberefit operator: error: cannot read {missing}: No such file or directory"
+    assert (
+        line == f"kuberefit operator serve: error: cannot read {missing}: No such file or directory"
+    )

@@ -11,6 +11,7 @@ from refit_operator.commit_store import ActiveAttempt, CommitUnknownError
 from refit_operator.commit_store.sqlite import SqliteCommitStore
 from refit_operator.coordinator import Coordinator, CoordinatorConfig
 from refit_protocol.commit import CommitRecord
+from refit_protocol.errors import PeerAuthenticationError
 from tests.operator.fakes import FakeMembership, FakeProducer, FakeReceiver, RecordingSink
 
 K0 = CommitRecord(0, "b0")
@@ -331,3 +332,26 @@ async def test_commit_conflict_between_two_coordinators(tmp_path: Path) -> None:
     assert (result_b.outcome, result_b.modes) == ("committed", ["overwrite"])
     assert (await store.read()).record.version == 1
     assert_all_at(receivers, 1)
+
+
+class TokenRefusingProducerFake(FakeProducer):
+    """A producer sidecar holding another token: every call answers 401."""
+
+    async def update_baseline(self, attempt: str, record: CommitRecord) -> None:
+        raise PeerAuthenticationError(f"producer {self.producer}: HTTP 401")
+
+
+async def test_a_producer_refusing_the_token_while_recovering_is_not_an_attempt_failure(
+    tmp_path: Path,
+) -> None:
+    """Finishing a dead coordinator's commit calls every producer: a 401 there is a
+    configuration error the caller reports (exit 2), not a failed attempt to retry."""
+    store, _, producers, membership, sink = world(tmp_path)
+    producers[1] = TokenRefusingProducerFake(1)
+    await store.initialize(K0)
+    old_epoch = await store.acquire("old")
+    await store.prepare(old_epoch, ActiveAttempt("old-a1", 1, "g-old", "mixed", time.time() + 60))
+    await store.commit(old_epoch, "old-a1", K0, CommitRecord(1, "g-old"), time.time())
+    c = await coordinator(store, producers, membership, sink)
+    with pytest.raises(PeerAuthenticationError, match="producer 1: HTTP 401"):
+        await c.recover()

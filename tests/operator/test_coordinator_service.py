@@ -5,7 +5,10 @@ one line that names the node, instead of being waited for as an absent node (iss
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from refit_operator.coordinator_service import CoordinatorServiceConfig
-from tests.harness.operator_env import REPO
+from tests.harness.operator_env import REPO, wait_for
 from tests.harness.procs import free_port
 from tests.harness.receivers import start_cluster
 from tests.sidecar.receiver.models import canonical
@@ -66,7 +69,7 @@ def test_a_receiver_refusing_the_token_stops_the_coordinator_with_one_line(
         path = tmp_path / "coordinator.json"
         path.write_text(json.dumps(config))
         out = subprocess.run(
-            [str(REPO / ".venv/bin/kuberefit"), "coordinator", "--config", str(path)],
+            [str(REPO / ".venv/bin/kuberefit"), "coordinator", "serve", "--config", str(path)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -82,3 +85,45 @@ def test_a_receiver_refusing_the_token_stops_the_coordinator_with_one_line(
     assert node.name in lines[0]
     assert "HTTP 401" in lines[0]
     assert "token" in lines[0]
+
+
+def test_sigterm_stops_the_coordinator_with_exit_0_and_a_down_producer_is_not_a_flood(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM is a normal stop (exit 0, as the sidecars), safe at any point; a producer that
+    stays down is logged once per window with a count, not once per poll."""
+    (tmp_path / "v0").mkdir()
+    save_file(canonical(0), str(tmp_path / "v0" / "model.safetensors"))
+    config = {
+        **BASE,
+        "store_path": "store.sqlite",  # relative to the settings file
+        "producers": [f"http://127.0.0.1:{free_port()}"],
+        "nodes": [],
+        "checkpoint_template": "v{version}",
+        "poll_s": 0.05,
+    }
+    path = tmp_path / "coordinator.yaml"
+    path.write_text(json.dumps(config))
+    log = tmp_path / "coordinator.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBEREFIT_")}
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [str(REPO / ".venv/bin/kuberefit"), "coordinator", "serve", "--config", str(path)],
+            stderr=sink,
+            env=env | {"KUBEREFIT_LOG_FORMAT": "json"},
+            cwd=REPO,
+        )
+        try:
+            wait_for("the settings line", lambda: "coordinator.settings" in log.read_text())
+            time.sleep(3)  # ~60 polls of a producer that refuses connections
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            proc.kill()
+    lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    events = [line["event"] for line in lines]
+    assert events[-1] == "coordinator.stopped", events
+    assert (tmp_path / "store.sqlite").is_file()
+    settings = next(line["settings"] for line in lines if line["event"] == "coordinator.settings")
+    assert settings["store_path"] == str(tmp_path / "store.sqlite")
+    assert len(events) < 15, events  # one line per event and window, not one per poll

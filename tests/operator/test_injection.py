@@ -100,6 +100,7 @@ def test_rollout_injection_is_complete_and_valid() -> None:
     assert settings.applier.vllm_url == "http://127.0.0.1:8123"  # read from vLLM's --port
     assert str(settings.applier.shm_dir) == CFG.shm_dir
     assert env["KUBEREFIT_TOKEN_FILE"] == "/etc/kuberefit/token/token"
+    assert (env["KUBEREFIT_LOG_FORMAT"], env["KUBEREFIT_LOG_LEVEL"]) == ("json", "info")
     vllm = pod["spec"]["containers"][0]
     assert vllm["args"][-2:] == [
         f"--worker-extension-cls={VLLM_WORKER_EXTENSION}",
@@ -110,6 +111,14 @@ def test_rollout_injection_is_complete_and_valid() -> None:
     assert volumes["kuberefit-token"]["secret"]["secretName"] == "alpha-token"
     assert volumes["kuberefit-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     assert "VLLM_SERVER_DEV_MODE" not in json.dumps(pod)
+
+
+@pytest.mark.parametrize("role", ["rollout", "trainer"])
+def test_sidecar_probes_readiness_and_liveness_apart(role: str) -> None:
+    """Ready means its dependencies answer (/readyz); alive means the process does (/healthz)."""
+    sidecar = _sidecar(_applied(_pod(role)))
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "refit-control"}
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "refit-control"}
 
 
 def test_injection_happens_once() -> None:

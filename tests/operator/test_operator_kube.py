@@ -7,6 +7,7 @@ every test here; the refit path itself is the e2e (tests/test_operator_e2e.py).
 
 from __future__ import annotations
 
+import signal
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -190,3 +191,12 @@ def _maybe(env: OperatorEnv, plural: str, name: str) -> dict | None:  # type: ig
         if exc.status == 404:
             return None
         raise
+
+
+def test_sigterm_stops_an_operator_with_exit_0(env: OperatorEnv) -> None:
+    """As the sidecars and the coordinator: SIGTERM is a normal stop (`--help` says so)."""
+    standby = env.start_operator("stopped-by-sigterm")
+    env.operators.remove(standby)
+    standby.kill(signal.SIGTERM)
+    assert standby.proc is not None
+    assert standby.proc.wait(timeout=60) == 0, standby.log_path.read_text()[-2000:]

@@ -4,6 +4,7 @@ nothing, and a broken package is an error rather than a silently missing command
 
 from __future__ import annotations
 
+import os
 import sys
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -78,3 +79,61 @@ def test_config_file_option_requires_an_existing_file(tmp_path: Path) -> None:
     assert "does not exist" in missing.output
     (tmp_path / "c.json").write_text("{}")
     assert CliRunner().invoke(show, ["--config", str(tmp_path / "c.json")]).output == "c.json\n"
+
+
+def leaf_commands() -> dict[str, click.Command]:
+    found: dict[str, click.Command] = {}
+
+    def walk(command: click.Command, path: str) -> None:
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                walk(sub, f"{path} {name}")
+        else:
+            found[path] = command
+
+    walk(cli.build(), "kuberefit")
+    return found
+
+
+def test_one_grammar_help_on_every_option_and_exit_codes_in_help() -> None:
+    leaves = leaf_commands()
+    assert {
+        "kuberefit receiver serve",
+        "kuberefit producer serve",
+        "kuberefit coordinator serve",
+        "kuberefit operator serve",
+        "kuberefit receiver config",
+        "kuberefit producer config",
+        "kuberefit coordinator config",
+    } <= set(leaves)
+    for path, command in leaves.items():
+        options = [p for p in command.params if isinstance(p, click.Option)]
+        assert {"--log-level", "--log-format", "--debug"} <= {o.opts[0] for o in options}, path
+        for option in options:
+            assert option.help, f"{path} {option.opts[0]} has no help"
+        text = f"{command.help or ''} {command.epilog or ''}"
+        assert "Exit codes:" in text, f"{path} does not say its exit codes"
+    components = {path.split()[1] for path in leaves if path.endswith((" serve", " config"))}
+    assert components == {"receiver", "producer", "coordinator", "operator"}
+    bench = {path: leaves[path] for path in leaves if path.startswith("kuberefit bench ")}
+    for path, command in bench.items():  # the same names for the same things
+        names = {o.opts[0] for o in command.params if isinstance(o, click.Option)}
+        assert {"--json", "--quick"} <= names, path
+        assert not {"--size-mib", "--model-mib"} & names, path
+
+
+def test_log_options_set_the_variables_children_inherit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for key in ("KUBEREFIT_LOG_LEVEL", "KUBEREFIT_LOG_FORMAT"):
+        monkeypatch.setenv(key, "")  # restored after the test, whatever the command sets
+    result = CliRunner().invoke(
+        cli.build(),
+        ["receiver", "config", "--log-level", "DEBUG", "--log-format", "console", "--schema"],
+    )
+    assert result.exit_code == 0, result.output
+    assert os.environ["KUBEREFIT_LOG_LEVEL"] == "debug"
+    assert os.environ["KUBEREFIT_LOG_FORMAT"] == "console"
+    result = CliRunner().invoke(cli.build(), ["receiver", "config", "--log-level", "loud"])
+    assert result.exit_code == 2
+    assert "'loud' is not one of" in result.output

@@ -8,13 +8,23 @@ from pathlib import Path
 
 import click
 
+#: Exit codes of the benches.
+BENCH_EXIT_HELP = (
+    "Exit codes: 0 measured (figures on stdout); 1 the run failed (a bit mismatch, a process "
+    "that died, no netns rights); 2 bad usage."
+)
+DEMO_EXIT_HELP = (
+    "Exit codes: 0 every version committed and every node bit-exact; 1 a mismatch, a failed "
+    "audit or a version not committed; 2 bad usage or a machine that cannot run it."
+)
+
 
 @click.group()
 def commands() -> None:
     """Tools: demo and benchmarks."""
 
 
-@commands.command()
+@commands.command(epilog=DEMO_EXIT_HELP)
 @click.option(
     "--steps",
     default=3,
@@ -81,7 +91,7 @@ def demo(
     from refit_protocol.logs import configure_logging
     from refit_tools.demo import DemoError, format_report, report_json, run_demo
 
-    configure_logging(level="WARNING")
+    configure_logging(default_level="warning")
 
     def say(msg: str) -> None:
         click.echo(msg, err=as_json)
@@ -116,7 +126,7 @@ def bench() -> None:
     """Benchmarks that report ratios measured in one run (see docs/performance.md)."""
 
 
-@bench.command("codec")
+@bench.command("codec", epilog=BENCH_EXIT_HELP)
 @click.option("--quick", is_flag=True, help="A 128 MiB checkpoint instead of 1 GiB (< 60 s).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option(
@@ -138,7 +148,7 @@ def bench_codec(
     from refit_protocol.logs import configure_logging
     from refit_tools.bench.codec import format_report, run_codec_bench
 
-    configure_logging(level="WARNING")
+    configure_logging(default_level="warning")
     result = run_codec_bench(
         quick=quick,
         checkpoint_bytes=checkpoint_mib * (1 << 20) if checkpoint_mib else None,
@@ -148,21 +158,23 @@ def bench_codec(
     click.echo(json.dumps(result) if as_json else format_report(result))
 
 
-@bench.command("apply")
-@click.option(
-    "--size-mib",
-    type=click.IntRange(16, None),
-    default=1024,
-    show_default=True,
-    help="Synthetic model size.",
-)
+@bench.command("apply", epilog=BENCH_EXIT_HELP)
+@click.option("--quick", is_flag=True, help="A 64 MiB model instead of 1 GiB (< 30 s).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-def bench_apply(size_mib: int, as_json: bool) -> None:
+@click.option(
+    "--checkpoint-mib",
+    type=click.IntRange(16, None),
+    help="Synthetic model size in MiB (default 1024, or 64 with --quick).",
+)
+def bench_apply(quick: bool, as_json: bool, checkpoint_mib: int | None) -> None:
     """Receiver apply throughput through a generic native loader (XOR and overwrite)."""
     import json
 
+    from refit_protocol.logs import configure_logging
     from refit_tools.bench.apply import run_apply_bench
 
+    configure_logging(default_level="warning")
+    size_mib = checkpoint_mib or (64 if quick else 1024)
     result = run_apply_bench(
         size_bytes=size_mib << 20, say=lambda msg: click.echo(msg, err=as_json)
     )
@@ -170,22 +182,35 @@ def bench_apply(size_mib: int, as_json: bool) -> None:
         click.echo(json.dumps(result))
 
 
-@bench.command("transport")
+@bench.command("transport", epilog=BENCH_EXIT_HELP)
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="2 nodes, 4 payloads of 4 MiB and 50 small ones unless given (< 30 s).",
+)
 @click.option(
     "--nodes",
     type=click.IntRange(1, 64),
-    default=7,
-    show_default=True,
-    help="Receiver node processes in the relay tree (loopback).",
+    default=None,
+    help="Receiver node processes in the relay tree (loopback). Default 7, 2 with --quick.",
 )
-@click.option("--payloads", type=click.IntRange(1, None), default=16, show_default=True)
-@click.option("--payload-mib", type=click.IntRange(1, None), default=16, show_default=True)
+@click.option(
+    "--payloads",
+    type=click.IntRange(1, None),
+    default=None,
+    help="Large payloads sent through the tree. Default 16, 4 with --quick.",
+)
+@click.option(
+    "--payload-mib",
+    type=click.IntRange(1, None),
+    default=None,
+    help="Size of each large payload in MiB. Default 16, 4 with --quick.",
+)
 @click.option(
     "--small",
     type=click.IntRange(1, None),
-    default=200,
-    show_default=True,
-    help="1 KiB payloads sent to measure the per-payload overhead.",
+    default=None,
+    help="1 KiB payloads sent to measure the per-payload overhead. Default 200, 50 with --quick.",
 )
 @click.option(
     "--s3-endpoint-url",
@@ -196,10 +221,11 @@ def bench_apply(size_mib: int, as_json: bool) -> None:
 @click.option("--s3-bucket", default=None, help="Existing bucket for the S3 measurement.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def bench_transport(
-    nodes: int,
-    payloads: int,
-    payload_mib: int,
-    small: int,
+    quick: bool,
+    nodes: int | None,
+    payloads: int | None,
+    payload_mib: int | None,
+    small: int | None,
     s3_endpoint_url: str | None,
     s3_bucket: str | None,
     as_json: bool,
@@ -211,13 +237,17 @@ def bench_transport(
     from refit_sidecar.transport.s3 import S3Config
     from refit_tools.bench.transport import format_report, run_relay_bench, run_s3_bench
 
-    configure_logging(level="WARNING")
+    configure_logging(default_level="warning")
 
     def say(msg: str) -> None:
         click.echo(msg, err=True)
 
     result = run_relay_bench(
-        nodes=nodes, payloads=payloads, payload_mib=payload_mib, small=small, say=say
+        nodes=nodes or (2 if quick else 7),
+        payloads=payloads or (4 if quick else 16),
+        payload_mib=payload_mib or (4 if quick else 16),
+        small=small or (50 if quick else 200),
+        say=say,
     )
     if s3_bucket:
         cfg = S3Config(bucket=s3_bucket, endpoint_url=s3_endpoint_url, addressing_style="path")
@@ -235,7 +265,7 @@ def _rates(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
     return rates
 
 
-@bench.command("refit")
+@bench.command("refit", epilog=BENCH_EXIT_HELP)
 @click.option(
     "--quick",
     is_flag=True,
@@ -341,7 +371,7 @@ def bench_refit(
         run_refit_bench,
     )
 
-    configure_logging(level="WARNING")
+    configure_logging(default_level="warning")
     options: dict[str, object] = {
         "link_mbit": link_mbit,
         "rates": rates,

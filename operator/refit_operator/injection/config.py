@@ -62,7 +62,12 @@ class InjectionConfig(_Values):
     vllm_container: str = Field(
         "", description="Container paired with in rollout pods ('' : the first container)."
     )
-    log_format: Literal["json", "console"] = "json"
+    log_format: Literal["json", "console"] = Field(
+        "json", description="$KUBEREFIT_LOG_FORMAT of the sidecar (the chart's logFormat)."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="$KUBEREFIT_LOG_LEVEL of the sidecar (the chart's logLevel)."
+    )
 
     @property
     def token_dir(self) -> str:

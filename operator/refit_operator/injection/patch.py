@@ -46,6 +46,7 @@ from refit_protocol.pod_contract import (
     CONFIG_ENV,
     INBOX_ENV,
     LOG_FORMAT_ENV,
+    LOG_LEVEL_ENV,
     POD_IP_ENV,
     POD_NAME_ENV,
     PRODUCER_URL_ENV,
@@ -219,6 +220,7 @@ def _common_env(cfg: InjectionConfig, token_file: str, config: Obj) -> list[Obj]
         _field_env(POD_IP_ENV, "status.podIP"),
         _env(TOKEN_FILE_ENV, token_file),
         _env(LOG_FORMAT_ENV, cfg.log_format),
+        _env(LOG_LEVEL_ENV, cfg.log_level),
         _env(CONFIG_ENV, json.dumps(config, separators=(",", ":"), sort_keys=True)),
         *cfg.env,
     ]
@@ -233,9 +235,18 @@ def _sidecar(cfg: InjectionConfig, command: list[str], env: list[Obj], ports: li
         "env": env,
         "ports": ports,
         "resources": cfg.resources,
+        # Ready: its dependencies answer (the receiver's vLLM with the refit extension, the
+        # producer's inbox and reference checkpoint); alive: the process answers. Liveness is
+        # lenient, since a restarted producer must rebuild its baseline from the next export.
         "readinessProbe": {
-            "httpGet": {"path": "/healthz", "port": CONTROL_PORT},
+            "httpGet": {"path": "/readyz", "port": CONTROL_PORT},
             "periodSeconds": 5,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": CONTROL_PORT},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
         },
         "volumeMounts": [
             {"name": WORK_VOLUME, "mountPath": cfg.work_dir},

@@ -24,6 +24,7 @@ import numpy.typing as npt
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from refit_protocol.config_files import ByteSize, ConfigPath
 from refit_sidecar.baseline.chunks import ExportChunk, owner_of, plan_chunks
 from refit_sidecar.baseline.storage import ChunkStore
 from refit_sidecar.bitdiff import (
@@ -54,13 +55,13 @@ class BaselineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    directory: Path | None = Field(
+    directory: ConfigPath | None = Field(
         default=None,
         description="Directory for the file-backed baseline (a private subdirectory is created "
         "in it); None uses the system temp directory.",
     )
     in_memory: bool = Field(default=False, description="Keep the baseline in RAM, not in files.")
-    export_chunk_bytes: int = Field(
+    export_chunk_bytes: ByteSize = Field(
         default=256 << 20,
         ge=1,
         description="Export chunk limit in bytes (256 MiB suits ZeroMQ, 64 MiB S3); must be the "

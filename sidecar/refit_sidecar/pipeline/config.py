@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from refit_protocol.config_files import ByteSize
 from refit_sidecar.codec.wire import CodecConfig
 
 
@@ -13,7 +14,7 @@ class PipelineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     compare_workers: int = Field(default=2, ge=1, description="Threads comparing chunks.")
-    bucket_bytes: int = Field(
+    bucket_bytes: ByteSize = Field(
         default=512 << 20,
         ge=1,
         description="Bucket target: input bytes of the chunks (with records) coalesced into one "

@@ -1,6 +1,19 @@
-"""`python -m refit_sidecar.producer --config FILE`: run one trainer sidecar in this process."""
+"""`python -m refit_sidecar.producer --config FILE`: the same as `kuberefit producer serve`."""
 
-from refit_sidecar.producer.main import main
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    from refit_protocol.cli import add_common_options
+    from refit_sidecar.cli import producer
+
+    add_common_options(producer).main(
+        ["serve", *(sys.argv[1:] if argv is None else argv)],
+        prog_name="python -m refit_sidecar.producer",
+    )
+
 
 if __name__ == "__main__":
     main()

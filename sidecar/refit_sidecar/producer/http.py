@@ -1,20 +1,25 @@
 """The producer's HTTP control plane (aiohttp, bearer token): what the coordinator calls, and
 the candidate endpoints the trainer's publisher calls to hand over its exports.
 
-Refusals carry `{"error": message, "code": code}`; the codes of the trainer handoff are the
+Refusals carry the error body of every plane (`refit_protocol.errors.ErrorBody`: `{"error":
+message, "code": code, "details": {...}}`); the codes of the trainer handoff are the
 `refit_sidecar.trainer.errors` classes, so the publisher raises the same typed error.
+`/healthz` (liveness) and `/readyz` (the inbox and reference checkpoint are there:
+`producer.readiness`) are open; `/metrics` (`producer.metrics`) needs the token like the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from refit_protocol.auth import ring_accepts_bearer
-from refit_protocol.errors import EndpointError
+from refit_protocol.errors import CONFLICT, EndpointError
+from refit_protocol.http_log import request_logger
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
     AttemptPlan,
@@ -27,6 +32,14 @@ from refit_protocol.producer_api import (
     ProducerAttemptRequest,
     ProducerStatus,
 )
+from refit_protocol.service_http import (
+    Readiness,
+    error_response,
+    json_errors,
+    metrics_response,
+    readiness_response,
+    unauthorized,
+)
 from refit_protocol.tokens import TokenRing, as_ring
 from refit_sidecar.baseline.source import BaselineError, ExportMismatchError
 from refit_sidecar.producer.service import ProducerService
@@ -37,34 +50,36 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: Largest request body (a stage request carries the manifest of the whole export).
 MAX_REQUEST_BYTES = 256 << 20
 _OK = {"ok": True}
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 
 
 def create_producer_app(
     service: ProducerService, *, token: str | TokenRing | None
 ) -> web.Application:
-    """Routes under /v1/producer; /healthz is open, everything else needs the token."""
+    """Routes under /v1/producer; /healthz and /readyz are open, everything else needs the
+    token."""
     ring = as_ring(token)
+    metrics = service.metrics
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path != "/healthz" and not ring_accepts_bearer(
-            ring, request.headers.get("Authorization", "")
-        ):
-            return web.json_response({"error": "missing or invalid bearer token"}, status=401)
+        resource = request.match_info.route.resource
+        path = resource.canonical if resource else "other"
+        status = 500
         try:
-            return await handler(request)
-        except ValidationError as exc:
-            return web.json_response(
-                {"error": f"invalid request: {exc.error_count()} errors"}, status=400
-            )
-        except StagingError as exc:
-            return _refusal(exc)
-        except ExportMismatchError as exc:
-            return _refusal(CandidateMismatchError(str(exc)))
-        except BaselineError as exc:
-            return _refusal(StagingStateError(str(exc)))
-        except (EndpointError, ValueError) as exc:
-            return web.json_response({"error": str(exc)}, status=409)
+            if request.path not in OPEN_PATHS and not ring_accepts_bearer(
+                ring, request.headers.get("Authorization", "")
+            ):
+                resp: web.StreamResponse = unauthorized()
+            else:
+                resp = await _answer(request, handler)
+            status = resp.status
+            return resp
+        except web.HTTPException as exc:  # aiohttp's own (404, 405, 413): `json_errors`
+            status = exc.status
+            raise
+        finally:
+            metrics.http.labels(path, str(status)).inc()
 
     async def status(_: web.Request) -> web.Response:
         b = service.baseline
@@ -136,11 +151,21 @@ def create_producer_app(
         return web.json_response(_OK)
 
     async def healthz(_: web.Request) -> web.Response:
+        """Liveness only: this process serves requests."""
         return web.json_response(_OK)
+
+    async def readyz(_: web.Request) -> web.Response:
+        return readiness_response(Readiness.of(await asyncio.to_thread(service.readiness)))
+
+    async def metrics_text(_: web.Request) -> web.Response:
+        return metrics_response(metrics.registry)
 
     # A candidate's manifest names every tensor of the export (~100 bytes each): allow large
     # models' manifests, well above aiohttp's 1 MiB default.
-    app = web.Application(middlewares=[guard], client_max_size=MAX_REQUEST_BYTES)
+    app = web.Application(
+        middlewares=[request_logger("producer"), json_errors, guard],
+        client_max_size=MAX_REQUEST_BYTES,
+    )
     p = PRODUCER_PREFIX
     app.router.add_get(f"{p}/status", status)
     app.router.add_post(f"{p}/start", start)
@@ -154,8 +179,36 @@ def create_producer_app(
     app.router.add_post(f"{p}/candidate", candidate_stage)
     app.router.add_post(f"{p}/candidate/abort", candidate_abort)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_text)
+    metrics.preset_routes(
+        sorted({str(r.resource.canonical) for r in app.router.routes() if r.resource} - OPEN_PATHS)
+    )
     return app
 
 
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The handler's answer, with every refusal as an `ErrorBody`."""
+    try:
+        return await handler(request)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False, include_context=False)
+        where = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+        first = f"{where + ': ' if where else ''}{errors[0]['msg']}" if errors else ""
+        return error_response(
+            400,
+            f"invalid request: {exc.error_count()} errors; first: {first}",
+            errors=json.loads(json.dumps(errors, default=str)),
+        )
+    except StagingError as exc:
+        return _refusal(exc)
+    except ExportMismatchError as exc:
+        return _refusal(CandidateMismatchError(str(exc)))
+    except BaselineError as exc:
+        return _refusal(StagingStateError(str(exc)))
+    except (EndpointError, ValueError) as exc:
+        return error_response(409, str(exc), CONFLICT)
+
+
 def _refusal(exc: StagingError) -> web.Response:
-    return web.json_response({"error": str(exc), "code": exc.code}, status=exc.http_status)
+    return error_response(exc.http_status, str(exc), exc.code)

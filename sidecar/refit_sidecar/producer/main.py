@@ -1,5 +1,5 @@
 """The trainer sidecar as a process: `kuberefit producer serve --config FILE`
-(or `python -m refit_sidecar.producer --config FILE`).
+(or `python -m refit_sidecar.producer --config FILE`, the same command).
 
 It serves the producer's control plane (`producer.http`: the coordinator's calls and the
 trainer's candidate handoff), keeps the source baseline in `baseline.directory`, takes the
@@ -11,26 +11,26 @@ is built from the trainer's first export (`Publisher.initialize`): no dense sync
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import structlog
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from refit_protocol.auth import open_ring, require_token_or_loopback
-from refit_protocol.cli import STARTUP_ERROR_HELP, run_service
 from refit_protocol.commit import CommitRecord
+from refit_protocol.config_files import ConfigPath
+from refit_protocol.errors import listen_error
 from refit_protocol.keys import payload_mac_key
-from refit_protocol.logs import configure_logging
+from refit_protocol.logs import configure_logging, log_settings
 from refit_protocol.tokens import DEFAULT_ROTATION_GRACE_S, TokenRing
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.http import create_producer_app
+from refit_sidecar.producer.readiness import startup_problem
 from refit_sidecar.producer.service import ProducerObserver, ProducerService
 from refit_sidecar.producer.staging import StagingConfig
 from refit_sidecar.transport.base import SendObserver
@@ -48,7 +48,7 @@ class ProducerProcessConfig(BaseModel):
     host: str = Field("127.0.0.1", description="Control-plane bind address.")
     port: int = Field(8471, ge=1, le=65535, description="Control-plane port.")
     token: SecretStr | None = Field(None, description="Bearer token (control plane and relay).")
-    token_file: Path | None = Field(
+    token_file: ConfigPath | None = Field(
         None,
         description="File holding the token (a mounted Secret: followed, so a rotated token is "
         "taken without a restart).",
@@ -59,6 +59,10 @@ class ProducerProcessConfig(BaseModel):
         description="After the token file changes: seconds the previous token is still sent "
         "(and twice that, accepted); longer than the Secret's propagation to every pod.",
     )
+    allow_insecure: bool = Field(
+        False,
+        description="Serve without a token on a non-loopback address (never in production).",
+    )
     producer: int = Field(0, ge=0, description="This producer's index.")
     producers: int = Field(1, ge=1, description="Number of producers (chunk ownership).")
     committed_version: int = Field(
@@ -67,12 +71,17 @@ class ProducerProcessConfig(BaseModel):
     committed_baseline_id: str = Field(
         "g-initial", description="Its baseline id (the commit record's)."
     )
-    baseline: BaselineConfig = Field(default_factory=BaselineConfig)
+    baseline: BaselineConfig = Field(
+        default_factory=BaselineConfig, description="The source baseline and export chunking."
+    )
     staging: StagingConfig | None = Field(
         description="The trainer's shared-memory inbox (None only for tools that stage "
         "candidates in process, like the refit bench)."
     )
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    pipeline: PipelineConfig = Field(
+        default_factory=PipelineConfig,
+        description="Compare, encode and send stages (bounded; they bound its memory).",
+    )
     transport: RelayTransportConfig = Field(
         default_factory=lambda: RelayTransportConfig(root="", stop_timeout_s=30.0),
         description="ZeroMQ transport settings. `root` is the fallback when an attempt plan "
@@ -111,7 +120,10 @@ def build(
     """The sidecar's parts, not yet serving (refuses a non-loopback bind without a token)."""
     tokens = open_ring(config.token, config.token_file, grace_s=config.token_rotation_grace_s)
     require_token_or_loopback(
-        f"producer {config.producer}", [config.host], tokens.sending(), allow_insecure=False
+        f"producer {config.producer}",
+        [config.host],
+        tokens.sending(),
+        allow_insecure=config.allow_insecure,
     )
     baseline = SourceBaseline(
         producer=config.producer, producers=config.producers, config=config.baseline
@@ -131,9 +143,15 @@ def build(
 
 
 async def run_app(
-    app: web.Application, host: str, port: int, *, on_close: Callable[[], None]
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    on_close: Callable[[], None],
+    settings: BaseModel | None = None,
 ) -> None:
-    """Serve `app` until SIGTERM/SIGINT, then clean up and call `on_close`."""
+    """Serve `app` until SIGTERM/SIGINT, then clean up and call `on_close`; once listening,
+    log the `settings` in effect."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -141,8 +159,13 @@ async def run_app(
         loop.add_signal_handler(sig, stop.set)
     try:
         await runner.setup()
-        await web.TCPSite(runner, host, port).start()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            raise listen_error("host/port", f"{host}:{port}", exc) from exc
         log.info("producer.serving", host=host, port=port)
+        if settings is not None:
+            log_settings("producer", settings)
         await stop.wait()
     finally:
         await runner.cleanup()
@@ -153,25 +176,15 @@ async def serve(config: ProducerProcessConfig) -> None:
     """Serve until SIGTERM/SIGINT."""
     if config.staging is None:
         raise ValueError("a trainer sidecar needs `staging` (the trainer's inbox)")
+    problem = startup_problem(config.staging)  # the inbox is `/readyz`'s (producer.readiness)
+    if problem is not None:
+        raise ValueError(problem)
     process = await asyncio.to_thread(build, config)
     app = create_producer_app(process.service, token=process.tokens)
-    await run_app(app, config.host, config.port, on_close=process.close)
+    await run_app(app, config.host, config.port, on_close=process.close, settings=config)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m refit_sidecar.producer", epilog=STARTUP_ERROR_HELP
-    )
-    parser.add_argument("--config", required=True, type=Path, help="ProducerProcessConfig JSON")
-    args = parser.parse_args(argv)
-    run_service(parser.prog, lambda: serve_json(args.config.read_text()))
-
-
-def serve_json(text: str) -> None:
-    """Run the sidecar described by a ProducerProcessConfig JSON document until SIGTERM."""
+def serve_forever(config: ProducerProcessConfig) -> None:
+    """Run the sidecar until SIGTERM (`kuberefit producer serve`)."""
     configure_logging()
-    asyncio.run(serve(ProducerProcessConfig.model_validate_json(text)))
-
-
-if __name__ == "__main__":
-    main()
+    asyncio.run(serve(config))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Protocol
@@ -41,6 +42,8 @@ from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.pipeline.metrics import PipelineMetrics
 from refit_sidecar.pipeline.producer import ProducerPipeline
 from refit_sidecar.producer import resume
+from refit_sidecar.producer.metrics import ProducerMetrics
+from refit_sidecar.producer.readiness import staging_checks
 from refit_sidecar.producer.staging import CandidateStaging, StagingConfig, meta_chunk
 from refit_sidecar.trainer.errors import (
     CandidateMismatchError,
@@ -85,6 +88,7 @@ class ProducerService:
         staging: StagingConfig | None = None,
         observer: ProducerObserver | None = None,
         mac_key: bytes | Callable[[], bytes | None] | None = None,
+        metrics: ProducerMetrics | None = None,
     ) -> None:
         """`transport` is one transport, or a factory choosing it per attempt (e.g. the relay
         tree's root for this producer, which can change when membership does). `staging`
@@ -92,7 +96,9 @@ class ProducerService:
         uninitialized: the trainer's first export builds it. `observer` is told of start,
         sent and baseline update (timing). `mac_key`: payloads carry a MAC made with it
         (`refit_protocol.keys.payload_mac_key` of the policy's token), or with what it returns
-        when an attempt starts (the sending token's key, which a rotation changes)."""
+        when an attempt starts (the sending token's key, which a rotation changes).
+        `metrics`: where attempts, bytes and stage times are counted (default: a registry of
+        its own, served on `/metrics`)."""
         self.baseline = baseline
         if isinstance(transport, Transport):
             fixed = transport
@@ -111,6 +117,11 @@ class ProducerService:
         self.mac_key = mac_key
         self.baseline_fingerprint: str | None = None
         self._layout_cache: tuple[list[tuple[TensorMeta, ...]], dict[str, TensorMeta]] | None = None
+        self.metrics = metrics if metrics is not None else ProducerMetrics()
+        self.metrics.follow(
+            lambda: self.committed.version if self.baseline_ready else -1,
+            lambda: -1 if self.candidate_version is None else self.candidate_version,
+        )
 
     @property
     def producer(self) -> int:
@@ -133,6 +144,7 @@ class ProducerService:
         if self.observer is not None:
             self.observer.started(plan)
         if self._candidate is None or self._candidate[0] != plan.target_version:
+            self.metrics.attempts.labels(plan.mode, "refused").inc()
             raise EndpointError(
                 f"producer {self.producer} has no candidate export of v{plan.target_version}"
             )
@@ -167,8 +179,10 @@ class ProducerService:
                 summary = transport.stop_and_wait(plan.attempt)
                 if summary.errors:
                     raise EndpointError(f"transport: {'; '.join(summary.errors)}")
+                self.metrics.sent(plan.mode, metrics)
                 fut.set_result(metrics)
             except BaseException as exc:
+                self.metrics.attempts.labels(plan.mode, "failed").inc()
                 fut.set_exception(exc)
 
         with self._lock:
@@ -229,6 +243,7 @@ class ProducerService:
             )
         await asyncio.wrap_future(self.baseline.commit(attempt))
         self.committed = record
+        self.metrics.last_commit_time.set(time.time())
         self._candidate = None
         if self._staging is not None:
             self._staging.drop_except(set())
@@ -255,6 +270,10 @@ class ProducerService:
                 was=self.committed.version,
             )
         self.committed = record
+
+    def readiness(self) -> list[tuple[str, bool, str]]:
+        """What `/readyz` reports: the inbox and reference checkpoint (`producer.readiness`)."""
+        return staging_checks(self._staging.config if self._staging is not None else None)
 
     # -- candidate staging (the trainer's handoff) -----------------------------------------------
     @property
@@ -373,6 +392,8 @@ class ProducerService:
             fingerprint = self._initialize(staging, req.version, plan, owned)
         else:
             self.stage_candidate(req.version, lambda: staging.export(req.version))
+        self.metrics.candidates.labels(req.purpose).inc()
+        self.metrics.staged_bytes.inc(nbytes)
         log.info(
             "producer.staged",
             producer=self.producer,

@@ -25,6 +25,7 @@ import structlog
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from refit_protocol.config_files import ConfigPath, ensure_directory
 from refit_sidecar.baseline.chunks import ExportChunk
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.trainer.chunk_files import load_tensors, read_header, safe_path
@@ -39,18 +40,19 @@ class StagingConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    inbox: Path = Field(
+    inbox: ConfigPath = Field(
         description="Directory on the shared-memory volume the trainer writes chunk files to "
-        "(the publisher's `inbox`, as mounted in this container)."
+        "(the publisher's `inbox`, as mounted in this container).",
+        examples=["/dev/shm/kuberefit/inbox"],
     )
-    candidate_dir: Path | None = Field(
+    candidate_dir: ConfigPath | None = Field(
         default=None,
         description="Where staged chunk files are kept until their version commits (about "
         "H/W bytes: this producer's share of one checkpoint). Put it on disk, not on the "
         "shared-memory volume, so that volume only ever holds the chunks in flight. None: a "
         "private directory under the system temp directory.",
     )
-    reference_checkpoint: Path | None = Field(
+    reference_checkpoint: ConfigPath | None = Field(
         default=None,
         description="HF checkpoint directory the rollout engines were started from. The first "
         "export must equal it bit for bit (fresh start and resume rule); None skips that check "
@@ -77,9 +79,9 @@ class CandidateStaging:
 
     def __init__(self, config: StagingConfig) -> None:
         self.config = config
-        config.inbox.mkdir(parents=True, exist_ok=True)
+        ensure_directory(config.inbox, "staging.inbox")
         if config.candidate_dir is not None:
-            config.candidate_dir.mkdir(parents=True, exist_ok=True)
+            ensure_directory(config.candidate_dir, "staging.candidate_dir")
         self._root = Path(tempfile.mkdtemp(prefix="kuberefit-candidate-", dir=config.candidate_dir))
         self._lock = threading.Lock()
         self._chunks: dict[int, dict[int, StagedChunk]] = {}

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from refit_protocol.config_files import ByteSize, ConfigPath
 from refit_protocol.tokens import DEFAULT_ROTATION_GRACE_S
 from refit_sidecar.transport.relay.node import RelayConfig
 from refit_sidecar.transport.s3 import S3Config
@@ -38,7 +39,7 @@ class ApplierConfig(BaseModel):
         description="vllm: bearer token of the refit control path in the server "
         "(`refit_sidecar.vllm.control_path`); default: this receiver's own token.",
     )
-    shm_dir: Path = Field(
+    shm_dir: ConfigPath = Field(
         default=Path("/dev/shm/kuberefit"),
         description="vllm: shared-memory directory the workers read staged payload files from.",
     )
@@ -54,11 +55,11 @@ class ReceiverConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    node: str = Field(description="Node name reported in every answer.")
+    node: str = Field(description="Node name reported in every answer.", examples=["rollout-0"])
     host: str = Field(default="127.0.0.1", description="HTTP bind address.")
     port: int = Field(default=8470, ge=0, le=65535, description="HTTP port (0: pick one).")
     token: SecretStr | None = Field(default=None, description="Bearer token (HTTP and ZMQ).")
-    token_file: Path | None = Field(
+    token_file: ConfigPath | None = Field(
         default=None,
         description="File holding the token (a mounted Secret: followed, so a rotated token is "
         "taken without a restart).",
@@ -85,7 +86,7 @@ class ReceiverConfig(BaseModel):
     staging_workers: int = Field(default=2, ge=1, description="Threads validating/decoding.")
     download_workers: int = Field(default=4, ge=1, description="Threads downloading from S3.")
     download_retries: int = Field(default=3, ge=0, description="Retries of a failed download.")
-    async_staging_max_bytes: int = Field(
+    async_staging_max_bytes: ByteSize = Field(
         default=64 << 30,
         gt=0,
         description="Async RL: most compressed bytes staged in host memory before the gate "
@@ -106,12 +107,14 @@ class ReceiverConfig(BaseModel):
     check_samples: int = Field(
         default=0, ge=-1, description="Post-apply checks per payload when prepare asks none."
     )
-    max_control_body_bytes: int = Field(
+    max_control_body_bytes: ByteSize = Field(
         default=64 << 20, gt=0, description="Largest control-plane request (prewarm metadata)."
     )
     relay: RelayConfig | None = Field(default=None, description="Relay-tree node (ZeroMQ).")
     s3: S3Config | None = Field(default=None, description="Object-storage downloads.")
-    applier: ApplierConfig = Field(default_factory=ApplierConfig)
+    applier: ApplierConfig = Field(
+        default_factory=ApplierConfig, description="What writes the weights of this node."
+    )
 
     @property
     def queue_capacity(self) -> int:

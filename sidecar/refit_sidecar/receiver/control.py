@@ -415,6 +415,8 @@ class ReceiverControl:
             s.held_version = notice.version
             s.dirty = False
             s.set_held_metric()
+            s.metrics.last_commit_version.set(notice.version)
+            s.metrics.last_commit_time.set(time.time())
             log.info(
                 "receiver.committed",
                 node=s.node,

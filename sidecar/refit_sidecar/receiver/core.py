@@ -39,6 +39,28 @@ class ReceiverCore:
         self.intake = Intake(self.state, config, fetcher)
         self.control = ReceiverControl(self.state, self.intake, config)
 
+    def readiness(self) -> list[tuple[str, bool, str]]:
+        """What `/readyz` reports: the applier's dependencies (an applier with
+        `readiness_checks()`, e.g. the vLLM server and its refit extension; any other is ready
+        once built) and, when configured, the relay-tree node. Blocking (it may ask the
+        serving runtime): call it off the event loop."""
+        checks = getattr(self.applier, "readiness_checks", None)
+        if callable(checks):
+            out: list[tuple[str, bool, str]] = list(checks())
+        else:
+            kind = self.config.applier.kind
+            out = [("applier", True, f"{kind} applier {type(self.applier).__name__} built")]
+        relay = self.config.relay
+        if relay is not None:
+            node = self.control.relay
+            if node is None:
+                out.append(
+                    ("relay", False, f"relay-tree node not started (relay.bind {relay.bind})")
+                )
+            else:
+                out.append(("relay", True, f"relay-tree node bound at {node.bound}"))
+        return out
+
     def close(self) -> None:
         self.control.close()
         self.intake.close()

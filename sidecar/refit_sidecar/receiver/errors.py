@@ -1,4 +1,5 @@
-"""Typed receiver errors; the HTTP layer maps each to a status code and a JSON body."""
+"""Typed receiver errors; the HTTP layer answers each with its HTTP status and the error body
+of every plane (`refit_protocol.errors.ErrorBody`) whose `code` is the class's `code`."""
 
 from __future__ import annotations
 
@@ -7,26 +8,26 @@ class ReceiverError(Exception):
     """A control call cannot be served in the current state (HTTP 409 unless said otherwise)."""
 
     http_status = 409
-    status = "conflict"
+    code = "conflict"
 
 
 class BadRequestError(ReceiverError):
     """The request is well-formed JSON but semantically invalid (HTTP 400)."""
 
     http_status = 400
-    status = "bad_request"
+    code = "bad_request"
 
 
 class ObsoleteAttemptError(ReceiverError):
     """A later prepare replaced this attempt: the call is ignored (HTTP 409)."""
 
-    status = "obsolete"
+    code = "obsolete"
 
 
 class UnknownAttemptError(ReceiverError):
     """This node was never prepared for the attempt (HTTP 409)."""
 
-    status = "unknown_attempt"
+    code = "unknown_attempt"
 
 
 class ReceptionError(ValueError):

@@ -17,6 +17,7 @@ from refit_protocol.receiver_api import (
     RelayFlushRequest,
     RelayFlushResponse,
 )
+from refit_sidecar.receiver.metrics import STAGES
 from refit_sidecar.receiver.node_state import NodeState
 from refit_sidecar.receiver.state import AttemptState, Phase
 from refit_sidecar.transport.relay.node import RelayNode
@@ -94,6 +95,8 @@ def flush(s: NodeState, req: FlushRequest, default_timeout_s: float) -> FlushRes
         st.flushed_ok = True
         s.metrics.attempts.labels("flushed").inc()
         timings = {"wait_s": t1 - t0, "sync_s": time.monotonic() - t1, **st.timings}
+        for stage in STAGES:
+            s.metrics.stage_seconds.labels(stage).observe(timings.get(f"{stage}_s", 0.0))
         log.info(
             "receiver.flushed",
             node=s.node,

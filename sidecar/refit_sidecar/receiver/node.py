@@ -6,9 +6,12 @@ import asyncio
 import signal
 
 import structlog
+import zmq
 from aiohttp import web
 
 from refit_protocol.auth import endpoint_host, open_ring, require_token_or_loopback
+from refit_protocol.errors import listen_error
+from refit_protocol.logs import configure_logging, log_settings
 from refit_sidecar.receiver import appliers
 from refit_sidecar.receiver.appliers.base import Applier
 from refit_sidecar.receiver.appliers.vllm_http import VllmHttpApplier
@@ -58,12 +61,15 @@ class ReceiverNode:
             # not serve: hold the gate closed until a dense restore.
             await asyncio.to_thread(self.core.control.close_gate_for_unknown_bits)
         if self.config.relay is not None:
-            self.relay = RelayNode(
-                self.config.relay,
-                self.core.intake,
-                token=self.tokens,
-                registry=self.metrics.registry,
-            ).start()
+            try:
+                self.relay = RelayNode(
+                    self.config.relay,
+                    self.core.intake,
+                    token=self.tokens,
+                    registry=self.metrics.registry,
+                ).start()
+            except zmq.ZMQError as exc:
+                raise listen_error("relay.bind", self.config.relay.bind, exc) from exc
             self.core.control.relay = self.relay
         app = create_app(self.core, token=self.tokens)
         self._runner = web.AppRunner(
@@ -71,7 +77,11 @@ class ReceiverNode:
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            address = f"{self.config.host}:{self.config.port}"
+            raise listen_error("host/port", address, exc) from exc
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         self.port = int(sockets[0].getsockname()[1]) if sockets else self.config.port
@@ -96,8 +106,15 @@ class ReceiverNode:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await self.start()
         try:
+            await self.start()
+            log_settings("receiver", self.config)
             await stop.wait()
         finally:
             await self.close()
+
+
+def serve_forever(config: ReceiverConfig) -> None:
+    """Run the node until SIGTERM (`kuberefit receiver serve`)."""
+    configure_logging()
+    asyncio.run(ReceiverNode(config).run_forever())

@@ -38,7 +38,7 @@ class NodeState:
         self.cond = threading.Condition()
         self.held_version = held_version
         self.dirty = False  # partial writes since held_version
-        self.gate_closed = False
+        self._gate_closed = False
         self.metas: dict[str, TensorMeta] = {}
         self.xor_incompatible: frozenset[str] = frozenset()
         self.unsupported: dict[str, str] = {}
@@ -47,6 +47,16 @@ class NodeState:
         self.obsolete = ObsoleteSet()
         self.dropped = 0
         self.set_held_metric()
+
+    @property
+    def gate_closed(self) -> bool:
+        """Whether the runtime's request gate is closed (mirrored in the gate metric)."""
+        return self._gate_closed
+
+    @gate_closed.setter
+    def gate_closed(self, closed: bool) -> None:
+        self._gate_closed = closed
+        self.metrics.gate_closed.set(1 if closed else 0)
 
     def require(self, attempt: str) -> AttemptState:
         """The current attempt if it is `attempt`; else a typed refusal (under `cond`)."""

@@ -3,9 +3,12 @@
 Every body is one of the pydantic models of `refit_protocol.receiver_api`; a malformed body is
 a 400 that changes nothing. Calls that may block (prepare joins a replaced attempt's apply, flush
 waits for the queue, prewarm runs the loader) run on a dedicated thread pool so the event loop keeps
-serving manifests and status. `/healthz` is open (liveness probes carry no token and learn
-nothing); `/metrics` requires the token like everything else (Prometheus scrape configs send it
-with `authorization: {credentials_file: ...}`).
+serving manifests and status. `/healthz` (liveness: the process answers) and `/readyz`
+(readiness: the serving runtime answers and runs the refit extension, the relay node is bound;
+`refit_protocol.service_http`) are open: probes carry no token and learn nothing secret.
+`/metrics` requires the token like everything else (Prometheus scrape configs send it with
+`authorization: {credentials_file: ...}`). Every refusal carries the error body of every plane
+(`refit_protocol.errors.ErrorBody`: `{"error", "code", "details"}`).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from typing import Any, TypeVar
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from refit_protocol.auth import ring_accepts_bearer
+from refit_protocol.errors import INTERNAL
+from refit_protocol.http_log import request_logger
 from refit_protocol.receiver_api import (
     API_PREFIX,
     AttemptRequest,
@@ -36,6 +40,14 @@ from refit_protocol.receiver_api import (
     RelayFlushRequest,
     RestoreRequest,
     StreamEnd,
+)
+from refit_protocol.service_http import (
+    Readiness,
+    error_response,
+    json_errors,
+    metrics_response,
+    readiness_response,
+    unauthorized,
 )
 from refit_protocol.tokens import TokenRing, as_ring
 from refit_sidecar.receiver.core import ReceiverCore
@@ -59,7 +71,9 @@ OFFER_STATUS = {
     AckStatus.REJECTED: 422,
     AckStatus.READY: 200,
 }
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+#: How long /readyz waits for the serving runtime's answer.
+READY_TIMEOUT_S = 2.0
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -105,40 +119,35 @@ def create_app(
             if request.path not in OPEN_PATHS and not ring_accepts_bearer(
                 ring, request.headers.get("Authorization", "")
             ):
-                core.metrics.unauthorized.inc()
                 status = 401
-                return web.json_response(
-                    {"error": "missing or invalid bearer token", "status": "unauthorized"},
-                    status=401,
-                    headers={"WWW-Authenticate": 'Bearer realm="kuberefit"'},
-                )
+                return unauthorized()
             resp = await handler(request)
             status = resp.status
             return resp
         except ValidationError as exc:
             status = 400
             errors = exc.errors(include_url=False, include_input=False, include_context=False)
-            return _json(
-                {
-                    "error": _first_error("invalid request body", errors),
-                    "status": "bad_request",
-                    "details": json.loads(json.dumps(errors, default=str)),
-                },
+            return error_response(
                 400,
+                _first_error("invalid request body", errors),
+                errors=json.loads(json.dumps(errors, default=str)),
             )
         except ReceiverError as exc:
             status = exc.http_status
-            return _json({"error": str(exc), "status": exc.status}, exc.http_status)
+            return error_response(exc.http_status, str(exc), exc.code)
         except web.HTTPException as exc:
             status = exc.status
             raise
         except Exception as exc:
             log.exception("receiver.http_error", node=core.node, path=request.path)
-            return _json({"error": f"internal error: {type(exc).__name__}", "status": "error"}, 500)
+            return error_response(500, f"internal error: {type(exc).__name__}", INTERNAL)
         finally:
             core.metrics.http.labels(path, str(status)).inc()
 
-    app = web.Application(middlewares=[guard], client_max_size=core.config.max_control_body_bytes)
+    app = web.Application(
+        middlewares=[request_logger("receiver"), json_errors, guard],
+        client_max_size=core.config.max_control_body_bytes,
+    )
     app[CORE] = core
     app[POOL] = ThreadPoolExecutor(control_threads, thread_name_prefix="refit-control")
 
@@ -146,13 +155,18 @@ def create_app(
         return await asyncio.get_running_loop().run_in_executor(app[POOL], fn, *args)
 
     async def healthz(_: web.Request) -> web.Response:
+        """Liveness only: this process serves requests (not that the runtime does)."""
         return _json({"ok": True, "node": core.node})
 
+    async def readyz(_: web.Request) -> web.Response:
+        try:
+            checks = await asyncio.wait_for(blocking(core.readiness), READY_TIMEOUT_S + 1.0)
+        except TimeoutError:
+            checks = [("readiness", False, f"the checks took over {READY_TIMEOUT_S + 1.0:g}s")]
+        return readiness_response(Readiness.of(checks))
+
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(core.metrics.registry),
-            headers={"Content-Type": CONTENT_TYPE_LATEST},
-        )
+        return metrics_response(core.metrics.registry)
 
     async def status(_: web.Request) -> web.Response:
         return _model(core.control.status())
@@ -163,7 +177,7 @@ def create_app(
     async def prewarmed(_: web.Request) -> web.Response:
         answer = core.control.prewarmed()
         if answer is None:
-            return _json({"error": "not prewarmed", "status": "not_prewarmed"}, 404)
+            return error_response(404, "not prewarmed", "not_prewarmed")
         return _model(answer)
 
     async def prepare(request: web.Request) -> web.Response:
@@ -222,6 +236,7 @@ def create_app(
 
     p = API_PREFIX
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get(f"{p}/status", status)
     app.router.add_post(f"{p}/prewarm", prewarm)
@@ -238,6 +253,9 @@ def create_app(
     app.router.add_post(f"{p}/commit", commit)
     app.router.add_post(f"{p}/restore", restore)
     app.router.add_post(f"{p}/audit", audit)
+    core.metrics.preset_routes(
+        sorted({str(r.resource.canonical) for r in app.router.routes() if r.resource} - OPEN_PATHS)
+    )
 
     async def shutdown(app: web.Application) -> None:
         app[POOL].shutdown(wait=False, cancel_futures=True)

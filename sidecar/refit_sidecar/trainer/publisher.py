@@ -28,13 +28,13 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from refit_protocol.auth import bearer_header, open_ring
+from refit_protocol.config_files import ConfigPath
 from refit_protocol.pod_contract import INBOX_ENV, PRODUCER_URL_ENV
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
@@ -63,6 +63,14 @@ from refit_sidecar.trainer.export import CanonicalSource, plan_owned
 from refit_sidecar.trainer.manifest import from_wire, require_same_layout, to_wire
 
 log = structlog.get_logger("kuberefit.publisher")
+#: How often a wait for a commit says what it waits for (it may last up to commit_timeout_s).
+WAIT_LOG_INTERVAL_S = 30.0
+
+
+def _since(start: float) -> float:
+    return round(time.monotonic() - start, 1)
+
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -72,14 +80,14 @@ class PublisherConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     url: str = Field(
-        description="The trainer sidecar's producer endpoint, e.g. http://127.0.0.1:8470."
+        description="The trainer sidecar's producer endpoint, e.g. http://127.0.0.1:8471."
     )
-    inbox: Path = Field(
+    inbox: ConfigPath = Field(
         description="The shared-memory volume as mounted in the trainer container (the "
         "sidecar's StagingConfig.inbox is the same volume)."
     )
     token: SecretStr | None = Field(default=None, description="Bearer token of the sidecar.")
-    token_file: Path | None = Field(
+    token_file: ConfigPath | None = Field(
         default=None,
         description="File holding the token (a mounted Secret); else $KUBEREFIT_TOKEN.",
     )
@@ -284,8 +292,10 @@ class Publisher:
     def _wait_for(
         self, done: Callable[[ProducerStatus], bool], what: str, version: int
     ) -> ProducerStatus:
-        deadline = time.monotonic() + self.config.commit_timeout_s
+        start = time.monotonic()
+        deadline = start + self.config.commit_timeout_s
         outage: SidecarUnreachableError | None = None
+        said = start - WAIT_LOG_INTERVAL_S  # say at once what this waits for, then now and then
         while True:
             try:
                 status = self.status()
@@ -306,7 +316,19 @@ class Publisher:
                 log.info("publisher.sidecar_back", version=version)
                 outage = None
             if done(status):
+                if time.monotonic() - start > WAIT_LOG_INTERVAL_S:
+                    log.info("publisher.wait_over", waited_for=what, waited_s=_since(start))
                 return status
+            if time.monotonic() - said >= WAIT_LOG_INTERVAL_S:
+                said = time.monotonic()
+                log.info(
+                    "publisher.waiting",
+                    waiting_for=what,
+                    committed=status.committed_version,
+                    candidate=status.candidate_version,
+                    waited_s=_since(start),
+                    timeout_s=self.config.commit_timeout_s,
+                )
             if status.candidate_version != version and status.committed_version < version:
                 raise CandidateDroppedError(
                     f"the sidecar no longer holds the candidate v{version} and committed only "

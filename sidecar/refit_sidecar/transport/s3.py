@@ -18,7 +18,6 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
@@ -27,6 +26,7 @@ import urllib3
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from refit_protocol.auth import bearer_header, is_loopback_host
+from refit_protocol.config_files import ByteSize, ConfigPath
 from refit_protocol.receiver_api import API_PREFIX, ManifestEntry, StreamEnd
 from refit_protocol.tokens import TokenRing, as_ring
 from refit_sidecar.codec.wire import EncodedPayload
@@ -49,7 +49,11 @@ class S3Config(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    bucket: str = Field(min_length=3, description="Bucket for payload objects (must exist).")
+    bucket: str = Field(
+        min_length=3,
+        description="Bucket for payload objects (must exist).",
+        examples=["kuberefit-payloads"],
+    )
     prefix: str = Field(default="kuberefit", description="Key prefix; objects go below it.")
     endpoint_url: str | None = Field(
         default=None, description="S3-compatible endpoint (None: AWS for `region`)."
@@ -58,17 +62,25 @@ class S3Config(BaseModel):
     access_key_id: SecretStr | None = Field(
         default=None, description="Static credentials; None uses boto3's default chain."
     )
-    secret_access_key: SecretStr | None = Field(default=None)
-    addressing_style: Literal["auto", "path", "virtual"] = Field(default="auto")
-    multipart_threshold: int = Field(
+    secret_access_key: SecretStr | None = Field(
+        default=None, description="Secret of `access_key_id` (give both or neither)."
+    )
+    addressing_style: Literal["auto", "path", "virtual"] = Field(
+        default="auto",
+        description="Bucket in the path (most S3-compatible stores) or in the host name "
+        "(virtual); auto lets botocore choose.",
+    )
+    multipart_threshold: ByteSize = Field(
         default=64 * MIB, ge=5 * MIB, description="Payloads larger than this upload in parts."
     )
-    part_size: int = Field(default=64 * MIB, ge=5 * MIB, description="Multipart part size.")
+    part_size: ByteSize = Field(default=64 * MIB, ge=5 * MIB, description="Multipart part size.")
     upload_concurrency: int = Field(default=4, ge=1, description="Parts uploaded in parallel.")
     max_attempts: int = Field(default=3, ge=1, description="botocore attempts per request.")
-    connect_timeout_s: float = Field(default=10.0, gt=0)
-    read_timeout_s: float = Field(default=120.0, gt=0)
-    ca_bundle: Path | None = Field(
+    connect_timeout_s: float = Field(default=10.0, gt=0, description="TCP connect timeout.")
+    read_timeout_s: float = Field(
+        default=120.0, gt=0, description="Longest wait for the next bytes of an answer."
+    )
+    ca_bundle: ConfigPath | None = Field(
         default=None,
         description="PEM file of the CA(s) that signed the endpoint's certificate (a private "
         "object store); None: the system's trust store.",
@@ -96,6 +108,11 @@ class S3Config(BaseModel):
             raise ValueError(
                 f"s3.endpoint_url {self.endpoint_url} is plain HTTP on a non-loopback host: use "
                 "https:// (with s3.ca_bundle for a private CA), or set s3.allow_insecure"
+            )
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ValueError(
+                "s3.access_key_id and s3.secret_access_key go together: give both, or neither "
+                "for boto3's default credential chain"
             )
         if self.sse_kms_key_id and self.server_side_encryption != "aws:kms":
             raise ValueError("s3.sse_kms_key_id needs s3.server_side_encryption: aws:kms")

@@ -6,28 +6,33 @@ starts vLLM with
 
     --middleware refit_sidecar.vllm.control_path.RefitControlMiddleware
 
-and this ASGI middleware answers exactly three requests under `/kuberefit/v1/`, from a loopback
+and this ASGI middleware answers exactly four requests under `/kuberefit/v1/`, from a loopback
 peer (the sidecar in the same pod) carrying the pod's bearer token (`$KUBEREFIT_TOKEN` or the
 file `$KUBEREFIT_TOKEN_FILE`):
 
 - `POST /kuberefit/v1/rpc {"method", "args", "timeout"}`: the engine's `collective_rpc` for the
   refit worker methods in `ALLOWED` only (prewarm, apply, dense load, fingerprint, audit);
 - `POST /kuberefit/v1/pause?mode=wait|abort|keep` and `POST /kuberefit/v1/resume`: the
-  engine's own pause and resume (the request gate).
+  engine's own pause and resume (the request gate);
+- `POST /kuberefit/v1/status`: whether the engine is healthy and whether it runs the refit
+  worker extension (`--worker-extension-cls`), for the receiver's `/readyz`; no worker is called.
 
-Everything else under the prefix is refused with a JSON error; every other path goes to vLLM
-untouched. Without a configured token the path refuses everything (fail closed).
+Everything else under the prefix is refused with the error body of every KubeRefit plane
+(`{"error", "code", "details"}`); every other path goes to vLLM untouched. Without a configured
+token the path refuses everything (fail closed).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs
 
 from refit_protocol.auth import is_loopback_host, open_ring, ring_accepts_bearer
-from refit_protocol.pod_contract import VLLM_MIDDLEWARE
+from refit_protocol.errors import ErrorBody
+from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
 from refit_protocol.tokens import TokenRing, as_ring
 
 PREFIX = "/kuberefit/v1"
@@ -76,9 +81,10 @@ class RefitControlMiddleware:
             body = await _read_body(receive, _content_length(scope))
             status, answer = 200, await self._dispatch(scope, body)
         except _RefusedError as exc:
-            status, answer = exc.status, {"error": str(exc)}
+            status, answer = exc.status, ErrorBody.of(exc.status, str(exc)).to_json()
         except Exception as exc:  # the engine failed: say what, never a traceback
-            status, answer = 500, {"error": f"{type(exc).__name__}: {exc}"}
+            status = 500
+            answer = ErrorBody.of(500, f"{type(exc).__name__}: {exc}").to_json()
         await _respond(send, status, answer)
 
     def _admit(self, scope: Scope) -> None:
@@ -110,12 +116,46 @@ class RefitControlMiddleware:
         if path == "/resume":
             await _engine(scope).resume_generation()
             return {"status": "resumed"}
+        if path == "/status":
+            return await _status(scope)
         raise _RefusedError(404, f"no such refit operation: {path or '/'}")
 
 
 def _engine(scope: Scope) -> Any:
     """vLLM's engine client (the server keeps it on the app's state)."""
     return scope["app"].state.engine_client
+
+
+async def _status(scope: Scope) -> dict[str, Any]:
+    """Engine health and the worker extension it runs (`--worker-extension-cls`)."""
+    engine = _engine(scope)
+    try:
+        await engine.check_health()
+        healthy, error = True, ""
+    except Exception as exc:  # a dead engine raises its error
+        healthy, error = False, f"{type(exc).__name__}: {exc}".rstrip(": ")
+    config = getattr(engine, "vllm_config", None)
+    if config is None:
+        config = getattr(scope["app"].state, "vllm_config", None)
+    ext = getattr(getattr(config, "parallel_config", None), "worker_extension_cls", "") or ""
+    name = ext if isinstance(ext, str) else f"{ext.__module__}.{ext.__qualname__}"
+    return {
+        "engine_healthy": healthy,
+        "engine_error": error,
+        "worker_extension": name,
+        "refit_extension": _has_refit_methods(ext),
+    }
+
+
+def _has_refit_methods(ext: Any) -> bool:
+    """The worker extension is ours or has every refit method (a subclass, already imported:
+    the server process does not import worker code for this)."""
+    if isinstance(ext, str):
+        if ext == VLLM_WORKER_EXTENSION:
+            return True
+        module, _, attr = ext.rpartition(".")
+        ext = getattr(sys.modules.get(module), attr, None)
+    return ext is not None and all(callable(getattr(ext, m, None)) for m in ALLOWED)
 
 
 def _rpc_request(body: bytes) -> tuple[str, tuple[Any, ...], float | None]:

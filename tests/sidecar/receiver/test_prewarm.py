@@ -62,7 +62,7 @@ async def test_bad_metas_are_400_with_the_reason_and_change_nothing(
     for bad, reason in BAD_METAS:
         status, body = await post(node, session, {"metas": [*valid()[1:], bad]})
         assert status == 400, (bad["dtype"], bad["shape"][:3], body)
-        assert body["status"] == "bad_request"
+        assert body["code"] == "bad_request"
         assert reason in body["error"], body["error"]
         assert await get(node, session, "/status") == before
         assert await get(node, session, "/prewarm") == first  # the classification is kept
@@ -108,7 +108,7 @@ async def test_scratch_the_device_cannot_hold_is_a_400(
     status, body = await post(node, session, {"metas": huge})
     monkeypatch.undo()
     assert status == 400, body
-    assert body["status"] == "bad_request"
+    assert body["code"] == "bad_request"
     assert "t0.weight: cannot allocate 274877906944 bytes of scratch" in body["error"]
     assert await get(node, session, "/prewarm") == first
     status, again = await post(node, session, {"metas": valid()})

@@ -1,4 +1,4 @@
-"""Two emulated clusters joined by a rate-limited link (HARNESS.md "Networks between clusters").
+"""Two emulated clusters joined by a rate-limited link (docs/performance.md, "Refit end to end").
 
 `trainer` and `rollout` network namespaces are joined by a veth pair whose trainer-side egress
 (the payload direction) is shaped with `tc tbf`. A second, unshaped veth joins the caller's own

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +23,8 @@ from typing import Any
 import urllib3
 
 from refit_protocol.auth import bearer_header
+from refit_protocol.config_files import ensure_directory
+from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
 from refit_protocol.receiver_api import RankPrewarm
 from refit_protocol.tokens import TokenRing, as_ring
 from refit_sidecar.codec.decoded_file import write_decoded
@@ -42,7 +45,7 @@ class VllmHttpApplier:
         self.config = config
         self.base = config.vllm_url.rstrip("/")
         self.shm_dir = config.shm_dir
-        self.shm_dir.mkdir(parents=True, exist_ok=True)
+        ensure_directory(self.shm_dir, "applier.shm_dir")
         self._http = urllib3.PoolManager(maxsize=4, retries=False)
         token = config.control_token.get_secret_value() if config.control_token else None
         #: The control path's token; `ReceiverNode` sets its own ring (followed across rotations).
@@ -73,6 +76,60 @@ class VllmHttpApplier:
         if not isinstance(results, list):
             raise VllmRpcError(f"{method}: unexpected answer {out!r}")
         return results
+
+    # -- readiness ---------------------------------------------------------------------------------
+    def readiness_checks(self, timeout_s: float = 2.0) -> list[tuple[str, bool, str]]:
+        """`vllm`: the server answers and its engine is healthy; `refit_extension`: it runs
+        the refit control path (`--middleware`) and worker extension (`--worker-extension-cls`).
+        Each failed check's detail names what is missing and the server's URL."""
+        where = f"vLLM at {self.base}"
+        extension = f"start vLLM with --middleware {VLLM_MIDDLEWARE}"
+        workers = f"--worker-extension-cls {VLLM_WORKER_EXTENSION}"
+        try:
+            resp = self._http.request(
+                "POST",
+                self.base + f"{CONTROL_PREFIX}/status",
+                body=b"{}",
+                headers={"Content-Type": "application/json", **bearer_header(self.tokens.newest())},
+                timeout=urllib3.Timeout(total=timeout_s),
+            )
+        except urllib3.exceptions.HTTPError as exc:
+            why = _connection_reason(exc)
+            return [
+                ("vllm", False, f"{where} unreachable: {why}"),
+                ("refit_extension", False, f"unknown: {where} does not answer"),
+            ]
+        try:
+            body = json.loads(resp.data) if resp.data else {}
+        except ValueError:
+            body = {}
+        body = body if isinstance(body, dict) else {}
+        if resp.status == 200:
+            healthy = bool(body.get("engine_healthy"))
+            engine = "engine healthy" if healthy else f"engine failed: {body.get('engine_error')}"
+            name = str(body.get("worker_extension") or "")
+            if body.get("refit_extension"):
+                ext = (True, f"refit control path and worker extension {name} loaded")
+            elif name:
+                ext = (False, f"{where} runs worker extension {name}, not the refit one: {workers}")
+            else:
+                ext = (False, f"{where} runs no worker extension: start it with {workers}")
+            return [("vllm", healthy, f"{where}: {engine}"), ("refit_extension", *ext)]
+        reachable = ("vllm", True, f"{where} answers")
+        ours = "code" in body or ("error" in body and "detail" not in body)  # not FastAPI's
+        if resp.status == 404 and not ours:
+            missing = f"{where} has no refit control path: {extension} and {workers}"
+        elif resp.status == 404:
+            missing = f"{where} runs an older refit control path (no /status): restart it"
+        elif resp.status in (401, 403):
+            missing = (
+                f"{where} refused this receiver's token on the refit control path (HTTP "
+                f"{resp.status}: {body.get('error', '')}): give vLLM the pod's token "
+                "($KUBEREFIT_TOKEN_FILE)"
+            )
+        else:
+            missing = f"{where} refit control path: HTTP {resp.status}: {body.get('error', body)}"
+        return [reachable, ("refit_extension", False, missing)]
 
     # -- Applier -----------------------------------------------------------------------------------
     def prewarm(self, metas: Mapping[str, TensorMeta]) -> list[RankPrewarm]:
@@ -142,3 +199,18 @@ class VllmHttpApplier:
 
     def close(self) -> None:
         self._http.clear()
+
+
+def _connection_reason(exc: BaseException) -> str:
+    """Why a connection failed, in a few words ("connection refused", "timed out")."""
+    reason = getattr(exc, "reason", None) or exc
+    text = str(reason)
+    m = re.search(r"\[Errno -?\d+\] ([^')\]]+)", text)
+    if m is not None:
+        text = m.group(1)
+    elif isinstance(reason, urllib3.exceptions.TimeoutError):
+        text = "no answer in time"
+    elif ": " in text:
+        text = text.rsplit(": ", 1)[1]
+    text = text.strip().rstrip(".")
+    return text[:1].lower() + text[1:]

@@ -30,7 +30,9 @@ from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
 from zmq.utils.monitor import recv_monitor_message
 
+from refit_protocol.config_files import ByteSize
 from refit_protocol.keys import payload_mac_key
+from refit_protocol.metrics import preset
 from refit_protocol.tokens import TokenRing, as_ring, ring_accepts
 from refit_sidecar.codec.errors import CodecError
 from refit_sidecar.transport.relay import tree
@@ -60,7 +62,10 @@ class RelayConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    bind: str = Field(description="ZeroMQ endpoint the ROUTER binds, e.g. tcp://0.0.0.0:5701.")
+    bind: str = Field(
+        description="ZeroMQ endpoint the ROUTER binds, e.g. tcp://0.0.0.0:5701.",
+        examples=["tcp://127.0.0.1:5701"],
+    )
     advertise: str | None = Field(
         default=None,
         description="How the other nodes and producers reach this relay (its entry in `nodes`); "
@@ -73,7 +78,7 @@ class RelayConfig(BaseModel):
     forward: DealerConfig = Field(
         default_factory=DealerConfig, description="Window and retries of child forwards."
     )
-    max_payload_bytes: int = Field(
+    max_payload_bytes: ByteSize = Field(
         default=8 << 30, gt=0, description="Largest frame accepted (ZeroMQ MAXMSGSIZE)."
     )
 
@@ -141,6 +146,10 @@ class RelayMetrics:
         self.forwards = Counter(
             "kuberefit_relay_forwards", "Child forwards by result.", ["result"], registry=reg
         )
+        # Every known series exists at 0 before its first event (refit_protocol.metrics).
+        preset(self.frames, *((k.decode(), s.value) for k in (DATA, PROBE, END) for s in AckStatus))
+        preset(self.dropped, "unauthenticated", "malformed", "handshake", "handshake_aborted")
+        preset(self.forwards, "ok", "failed", "skipped")
 
 
 class RelayNode:

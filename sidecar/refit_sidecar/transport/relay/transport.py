@@ -45,7 +45,9 @@ class RelayTransportConfig(BaseModel):
     stop_timeout_s: float = Field(
         default=60.0, gt=0, description="How long stop_and_wait waits for outstanding ACKs."
     )
-    client: DealerConfig = Field(default_factory=DealerConfig)
+    client: DealerConfig = Field(
+        default_factory=DealerConfig, description="Window and retries of the sends to the root."
+    )
 
 
 class RelayTransport:
