@@ -13,9 +13,9 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 _REASON_CHARS = 300
 
 
