@@ -25,7 +25,7 @@ from refit_protocol.errors import listen_error
 from refit_protocol.http_log import request_logger
 from refit_protocol.service_http import (
     Handler,
-    Readiness,
+    ReadinessProbe,
     json_errors,
     metrics_response,
     readiness_response,
@@ -102,8 +102,10 @@ def coordinator_app(
         """Liveness only: the process's event loop answers."""
         return web.json_response({"ok": True})
 
+    probe = ReadinessProbe(readiness.checks, timeout_s=STORE_TIMEOUT_S + 2.0)
+
     async def readyz(_: web.Request) -> web.Response:
-        return readiness_response(Readiness.of(await readiness.checks()))
+        return readiness_response(await probe())
 
     async def metrics_text(_: web.Request) -> web.Response:
         return metrics_response(metrics.registry)

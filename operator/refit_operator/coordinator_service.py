@@ -38,9 +38,10 @@ from refit_operator.metrics import CoordinatorMetrics
 from refit_operator.ports import TransitionProgress
 from refit_operator.producer_client import HttpProducerClient, all_staged
 from refit_protocol.auth import open_ring
+from refit_protocol.cli import mark_started
 from refit_protocol.commit import CommitRecord
 from refit_protocol.config_files import ConfigPath, resolve_relative
-from refit_protocol.errors import PeerAuthenticationError
+from refit_protocol.errors import ConfigurationError, PeerAuthenticationError
 from refit_protocol.tokens import TokenRing
 
 log = structlog.get_logger("kuberefit.coordinator_service")
@@ -158,12 +159,12 @@ class JsonLinesSink:
 
 async def serve(config: CoordinatorServiceConfig) -> int:
     """Run transitions until `until_version` is committed (or forever); returns an exit code.
-    A sidecar refusing the coordinator's token is a configuration error (ValueError: one line,
-    exit 2), not an absent node to wait for."""
+    A sidecar refusing the coordinator's token is a configuration error (one line, exit 2),
+    not an absent node to wait for."""
     try:
         return await _serve(config)
     except PeerAuthenticationError as exc:
-        raise ValueError(
+        raise ConfigurationError(
             f"{exc} - the coordinator's token differs from that sidecar's: give both the same "
             "token (token, token_file or $KUBEREFIT_TOKEN)"
         ) from exc
@@ -224,6 +225,7 @@ async def _run(
             name=config.name,
         )
         await coordinator.start()
+        mark_started()  # from here, only a ConfigurationError is a one-line exit 2
         sink.write({"event": "started", "name": coordinator.name, "epoch": coordinator.epoch})
         await coordinator.recover()
         await membership.prewarm((await store.read()).record.version)

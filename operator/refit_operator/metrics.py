@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from refit_operator.coordinator import TransitionResult
 from refit_protocol.metrics import FRACTION_BUCKETS, SECONDS_BUCKETS, add_build_info, preset
@@ -103,6 +104,21 @@ AUDITED_VERSION = Gauge(
     "The last version every rollout node was proven to hold exactly (spec.verify).",
     _POLICY,
 )
+_PER_POLICY: tuple[MetricWrapperBase, ...] = (
+    TRANSITIONS,
+    ATTEMPTS,
+    LATENCY,
+    STAGE_SECONDS,
+    LAST_COMMIT,
+    WIRE_BYTES,
+    CHANGED_FRACTION,
+    TAKEOVERS,
+    RESTORES,
+    COMMITTED_VERSION,
+    LEADER,
+    AUDITS,
+    AUDITED_VERSION,
+)
 ADMISSIONS = Counter(
     "kuberefit_webhook_admissions_total",
     "Pod admissions by result: injected, unchanged (not opted in, or injected already), "
@@ -137,6 +153,14 @@ def preset_policy(namespace: str, policy: str) -> None:
     for metric in (LATENCY, WIRE_BYTES, CHANGED_FRACTION, TAKEOVERS, RESTORES, LAST_COMMIT):
         metric.labels(*labels)
     preset(AUDITS, *((*labels, r) for r in ("verified", "mismatch", "incomplete")))
+
+
+def forget_policy(namespace: str, policy: str) -> None:
+    """Remove a deleted policy's series (every family labelled by policy)."""
+    for metric in _PER_POLICY:
+        for labels in list(metric._metrics):
+            if labels[:2] == (namespace, policy):
+                metric.remove(*labels)
 
 
 class CoordinatorMetrics:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from refit_protocol import __version__
 from refit_protocol.config_files import example_yaml, load_config
+from refit_protocol.errors import ConfigurationError
 from refit_protocol.logs import FORMATS, LEVELS
 from refit_protocol.pod_contract import CONFIG_ENV, LOG_FORMAT_ENV, LOG_LEVEL_ENV
 
@@ -188,13 +189,26 @@ def fail_startup(prog: str, message: str) -> NoReturn:
     raise SystemExit(STARTUP_ERROR_EXIT)
 
 
+class _Phase:
+    started = False
+
+
+def mark_started() -> None:
+    """A service says it is up (listening): from now on only a ConfigurationError is one line
+    and exit 2; any other error keeps its traceback and exits 1, as the help says."""
+    _Phase.started = True
+
+
 def run_service(prog: str, fn: Callable[[], T]) -> T:
-    """Run a service's entry point; a configuration error becomes one line on stderr and exit
-    status 2 (`startup_error_message`), with the traceback only when ${DEBUG_ENV}=1."""
+    """Run a service's entry point; a configuration error during start-up (or a
+    ConfigurationError at any time) becomes one line on stderr and exit status 2
+    (`startup_error_message`), with the traceback only with --debug / ${DEBUG_ENV}=1."""
+    _Phase.started = False
     try:
         return fn()
     except (ValueError, OSError) as exc:
-        message = startup_error_message(exc)
+        late = _Phase.started and not isinstance(exc, ConfigurationError)
+        message = None if late else startup_error_message(exc)
         if message is None or _debug():
             raise
         fail_startup(prog, message)

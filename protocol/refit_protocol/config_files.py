@@ -15,6 +15,7 @@ import re
 import textwrap
 import types
 import typing
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -52,8 +53,8 @@ def parse_byte_size(value: Any) -> Any:
         )
     number, prefix, binary = match.groups()
     scale = (1024 if binary else 1000) ** _POWER[prefix.lower()] if prefix else 1
-    size = float(number) * scale if "." in number else int(number) * scale
-    if size != int(size):
+    size = Decimal(number) * scale  # exact: 1.07GB is 1070000000 bytes, not 1070000000.0000001
+    if size != size.to_integral_value():
         raise ValueError(f"{value!r} is not a whole number of bytes")
     return int(size)
 

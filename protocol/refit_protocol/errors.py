@@ -18,7 +18,12 @@ class PeerAuthenticationError(EndpointError):
     Retrying cannot help, so callers fail fast and name the peer instead of waiting for it."""
 
 
-class ListenError(ValueError):
+class ConfigurationError(ValueError):
+    """A setting that cannot work, found at any time (e.g. a peer refusing the token): the
+    command exits 2 with one line, even after its start-up (`refit_protocol.cli`)."""
+
+
+class ListenError(ConfigurationError):
     """A service cannot listen where its settings say (address in use, not this host's, no
     permission): a configuration error, so it names the setting to change."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -26,12 +27,15 @@ LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("json", "console")
 #: Identical lines within this many seconds are counted, not printed.
 REPEAT_WINDOW_S = 10.0
+_LIMITED = frozenset({"info", "warning", "warn"})
 _VOLATILE = frozenset({"timestamp", "waited_s", "elapsed_s", "age_s"})
 
 
 class RepeatLimiter:
-    """structlog processor: drop a line identical (level, event, fields) to one printed less
-    than `window_s` ago; the next printed copy says how many were dropped (`repeated`)."""
+    """structlog processor: drop an info or warning line identical (level, event, fields) to
+    one printed less than `window_s` ago; the next printed copy says how many were dropped
+    (`repeated`). Debug lines (asked for) and errors or tracebacks (each may differ in what the
+    fields do not show) are never dropped."""
 
     def __init__(self, window_s: float = REPEAT_WINDOW_S, max_keys: int = 512) -> None:
         self.window_s, self.max_keys = window_s, max_keys
@@ -41,6 +45,8 @@ class RepeatLimiter:
     def __call__(
         self, _: Any, method: str, event: MutableMapping[str, Any]
     ) -> MutableMapping[str, Any]:
+        if method not in _LIMITED or event.get("exc_info"):
+            return event
         key = repr(sorted((k, repr(v)) for k, v in event.items() if k not in _VOLATILE))
         now = time.monotonic()
         with self._lock:
@@ -100,7 +106,25 @@ def configure_logging(
 
 
 def log_settings(component: str, settings: BaseModel) -> None:
-    """The start-up line: every setting in effect (secrets shown as '**********')."""
+    """The start-up line: every setting in effect, secrets shown as '**********' (SecretStr
+    fields, values of keys that name a secret, and passwords in URLs)."""
     structlog.get_logger(f"kuberefit.{component}").info(
-        f"{component}.settings", settings=settings.model_dump(mode="json")
+        f"{component}.settings", settings=redact(settings.model_dump(mode="json"))
     )
+
+
+_SECRET_KEY = re.compile(r"token|secret|password|passwd|credential|api_?key", re.IGNORECASE)
+_URL_PASSWORD = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:@/\s]*):[^@/\s]*@")
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """`value` with what could be a secret masked (for logs)."""
+    if isinstance(value, dict):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v, key) for v in value]
+    if isinstance(value, str):
+        if value and _SECRET_KEY.search(key) and not key.endswith(("_file", "_s")):
+            return "**********"
+        return _URL_PASSWORD.sub(r"\g<scheme>\g<user>:**********@", value)
+    return value

@@ -12,7 +12,10 @@ and `/metrics`.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -56,7 +59,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         reason = exc.text or exc.reason
         if reason.startswith(f"{exc.status}: "):
             reason = reason[len(f"{exc.status}: ") :]
-        return error_response(exc.status, reason, path=request.path)
+        headers = {k: v for k, v in exc.headers.items() if k.lower() != "content-type"}
+        return error_response(exc.status, reason, headers=headers or None, path=request.path)
 
 
 class ReadinessCheck(BaseModel):
@@ -92,3 +96,55 @@ def metrics_response(registry: CollectorRegistry) -> web.Response:
     return web.Response(
         body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
     )
+
+
+Check = tuple[str, bool, str]
+
+
+class ReadinessProbe:
+    """`/readyz` behind an open door: one check at a time, its answer reused for `ttl_s`, and
+    a deadline, so callers without a token cannot make a service hammer its dependencies or
+    tie up the threads its real work runs on. Blocking checks run on this probe's own thread
+    (`blocking=True`); async ones on the event loop."""
+
+    def __init__(
+        self,
+        checks: Callable[[], Iterable[Check]] | Callable[[], Awaitable[Iterable[Check]]],
+        *,
+        timeout_s: float,
+        ttl_s: float = 1.0,
+        blocking: bool = False,
+    ) -> None:
+        self._checks, self.timeout_s, self.ttl_s, self._blocking = (
+            checks,
+            timeout_s,
+            ttl_s,
+            blocking,
+        )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="readyz") if blocking else None
+        self._running: asyncio.Future[Iterable[Check]] | None = None
+        self._last: tuple[float, Readiness] | None = None
+
+    async def __call__(self) -> Readiness:
+        if self._last is not None and time.monotonic() - self._last[0] < self.ttl_s:
+            return self._last[1]
+        if self._running is None or self._running.done():
+            self._running = asyncio.ensure_future(self._run())
+        try:
+            found = await asyncio.wait_for(asyncio.shield(self._running), self.timeout_s)
+        except TimeoutError:
+            found = [("readiness", False, f"the checks took over {self.timeout_s:g}s")]
+        answer = Readiness.of(found)
+        self._last = (time.monotonic(), answer)
+        return answer
+
+    async def _run(self) -> Iterable[Check]:
+        if self._executor is not None:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, self._checks)  # type: ignore[arg-type]
+        found: Iterable[Check] = await self._checks()  # type: ignore[misc]
+        return found
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)

@@ -27,6 +27,7 @@ from refit_protocol.errors import ErrorBody
 from refit_protocol.metrics import parse_exposition, registry_problems
 from refit_protocol.service_http import Readiness
 from tests.harness.procs import free_port
+from tests.harness.readyz import readyz_becomes
 from tests.sidecar.receiver.models import canonical
 
 TOKEN = "coordinator-token"
@@ -88,9 +89,7 @@ async def test_readyz_names_a_checkpoint_that_disappeared(
         assert "version 0 committed" in ready.checks["commit_store"].detail
         assert ready.checks["coordinator"].ok
         shutil.rmtree(v0)  # e.g. the checkpoint volume was unmounted
-        async with session.get(base + "/readyz") as resp:
-            assert resp.status == 503
-            ready = Readiness.model_validate(await resp.json())
+        ready = await readyz_becomes(session, base, 503)
         async with session.get(base + "/healthz") as resp:
             assert resp.status == 200
         async with session.get(base + "/metrics") as resp:

@@ -17,10 +17,12 @@ from refit_protocol.auth import require_token_or_loopback, resolve_token
 from refit_protocol.cli import (
     DEBUG_ENV,
     STARTUP_ERROR_HELP,
+    mark_started,
     run_service,
     service_command,
     startup_error_message,
 )
+from refit_protocol.errors import ConfigurationError
 
 
 class Settings(BaseModel):
@@ -124,3 +126,25 @@ def test_service_command_is_named_after_the_command_path() -> None:
         "or equal to 1"
     ]
     assert "KUBEREFIT_DEBUG=1" in CliRunner().invoke(top, ["thing", "serve", "--help"]).output
+
+
+def test_after_start_up_only_a_configuration_error_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Hours in, a full disk is a bug report (traceback, exit 1), not a refused start-up; a
+    peer refusing the token stays a configuration error (one line, exit 2) at any time."""
+
+    def late(exc: Exception) -> None:
+        mark_started()
+        raise exc
+
+    with pytest.raises(OSError, match="No space left"):
+        run_service("kuberefit thing serve", lambda: late(OSError(28, "No space left", "p")))
+    line = refusal(lambda: late(ConfigurationError("node n refused the token")), capsys)
+    assert line == "kuberefit thing serve: error: node n refused the token"
+    # the next run starts over: an error before start-up is one line again
+    assert "cannot read p" in refusal(lambda: _raise(OSError(2, "No such file", "p")), capsys)
+
+
+def _raise(exc: Exception) -> None:
+    raise exc

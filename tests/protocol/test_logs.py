@@ -97,3 +97,33 @@ async def test_requests_at_debug_refusals_at_info(capsys: pytest.CaptureFixture[
             assert events[0] == ("http.request", 200, None)
         assert ("http.refused", 409, "order 3 taken") in events
         assert any(e[:2] == ("http.refused", 404) for e in events)
+
+
+def test_errors_tracebacks_and_debug_lines_are_never_held_back() -> None:
+    limiter = logs.RepeatLimiter(window_s=60)
+    for method, line in (
+        ("error", {"event": "receiver.http_error", "path": "/v1/flush"}),
+        ("info", {"event": "x", "exc_info": True}),
+        ("debug", {"event": "http.request", "path": "/v1/status"}),
+    ):
+        for _ in range(3):
+            assert limiter(None, method, dict(line)) == line
+
+
+def test_redaction_of_what_could_be_a_secret() -> None:
+    settings = {
+        "token": "s3cret",
+        "token_file": "/etc/kuberefit/token/token",
+        "token_rotation_grace_s": 300.0,
+        "applier": {"options": {"api_key": "k", "log_path": "/l"}},
+        "s3": {"endpoint_url": "https://user:pw@s3.local:9000/b", "region": "r"},
+        "producers": ["http://127.0.0.1:8471"],
+    }
+    assert logs.redact(settings) == {
+        "token": "**********",
+        "token_file": "/etc/kuberefit/token/token",
+        "token_rotation_grace_s": 300.0,
+        "applier": {"options": {"api_key": "**********", "log_path": "/l"}},
+        "s3": {"endpoint_url": "https://user:**********@s3.local:9000/b", "region": "r"},
+        "producers": ["http://127.0.0.1:8471"],
+    }

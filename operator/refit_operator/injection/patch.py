@@ -238,9 +238,10 @@ def _sidecar(cfg: InjectionConfig, command: list[str], env: list[Obj], ports: li
         # Ready: its dependencies answer (the receiver's vLLM with the refit extension, the
         # producer's inbox and reference checkpoint); alive: the process answers. Liveness is
         # lenient, since a restarted producer must rebuild its baseline from the next export.
-        "readinessProbe": {
+        "readinessProbe": {  # the receiver's checks may take 3 s (a busy vLLM)
             "httpGet": {"path": "/readyz", "port": CONTROL_PORT},
             "periodSeconds": 5,
+            "timeoutSeconds": 5,
         },
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": CONTROL_PORT},

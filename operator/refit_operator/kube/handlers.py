@@ -22,6 +22,7 @@ from typing import Any
 import kopf
 import structlog
 
+from refit_operator import metrics
 from refit_operator.discovery import pod_problem, pod_view
 from refit_operator.kube.api import KubeApi, object_ref
 from refit_operator.kube.names import (
@@ -99,7 +100,12 @@ async def coordinate(
         stopped=stopped.is_set,
         settings=memo.settings,
     )
-    await runner.run()
+    try:
+        await runner.run()
+    finally:
+        reason = stopped.reason
+        if reason is not None and reason & kopf.DaemonStoppingReason.RESOURCE_DELETED:
+            metrics.forget_policy(namespace, name)  # its series would stay forever otherwise
 
 
 @kopf.on.event("pods", annotations={POLICY: kopf.PRESENT}, registry=registry)

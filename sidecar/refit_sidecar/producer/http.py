@@ -33,7 +33,7 @@ from refit_protocol.producer_api import (
     ProducerStatus,
 )
 from refit_protocol.service_http import (
-    Readiness,
+    ReadinessProbe,
     error_response,
     json_errors,
     metrics_response,
@@ -154,8 +154,10 @@ def create_producer_app(
         """Liveness only: this process serves requests."""
         return web.json_response(_OK)
 
+    probe = ReadinessProbe(service.readiness, timeout_s=5.0, blocking=True)
+
     async def readyz(_: web.Request) -> web.Response:
-        return readiness_response(Readiness.of(await asyncio.to_thread(service.readiness)))
+        return readiness_response(await probe())
 
     async def metrics_text(_: web.Request) -> web.Response:
         return metrics_response(metrics.registry)

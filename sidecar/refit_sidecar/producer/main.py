@@ -21,6 +21,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from refit_protocol.auth import open_ring, require_token_or_loopback
+from refit_protocol.cli import mark_started
 from refit_protocol.commit import CommitRecord
 from refit_protocol.config_files import ConfigPath
 from refit_protocol.errors import listen_error
@@ -164,6 +165,7 @@ async def run_app(
         except OSError as exc:
             raise listen_error("host/port", f"{host}:{port}", exc) from exc
         log.info("producer.serving", host=host, port=port)
+        mark_started()
         if settings is not None:
             log_settings("producer", settings)
         await stop.wait()

@@ -10,6 +10,7 @@ import zmq
 from aiohttp import web
 
 from refit_protocol.auth import endpoint_host, open_ring, require_token_or_loopback
+from refit_protocol.cli import mark_started
 from refit_protocol.errors import listen_error
 from refit_protocol.logs import configure_logging, log_settings
 from refit_sidecar.receiver import appliers
@@ -108,6 +109,7 @@ class ReceiverNode:
             loop.add_signal_handler(sig, stop.set)
         try:
             await self.start()
+            mark_started()
             log_settings("receiver", self.config)
             await stop.wait()
         finally:

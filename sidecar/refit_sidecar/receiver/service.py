@@ -42,7 +42,7 @@ from refit_protocol.receiver_api import (
     StreamEnd,
 )
 from refit_protocol.service_http import (
-    Readiness,
+    ReadinessProbe,
     error_response,
     json_errors,
     metrics_response,
@@ -158,12 +158,10 @@ def create_app(
         """Liveness only: this process serves requests (not that the runtime does)."""
         return _json({"ok": True, "node": core.node})
 
+    probe = ReadinessProbe(core.readiness, timeout_s=READY_TIMEOUT_S + 1.0, blocking=True)
+
     async def readyz(_: web.Request) -> web.Response:
-        try:
-            checks = await asyncio.wait_for(blocking(core.readiness), READY_TIMEOUT_S + 1.0)
-        except TimeoutError:
-            checks = [("readiness", False, f"the checks took over {READY_TIMEOUT_S + 1.0:g}s")]
-        return readiness_response(Readiness.of(checks))
+        return readiness_response(await probe())
 
     async def metrics(_: web.Request) -> web.Response:
         return metrics_response(core.metrics.registry)

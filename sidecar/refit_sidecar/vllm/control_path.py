@@ -24,8 +24,8 @@ token the path refuses everything (fail closed).
 
 from __future__ import annotations
 
+import importlib
 import json
-import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs
@@ -147,14 +147,20 @@ async def _status(scope: Scope) -> dict[str, Any]:
     }
 
 
-def _has_refit_methods(ext: Any) -> bool:
-    """The worker extension is ours or has every refit method (a subclass, already imported:
-    the server process does not import worker code for this)."""
+def _has_refit_methods(ext: Any) -> bool | None:
+    """The worker extension is ours or has every refit method (e.g. a user's class combining
+    theirs with ours, vLLM taking only one); None when its module cannot be imported here to
+    tell (the workers may still load it)."""
+    if not ext:
+        return False
     if isinstance(ext, str):
         if ext == VLLM_WORKER_EXTENSION:
             return True
         module, _, attr = ext.rpartition(".")
-        ext = getattr(sys.modules.get(module), attr, None)
+        try:
+            ext = getattr(importlib.import_module(module), attr, None)
+        except Exception:
+            return None
     return ext is not None and all(callable(getattr(ext, m, None)) for m in ALLOWED)
 
 

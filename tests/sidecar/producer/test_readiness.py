@@ -27,6 +27,7 @@ from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.main import ProducerProcessConfig, build, serve
 from refit_sidecar.producer.service import ProducerService
 from tests.harness.procs import free_port
+from tests.harness.readyz import readyz_becomes
 from tests.sidecar.producer.test_service import RecordingTransportFake, bump, state
 
 TOKEN = "producer-token"
@@ -75,10 +76,8 @@ async def test_readyz_names_a_missing_inbox(tmp_path: Path, session: aiohttp.Cli
             ready = Readiness.model_validate(await resp.json())
         assert ready.checks["inbox"].ok
         assert ready.checks["reference_checkpoint"].ok
-        (tmp_path / "inbox").rmdir()  # e.g. the shared-memory volume went away
-        async with session.get(url + "/readyz") as resp:
-            assert resp.status == 503
-            ready = Readiness.model_validate(await resp.json())
+        (tmp_path / "inbox").rmdir()  # e.g. someone removed it
+        ready = await readyz_becomes(session, url, 503)
         async with session.get(url + "/healthz") as resp:
             assert resp.status == 200  # alive all the same
     finally:

@@ -26,6 +26,7 @@ from refit_sidecar.receiver.appliers.vllm_http import VllmHttpApplier
 from refit_sidecar.receiver.config import ApplierConfig, ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode
 from refit_sidecar.vllm.control_path import PREFIX, RefitControlMiddleware
+from refit_sidecar.vllm.worker_extension import RefitWorkerExtension
 from tests.harness.procs import free_port
 from tests.sidecar.receiver.models import NODE_TOKEN
 
@@ -138,6 +139,18 @@ async def fake_vllm() -> AsyncIterator[FakeVllm]:
             True,
             "loaded",
         ),
+        (
+            (
+                200,
+                {
+                    "engine_healthy": True,
+                    "worker_extension": "team.ext.Combined",
+                    "refit_extension": None,  # the server cannot import it to tell
+                },
+            ),
+            True,
+            "the server cannot import it to check",
+        ),
     ],
 )
 async def test_readiness_says_what_vllm_lacks(
@@ -183,6 +196,12 @@ def _asgi_status(mw: RefitControlMiddleware, app: Any) -> tuple[int, dict[str, A
     return sent[0]["status"], json.loads(sent[1]["body"])
 
 
+class CombinedExtension(RefitWorkerExtension):
+    """A user's worker extension combined with ours (vLLM takes one class)."""
+
+    def my_method(self) -> None: ...
+
+
 class FakeEngine:
     def __init__(self, extension: str, dead: bool = False) -> None:
         self.dead = dead
@@ -200,11 +219,13 @@ class FakeEngine:
     [
         (FakeEngine(VLLM_WORKER_EXTENSION), True, True),
         (FakeEngine(""), True, False),
-        (FakeEngine("other.module.Ext"), True, False),
+        (FakeEngine("collections.OrderedDict"), True, False),  # imports, no refit methods
+        (FakeEngine(f"{__name__}.CombinedExtension"), True, True),  # a user's, with ours
+        (FakeEngine("other.module.Ext"), True, None),  # cannot import it here: cannot tell
         (FakeEngine(VLLM_WORKER_EXTENSION, dead=True), False, True),
     ],
 )
-def test_control_path_status(engine: FakeEngine, healthy: bool, refit: bool) -> None:
+def test_control_path_status(engine: FakeEngine, healthy: bool, refit: bool | None) -> None:
     async def never(*_: Any) -> None:
         raise AssertionError("the status must not reach vLLM's routes")
 

@@ -9,6 +9,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -43,7 +44,15 @@ from tests.sidecar.receiver.models import (
 )
 
 CLIENT = DealerConfig(ack_timeout_s=3.0, max_retries=2, unknown_attempt_timeout_s=5.0)
-STATE: dict[str, object] = {"version": 0, "weights": canonical(0)}
+
+
+@dataclass
+class Held:
+    """What every node of the module's cluster holds: the last committed version and its bits
+    (owned by the `held` fixture, not the module, so each test starts from the fixture)."""
+
+    version: int
+    weights: dict[str, torch.Tensor]
 
 
 def recording(i: int, log: Path) -> dict[str, object]:
@@ -64,6 +73,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.stop_all()
 
 
+@pytest.fixture(scope="module")
+def held(cluster: Cluster) -> Held:
+    return Held(0, canonical(0))
+
+
 def transport(c: Cluster, root: int, **kw: object) -> RelayTransport:
     cfg = RelayTransportConfig(
         root=c.relay_tree[root], token=SecretStr(c.token), client=CLIENT, **kw
@@ -72,9 +86,15 @@ def transport(c: Cluster, root: int, **kw: object) -> RelayTransport:
 
 
 def prepare(
-    c: Cluster, attempt: str, mode: str, producers: list[int], *, open_apply: bool = True
+    c: Cluster,
+    held: Held,
+    attempt: str,
+    mode: str,
+    producers: list[int],
+    *,
+    open_apply: bool = True,
 ) -> None:
-    version = int(STATE["version"])  # type: ignore[call-overload]
+    version = held.version
     req = PrepareRequest(
         attempt=attempt,
         from_version=version,
@@ -91,7 +111,7 @@ def prepare(
 
 
 def finish(
-    c: Cluster, attempt: str, expected: dict[int, int], target: dict[str, torch.Tensor]
+    c: Cluster, held: Held, attempt: str, expected: dict[int, int], target: dict[str, torch.Tensor]
 ) -> None:
     relayed = c.each(lambda n: n.ctl.relay_flush(attempt, expected, timeout_s=20))
     assert all(r.ok for r in relayed), [r.errors for r in relayed]
@@ -107,11 +127,11 @@ def finish(
             (r["order"], r["producer"]) for r in rows
         ), f"{node.name} applied out of declared order"
         assert rows[-1]["fingerprint"] == fingerprint(target), f"{node.name}: wrong bits"
-    version = int(STATE["version"]) + 1  # type: ignore[call-overload]
+    version = held.version + 1
     c.each(lambda n: n.ctl.commit(attempt, version))
     c.each(lambda n: n.ctl.cleanup(attempt))
     c.each(lambda n: n.ctl.gate(attempt, False))
-    STATE["version"], STATE["weights"] = version, target
+    held.version, held.weights = version, target
 
 
 def send_all(t: RelayTransport, attempt: str, ps: list[EncodedPayload]) -> None:
@@ -122,14 +142,14 @@ def send_all(t: RelayTransport, attempt: str, ps: list[EncodedPayload]) -> None:
     assert summary.payloads_acknowledged == len(ps), summary
 
 
-def test_every_payload_reaches_every_node_exactly_once(cluster: Cluster) -> None:
-    old = STATE["weights"]
+def test_every_payload_reaches_every_node_exactly_once(cluster: Cluster, held: Held) -> None:
+    old = held.weights
     assert isinstance(old, dict)
     new = perturb(old, 11)
     names = list(new)
     p0 = payloads("t1", 0, old, new, names=names[:5])
     p1 = payloads("t1", 1, old, new, names=names[5:])
-    prepare(cluster, "t1", "mixed", [0, 1])
+    prepare(cluster, held, "t1", "mixed", [0, 1])
     t0, t1 = transport(cluster, 0), transport(cluster, 3)  # two roots, two rotated trees
     try:
         send_all(t0, "t1", p0)
@@ -137,15 +157,17 @@ def test_every_payload_reaches_every_node_exactly_once(cluster: Cluster) -> None
     finally:
         t0.close()
         t1.close()
-    finish(cluster, "t1", {0: len(p0), 1: len(p1)}, new)  # XOR twice would revert: bits prove once
+    finish(
+        cluster, held, "t1", {0: len(p0), 1: len(p1)}, new
+    )  # XOR twice would revert: bits prove once
 
 
-def test_duplicates_are_acknowledged_and_ignored(cluster: Cluster) -> None:
-    old = STATE["weights"]
+def test_duplicates_are_acknowledged_and_ignored(cluster: Cluster, held: Held) -> None:
+    old = held.weights
     assert isinstance(old, dict)
     new = perturb(old, 12)
     ps = payloads("t2", 0, old, new)
-    prepare(cluster, "t2", "mixed", [0])
+    prepare(cluster, held, "t2", "mixed", [0])
     t = transport(cluster, 0)
     raw = RelayDealer(cluster.relay_tree[5], token=cluster.token, config=CLIENT)
 
@@ -165,15 +187,15 @@ def test_duplicates_are_acknowledged_and_ignored(cluster: Cluster) -> None:
     finally:
         t.close()
         raw.close()
-    finish(cluster, "t2", {0: len(ps)}, new)
+    finish(cluster, held, "t2", {0: len(ps)}, new)
 
 
-def test_id_reuse_with_other_bytes_fails_the_attempt(cluster: Cluster) -> None:
-    old = STATE["weights"]
+def test_id_reuse_with_other_bytes_fails_the_attempt(cluster: Cluster, held: Held) -> None:
+    old = held.weights
     assert isinstance(old, dict)
     a = payloads("t3", 0, old, perturb(old, 13), op=Op.OVERWRITE)
     b = payloads("t3", 0, old, perturb(old, 14), op=Op.OVERWRITE)
-    prepare(cluster, "t3", "overwrite", [0], open_apply=False)
+    prepare(cluster, held, "t3", "overwrite", [0], open_apply=False)
     t = transport(cluster, 0)
     try:
         t.send("t3", a[0])
@@ -192,13 +214,13 @@ def test_id_reuse_with_other_bytes_fails_the_attempt(cluster: Cluster) -> None:
     stop_everywhere(cluster, "t3")
 
 
-def test_corrupted_body_is_rejected_by_its_mac(cluster: Cluster) -> None:
+def test_corrupted_body_is_rejected_by_its_mac(cluster: Cluster, held: Held) -> None:
     """A flipped body bit fails the payload's keyed MAC, checked on arrival before the digest,
     before staging and before any forward."""
-    old = STATE["weights"]
+    old = held.weights
     assert isinstance(old, dict)
     p = payloads("t4", 0, old, perturb(old, 15))[0]
-    prepare(cluster, "t4", "overwrite", [0], open_apply=False)
+    prepare(cluster, held, "t4", "overwrite", [0], open_apply=False)
     bad = bytearray(p.body)
     bad[len(bad) // 2] ^= 0x01
     client = RelayDealer(cluster.relay_tree[0], token=cluster.token, config=CLIENT)
@@ -215,12 +237,12 @@ def test_corrupted_body_is_rejected_by_its_mac(cluster: Cluster) -> None:
     stop_everywhere(cluster, "t4")
 
 
-def test_payloads_of_an_obsolete_attempt_are_dropped(cluster: Cluster) -> None:
-    old = STATE["weights"]
+def test_payloads_of_an_obsolete_attempt_are_dropped(cluster: Cluster, held: Held) -> None:
+    old = held.weights
     assert isinstance(old, dict)
     new = perturb(old, 16)
     stale = payloads("t5a", 0, old, new)
-    prepare(cluster, "t5a", "mixed", [0], open_apply=False)
+    prepare(cluster, held, "t5a", "mixed", [0], open_apply=False)
     t = transport(cluster, 0)
     try:
         for p in stale[:2]:
@@ -232,7 +254,7 @@ def test_payloads_of_an_obsolete_attempt_are_dropped(cluster: Cluster) -> None:
             timeout=10,
         )
         before = [s.dropped for s in cluster.each(lambda n: n.ctl.status())]
-        prepare(cluster, "t5b", "overwrite", [0])  # replaces t5a everywhere
+        prepare(cluster, held, "t5b", "overwrite", [0])  # replaces t5a everywhere
         client = RelayDealer(cluster.relay_tree[0], token=cluster.token, config=CLIENT)
         try:
             late = client.submit_data(_meta(stale[2]), stale[2].body)
@@ -247,28 +269,28 @@ def test_payloads_of_an_obsolete_attempt_are_dropped(cluster: Cluster) -> None:
         send_all(t, "t5b", fresh)
     finally:
         t.close()
-    finish(cluster, "t5b", {0: len(fresh)}, new)
+    finish(cluster, held, "t5b", {0: len(fresh)}, new)
     for node in cluster.nodes:
         assert not [r for r in read_applied(node.applied_log) if r["attempt"] == "t5a"]
 
 
-def test_out_of_order_arrival_is_applied_in_declared_order(cluster: Cluster) -> None:
-    old = STATE["weights"]
+def test_out_of_order_arrival_is_applied_in_declared_order(cluster: Cluster, held: Held) -> None:
+    old = held.weights
     assert isinstance(old, dict)
     new = perturb(old, 17)
     ps = payloads("t6", 0, old, new)
     random.Random(6).shuffle(ps)
     assert [p.header.order for p in ps] != sorted(p.header.order for p in ps)
-    prepare(cluster, "t6", "mixed", [0])
+    prepare(cluster, held, "t6", "mixed", [0])
     t = transport(cluster, 2)
     try:
         send_all(t, "t6", ps)
     finally:
         t.close()
-    finish(cluster, "t6", {0: len(ps)}, new)  # finish() checks declared order on every node
+    finish(cluster, held, "t6", {0: len(ps)}, new)  # finish() checks declared order on every node
 
 
-def test_missing_or_wrong_token_is_rejected(cluster: Cluster) -> None:
+def test_missing_or_wrong_token_is_rejected(cluster: Cluster, held: Held) -> None:
     node = cluster.nodes[4]
     before = node.ctl.status()
     for token in (None, "wrong-" + cluster.token):
@@ -284,10 +306,10 @@ def test_missing_or_wrong_token_is_rejected(cluster: Cluster) -> None:
     assert node.ctl.raw("GET", "/healthz", token=None)[0] == 200
     assert node.ctl.status() == before  # nothing changed
 
-    old = STATE["weights"]
+    old = held.weights
     assert isinstance(old, dict)
     p = payloads("t7", 0, old, perturb(old, 18))[0]
-    prepare(cluster, "t7", "overwrite", [0], open_apply=False)
+    prepare(cluster, held, "t7", "overwrite", [0], open_apply=False)
     quick = DealerConfig(ack_timeout_s=0.5, max_retries=1)
     rss = psutil.Process(node.proc.proc.pid).memory_info().rss  # type: ignore[union-attr]
     # Without the policy's Curve keys (no token, a wrong one) no handshake completes: nothing
@@ -361,17 +383,19 @@ def test_a_frame_no_peer_will_take_fails_within_the_retry_budget() -> None:
         server.close(linger=0)
 
 
-def test_random_frames_from_an_authenticated_peer_are_refused_cleanly(cluster: Cluster) -> None:
+def test_random_frames_from_an_authenticated_peer_are_refused_cleanly(
+    cluster: Cluster, held: Held
+) -> None:
     """Fuzzing the relay's frame intake (seeded): a peer that holds the policy's keys sends
     malformed multipart messages (random kinds, truncated and mutated metadata, bodies that are
     not payloads). The relay answers or drops each, counts them, and keeps serving: the next
     attempt's real payload is staged."""
     rng = random.Random(15)
     node = cluster.nodes[2]
-    old = STATE["weights"]
+    old = held.weights
     assert isinstance(old, dict)
     p = payloads("t8", 0, old, perturb(old, 19))[0]
-    prepare(cluster, "t8", "overwrite", [0], open_apply=False)
+    prepare(cluster, held, "t8", "overwrite", [0], open_apply=False)
     good = _meta(p).model_copy(update={"token": cluster.token}).model_dump_json().encode()
     handled_before = _handled(node)
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -402,7 +426,7 @@ def test_random_frames_from_an_authenticated_peer_are_refused_cleanly(cluster: C
     stop_everywhere(cluster, "t8")  # (random frames with t8's ids may have failed it)
     # Still serving: the next attempt's real payload is taken.
     q = payloads("t9", 0, old, perturb(old, 20))[0]
-    prepare(cluster, "t9", "overwrite", [0], open_apply=False)
+    prepare(cluster, held, "t9", "overwrite", [0], open_apply=False)
     client = RelayDealer(node.relay, token=cluster.token, config=CLIENT)
     try:
         assert client.submit_data(_meta(q), q.body).result(10) is AckStatus.STAGED
@@ -412,12 +436,12 @@ def test_random_frames_from_an_authenticated_peer_are_refused_cleanly(cluster: C
 
 
 # ------------------------------------------------------------------------------ abandon
-def test_abandon_fails_unacknowledged_sends_at_once(cluster: Cluster) -> None:
+def test_abandon_fails_unacknowledged_sends_at_once(cluster: Cluster, held: Held) -> None:
     """A stopped attempt does not wait for ACKs a frozen root (SIGSTOP: alive, connected,
     silent) will not send in time. Without `abandon` this stop lasted until the client gave up
     on the payloads (~9 s with this test's ACK timeouts; up to `stop_timeout_s` in general)."""
     c = cluster
-    old = STATE["weights"]
+    old = held.weights
     assert isinstance(old, dict)
     ps = payloads("ab1", 0, old, perturb(old, 31, fraction=0.5), op=Op.OVERWRITE)
     assert len(ps) >= 2
@@ -445,10 +469,12 @@ def test_abandon_fails_unacknowledged_sends_at_once(cluster: Cluster) -> None:
 
 
 # ------------------------------------------------------------------------------ relay killed
-def test_a_relay_killed_mid_stream_fails_flush_within_the_deadline(cluster: Cluster) -> None:
+def test_a_relay_killed_mid_stream_fails_flush_within_the_deadline(
+    cluster: Cluster, held: Held
+) -> None:
     """Last test of the module: it SIGKILLs node 1 of the shared cluster."""
     c = cluster  # tree from node 0: 0 -> (1, 2), 1 -> (3, 4), 2 -> (5, 6)
-    old = STATE["weights"]
+    old = held.weights
     assert isinstance(old, dict)
     a = perturb(old, 21, fraction=0.5)
     ps = payloads("k1", 0, old, a, op=Op.OVERWRITE)

@@ -5,7 +5,9 @@ Used by `kuberefit demo` (local mode) and by the test harness."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,25 +27,42 @@ def http_ok(url: str) -> bool:
         return bool(resp.status == 200)
 
 
+#: Ports handed to child processes come from below Linux's ephemeral range (32768-60999 by
+#: default): the kernel never gives these to an outgoing connection or to a bind of port 0, so
+#: a port stays free between the check here and the child's own bind.
+PORT_RANGE = (20000, 32768)
+_handed_out: set[int] = set()
+_rng = random.Random(os.getpid())  # noqa: S311 - spreads processes apart, no secret
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free now and that no earlier call in this process
+    returned (see `PORT_RANGE`)."""
+    return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports, all held open until every one is chosen."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`n` distinct ports as `free_port` gives them."""
+    low, high = PORT_RANGE
+    chosen: list[int] = []
+    start = _rng.randrange(low, high)
+    for port in itertools.chain(range(start, high), range(low, start)):
+        if port in _handed_out or not _bindable(port):
+            continue
+        _handed_out.add(port)
+        chosen.append(port)
+        if len(chosen) == n:
+            return chosen
+    raise ComponentError(f"no {n} free ports left in {low}-{high - 1}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

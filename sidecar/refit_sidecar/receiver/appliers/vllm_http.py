@@ -110,6 +110,8 @@ class VllmHttpApplier:
             name = str(body.get("worker_extension") or "")
             if body.get("refit_extension"):
                 ext = (True, f"refit control path and worker extension {name} loaded")
+            elif name and body.get("refit_extension", False) is None:
+                ext = (True, f"worker extension {name}: the server cannot import it to check")
             elif name:
                 ext = (False, f"{where} runs worker extension {name}, not the refit one: {workers}")
             else:

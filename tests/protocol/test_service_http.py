@@ -1,0 +1,54 @@
+"""What every HTTP plane shares: `/readyz` runs one check at a time on its own thread and
+reuses the answer briefly (callers without a token cannot hammer the dependencies or tie up
+the service's threads), with a deadline; aiohttp's own refusals keep their headers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from refit_protocol.service_http import ReadinessProbe, json_errors
+
+
+async def test_one_check_at_a_time_on_its_own_thread_and_cached() -> None:
+    calls: list[str] = []
+    release = threading.Event()
+
+    def slow_checks() -> list[tuple[str, bool, str]]:
+        calls.append(threading.current_thread().name)
+        release.wait(5)
+        return [("vllm", True, "answers")]
+
+    probe = ReadinessProbe(slow_checks, timeout_s=0.2, ttl_s=0.5, blocking=True)
+    try:
+        answers = await asyncio.gather(*(probe() for _ in range(20)))
+        assert all(not a.ready for a in answers)  # past the deadline: not ready, says why
+        assert "took over 0.2s" in answers[0].missing()[0]
+        assert len(calls) == 1  # one check for twenty callers
+        assert calls[0].startswith("readyz")  # on its own thread
+        release.set()
+        await asyncio.sleep(0.6)  # the cached "not ready" expires: a fresh check
+        assert (await probe()).ready
+        assert len(calls) == 2
+        for _ in range(5):  # within the TTL: the same answer, no new check
+            assert (await probe()).ready
+        assert len(calls) == 2
+    finally:
+        release.set()
+        probe.close()
+
+
+async def test_a_refusal_keeps_its_headers() -> None:
+    async def handler(_: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application(middlewares=[json_errors])
+    app.router.add_get("/only-get", handler)
+    async with TestClient(TestServer(app)) as client:
+        resp = await client.post("/only-get")
+        assert resp.status == 405
+        assert resp.headers["Allow"] == "GET,HEAD" or "GET" in resp.headers["Allow"]
+        assert (await resp.json())["code"]
