@@ -112,6 +112,11 @@ class PolicySpec(_Spec):
     def _cross_field(self) -> PolicySpec:
         if self.transport == "s3" and (self.s3 is None or not self.s3.bucket):
             raise ValueError("spec.s3.bucket is required when spec.transport is s3")
+        if self.transport == "s3":
+            raise ValueError(
+                "spec.transport s3 is not supported by the operator yet: the injected trainer "
+                "sidecars send over the relay tree only; use zmq (docs/scope.md)"
+            )
         template = self.restore.checkpoint_template
         if self.verify.every_versions and not template:
             raise ValueError(

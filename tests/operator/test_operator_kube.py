@@ -58,23 +58,23 @@ def test_schema_refuses_bad_fields(env: OperatorEnv) -> None:
 
 
 def test_cross_field_rule_reported_in_a_condition_and_cleared_when_fixed(env: OperatorEnv) -> None:
-    env.apply(env.policy("s3-half", {"transport": "s3"}))
+    env.apply(env.policy("audit-half", {"verify": {"everyVersions": 2}}))
     ready = wait_for(
         "InvalidSpec condition",
-        lambda: (c := env.condition("s3-half", "Ready")).get("reason") == "InvalidSpec" and c,
+        lambda: (c := env.condition("audit-half", "Ready")).get("reason") == "InvalidSpec" and c,
     )
     assert ready["status"] == "False"
-    assert "spec.s3.bucket" in ready["message"]
-    status = env.get("refitpolicies", "s3-half")["status"]
+    assert "spec.verify.everyVersions needs spec.restore.checkpointTemplate" in ready["message"]
+    status = env.get("refitpolicies", "audit-half")["status"]
     assert status["observedGeneration"] == 1
-    assert env.condition("s3-half", "Degraded")["status"] == "True"
+    assert env.condition("audit-half", "Degraded")["status"] == "True"
     # Fixing the spec is observed at the new generation.
-    env.patch_spec("s3-half", {"s3": {"bucket": "weights"}})
+    env.patch_spec("audit-half", {"restore": {"checkpointTemplate": "/ckpt/v{version}"}})
     wait_for(
         "condition at generation 2",
-        lambda: env.get("refitpolicies", "s3-half")["status"].get("observedGeneration") == 2,
+        lambda: env.get("refitpolicies", "audit-half")["status"].get("observedGeneration") == 2,
     )
-    ready = env.condition("s3-half", "Ready")
+    ready = env.condition("audit-half", "Ready")
     assert ready["reason"] == "WaitingForTrainers", ready
     assert "0 of 1 trainer pods" in ready["message"]
 

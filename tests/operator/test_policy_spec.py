@@ -16,12 +16,6 @@ def test_defaults_map_to_the_coordinator() -> None:
     assert cfg.relay_tree is True
     assert cfg.check_samples == -1
     assert (cfg.commit_timeout_s, cfg.control_timeout_s, cfg.max_attempts) == (600.0, 60.0, 5)
-    assert (
-        parse_spec({**TOKEN, "transport": "s3", "s3": {"bucket": "b"}})
-        .coordinator_config()
-        .relay_tree
-        is False
-    )
 
 
 @pytest.mark.parametrize(
@@ -29,6 +23,7 @@ def test_defaults_map_to_the_coordinator() -> None:
     [
         ({"transport": "s3"}, "spec.s3.bucket is required when spec.transport is s3"),
         ({"transport": "s3", "s3": {"region": "x"}}, "spec.s3.bucket"),
+        ({"transport": "s3", "s3": {"bucket": "b"}}, "spec.transport s3 is not supported"),
         ({"restore": {"checkpointTemplate": "/ckpt/latest"}}, "spec.restore.checkpointTemplate"),
         ({"maxAttempts": 0}, "spec.maxAttempts"),
         ({"encoding": {"zstdLevel": 40}}, "spec.encoding.zstdLevel"),

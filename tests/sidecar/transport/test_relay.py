@@ -445,7 +445,7 @@ def test_abandon_fails_unacknowledged_sends_at_once(cluster: Cluster, held: Held
     assert isinstance(old, dict)
     ps = payloads("ab1", 0, old, perturb(old, 31, fraction=0.5), op=Op.OVERWRITE)
     assert len(ps) >= 2
-    prepare(c, "ab1", "overwrite", [0], open_apply=False)  # nothing may be applied
+    prepare(c, held, "ab1", "overwrite", [0], open_apply=False)  # nothing may be applied
     t = transport(c, 0, max_in_flight=2, stop_timeout_s=30.0)
     root = c.nodes[0].proc
     os.kill(root.pid, signal.SIGSTOP)
@@ -482,7 +482,7 @@ def test_a_relay_killed_mid_stream_fails_flush_within_the_deadline(
         _renumber(p, len(ps) + i)
         for i, p in enumerate(payloads("k1", 0, a, perturb(a, 22), op=Op.OVERWRITE))
     ]
-    prepare(c, "k1", "overwrite", [0])
+    prepare(c, held, "k1", "overwrite", [0])
     t = transport(c, 0)
     start = time.monotonic()
     try:
