@@ -10,7 +10,7 @@ PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
 MEGATRON_PKGS := megatron-bridge==0.3.1 megatron-core==0.16.1
 PYTEST_ARGS ?=
 
-.PHONY: demo test docs venv megatron-venv kube-apiserver kubectl lint typecheck pytest clean
+.PHONY: demo test docs mutation venv megatron-venv kube-apiserver kubectl lint typecheck pytest clean
 
 demo: venv
 	$(VENV)/bin/kuberefit demo
@@ -65,3 +65,10 @@ clean:
 # docs/configuration.md from the settings models (a test fails when it is stale).
 docs: venv
 	$(VENV)/bin/python -m refit_tools.config_reference
+
+# Mutation testing of the modules that carry the invariants (not in `make test`: minutes per
+# module). Scores and survivors: e2e/mutation.py's report.
+MUTMUT := mutmut==3.8.1
+mutation: venv
+	$(VENV)/bin/pip install $(PIP_FLAGS) -q '$(MUTMUT)'
+	$(VENV)/bin/python e2e/mutation.py

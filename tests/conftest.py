@@ -29,7 +29,19 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-if os.environ.get("CI"):
+# Mutation testing (`make mutation`) runs the property tests once per mutant: fewer examples,
+# the same ones every run, so a mutant's verdict does not depend on the draw.
+settings.register_profile(
+    "mutation",
+    derandomize=True,
+    database=None,
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+if os.environ.get("KUBEREFIT_MUTATION"):
+    settings.load_profile("mutation")
+elif os.environ.get("CI"):
     settings.load_profile("ci")
 
 
