@@ -54,7 +54,11 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
     ),
     "receiver-dedup": (
         ["refit_sidecar/receiver/admission.py", "refit_sidecar/receiver/state.py"],
-        ["tests/sidecar/receiver/test_admission.py", "tests/sidecar/receiver/test_state.py"],
+        [
+            "tests/sidecar/receiver/test_admission.py",
+            "tests/sidecar/receiver/test_state.py",
+            "tests/sidecar/receiver/test_core.py",
+        ],
     ),
 }
 

@@ -68,8 +68,8 @@ def test_prepare_makes_the_attempt_active_and_not_obsolete() -> None:
 
 def test_prepare_replaces_an_earlier_attempt() -> None:
     after = rules.prepare(state(), 3, ActiveAttempt("a2", 1, "b1x", "overwrite", DEADLINE))
-    with pytest.raises(CommitRefusedError, match="not the active attempt"):
-        rules.commit(after, 3, "a1", K0, K1, NOW)
+    with pytest.raises(CommitRefusedError, match=r"a1 is not the active attempt \(a2\)"):
+        rules.commit(after, 3, "a1", K0, K1, NOW)  # the refusal names the one that is
 
 
 def test_prepare_with_a_replaced_epoch_conflicts() -> None:
