@@ -1,0 +1,59 @@
+"""`kuberefit bench transport` and `kuberefit bench apply` as the Dockerfiles' entry point runs
+them (real processes: receiver nodes in a relay tree on loopback): the options parse, the JSON
+carries every figure docs/performance.md quotes, and a run that delivers nothing cannot pass."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KUBEREFIT = Path(sys.executable).parent / "kuberefit"
+
+
+def run(*args: str) -> dict[str, object]:
+    proc = subprocess.run(
+        [str(KUBEREFIT), "bench", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert isinstance(result, dict)
+    return result
+
+
+def test_transport_quick_reports_the_relay_tree_figures() -> None:
+    out = run("transport", "--quick", "--payloads", "2", "--payload-mib", "2", "--small", "10")
+    assert (out["nodes"], out["payloads"], out["payload_mib"], out["small_payloads"]) == (
+        2,
+        2,
+        2,
+        10,
+    )
+    assert out["v_payload_bytes"] >= 2 * (2 << 20)  # both payloads, each at least its body
+    delivery = out["delivery_s"]
+    assert isinstance(delivery, float)
+    assert delivery > 0
+    unique, delivered = out["unique_gb_s"], out["delivered_gb_s"]
+    assert isinstance(unique, float)
+    assert isinstance(delivered, float)
+    assert delivered == pytest.approx(unique * 2, rel=1e-9)  # every node got every payload
+    per_payload = out["per_payload_ms"]
+    assert isinstance(per_payload, float)
+    assert per_payload > 0
+
+
+def test_apply_entry_point_takes_the_checkpoint_size() -> None:
+    out = run("apply", "--checkpoint-mib", "16")
+    size = out["checkpoint_bytes"]
+    assert isinstance(size, int)
+    assert size >= 16 << 20
+    audit = out["audit"]
+    assert isinstance(audit, dict)
+    assert audit["elements"] * 2 == size  # the bench audited the whole model it applied to
