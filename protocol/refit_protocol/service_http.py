@@ -115,12 +115,7 @@ class ReadinessProbe:
         ttl_s: float = 1.0,
         blocking: bool = False,
     ) -> None:
-        self._checks, self.timeout_s, self.ttl_s, self._blocking = (
-            checks,
-            timeout_s,
-            ttl_s,
-            blocking,
-        )
+        self._checks, self.timeout_s, self.ttl_s = checks, timeout_s, ttl_s
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="readyz") if blocking else None
         self._running: asyncio.Future[Iterable[Check]] | None = None
         self._last: tuple[float, Readiness] | None = None
