@@ -4,6 +4,7 @@ SIGKILLed mid-stream (flush fails within its deadline, nothing hangs)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -330,9 +331,11 @@ def test_missing_or_wrong_token_is_rejected(cluster: Cluster, held: Held) -> Non
     public, secret = zmq.curve_keypair()
     stranger.curve_publickey, stranger.curve_secretkey = public, secret
     stranger.curve_serverkey = curve_keys(cluster.token).public
+    stranger.setsockopt(zmq.SNDTIMEO, 5000)  # no pipe may ever be ready: never block on it
     stranger.connect(node.relay)
     try:
-        stranger.send_multipart([b"PROBE", _meta(p).model_dump_json().encode()])
+        with contextlib.suppress(zmq.Again):
+            stranger.send_multipart([b"PROBE", _meta(p).model_dump_json().encode()])
         wait_for("the stranger refused", lambda: metric_sum(node, REFUSED) > before, timeout=10)
     finally:
         stranger.close(linger=0)
@@ -341,10 +344,14 @@ def test_missing_or_wrong_token_is_rejected(cluster: Cluster, held: Held) -> Non
     before = metric_sum(node, REFUSED)
     plain = zmq.Context.instance().socket(zmq.DEALER)
     plain.setsockopt(zmq.LINGER, 0)
+    # A DEALER whose only peer keeps failing the handshake may have no pipe to queue into, and
+    # then send blocks forever: bound it. Either way the frames must not reach the relay.
+    plain.setsockopt(zmq.SNDTIMEO, 5000)
     plain.connect(node.relay)
     meta = _meta(p).model_copy(update={"token": cluster.token}).model_dump_json().encode()
     try:
-        plain.send_multipart([b"DATA", meta, b"\0" * (64 << 20)], copy=False)
+        with contextlib.suppress(zmq.Again):
+            plain.send_multipart([b"DATA", meta, b"\0" * (64 << 20)], copy=False)
         wait_for("the plain socket refused", lambda: metric_sum(node, REFUSED) > before, timeout=10)
     finally:
         plain.close(linger=0)
