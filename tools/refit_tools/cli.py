@@ -219,6 +219,13 @@ def bench_apply(quick: bool, as_json: bool, checkpoint_mib: int | None) -> None:
     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY).",
 )
 @click.option("--s3-bucket", default=None, help="Existing bucket for the S3 measurement.")
+@click.option(
+    "--results-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where transport-<UTC time>.json goes (default: bench/results of this checkout; "
+    "`kuberefit plan --calibrate` reads it).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def bench_transport(
     quick: bool,
@@ -228,14 +235,23 @@ def bench_transport(
     small: int | None,
     s3_endpoint_url: str | None,
     s3_bucket: str | None,
+    results_dir: Path | None,
     as_json: bool,
 ) -> None:
-    """Relay-tree throughput and per-payload overhead; optionally S3 throughput."""
+    """Relay-tree throughput and per-payload overhead, and a bare pyzmq forward of the same
+    frames through as many processes (the socket's ceiling, measured in the same run);
+    optionally S3 throughput."""
     import json
 
     from refit_protocol.logs import configure_logging
     from refit_sidecar.transport.s3 import S3Config
-    from refit_tools.bench.transport import format_report, run_relay_bench, run_s3_bench
+    from refit_tools.bench.refit import default_results_dir
+    from refit_tools.bench.transport import (
+        format_report,
+        run_relay_bench,
+        run_s3_bench,
+        write_result,
+    )
 
     configure_logging(default_level="warning")
 
@@ -252,6 +268,7 @@ def bench_transport(
     if s3_bucket:
         cfg = S3Config(bucket=s3_bucket, endpoint_url=s3_endpoint_url, addressing_style="path")
         result |= run_s3_bench(cfg, say=say)
+    result["files"] = [str(write_result(result, results_dir or default_results_dir()))]
     click.echo(json.dumps(result) if as_json else format_report(result))
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from refit_protocol.auth import is_loopback_host, require_token_or_loopback, tokens_equal
-from refit_sidecar.codec.errors import BadMagic, DigestMismatch, HeaderMismatch
+from refit_sidecar.codec.errors import AuthenticationError, BadMagic, DigestMismatch, HeaderMismatch
 from refit_sidecar.transport.relay.frames import FrameMeta, parse_meta, verify_body
+from tests.harness.receivers import HARNESS_MAC_KEY
 from tests.sidecar.receiver.models import canonical, payloads, perturb
 
 
@@ -41,6 +42,24 @@ def test_verify_accepts_the_payload_and_rejects_tampering() -> None:
         verify_body(meta_of(p, size=p.size + 1), p.body)
     with pytest.raises(BadMagic):
         verify_body(meta_of(p, size=0), b"X" * 64)
+
+
+def test_a_sealed_payload_is_checked_by_its_mac_and_the_announced_digest() -> None:
+    """With the policy's key the MAC stands for the body hash: any altered byte (body, or the
+    preamble's digest) fails the MAC, and an announced digest other than the sealed one is
+    still refused."""
+    p = _payload()  # sealed with HARNESS_MAC_KEY
+    verify_body(meta_of(p), p.body, mac_key=HARNESS_MAC_KEY)
+    digest_at = 4 + 2 + 2 + 4 + 8 * 4  # magic, version, flags, producer, 4 x u64
+    for at in (len(p.body) - 1, digest_at):
+        bad = bytearray(p.body)
+        bad[at] ^= 1
+        with pytest.raises(AuthenticationError):
+            verify_body(meta_of(p), bytes(bad), mac_key=HARNESS_MAC_KEY)
+    with pytest.raises(DigestMismatch):
+        verify_body(meta_of(p, digest="00" * 16), p.body, mac_key=HARNESS_MAC_KEY)
+    with pytest.raises(AuthenticationError):
+        verify_body(meta_of(p), p.body, mac_key=b"k" * 32)
 
 
 @pytest.mark.parametrize(

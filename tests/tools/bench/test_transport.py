@@ -28,8 +28,19 @@ def run(*args: str) -> dict[str, object]:
     return result
 
 
-def test_transport_quick_reports_the_relay_tree_figures() -> None:
-    out = run("transport", "--quick", "--payloads", "2", "--payload-mib", "2", "--small", "10")
+def test_transport_quick_reports_the_relay_tree_figures(tmp_path: Path) -> None:
+    out = run(
+        "transport",
+        "--quick",
+        "--payloads",
+        "2",
+        "--payload-mib",
+        "2",
+        "--small",
+        "10",
+        "--results-dir",
+        str(tmp_path),
+    )
     assert (out["nodes"], out["payloads"], out["payload_mib"], out["small_payloads"]) == (
         2,
         2,
@@ -47,6 +58,15 @@ def test_transport_quick_reports_the_relay_tree_figures() -> None:
     per_payload = out["per_payload_ms"]
     assert isinstance(per_payload, float)
     assert per_payload > 0
+    # The bare forward of the same frames ran in the same run, and the ratio is its own.
+    bare = out["bare_delivery_s"]
+    assert isinstance(bare, float)
+    assert bare > 0
+    assert out["hop_ratio"] == pytest.approx(bare / delivery, rel=1e-9)
+    assert out["tree_depth"] == 2
+    (written,) = tmp_path.glob("transport-*.json")
+    assert out["files"] == [str(written)]
+    assert json.loads(written.read_text())["bare_unique_gb_s"] == out["bare_unique_gb_s"]
 
 
 def test_apply_entry_point_takes_the_checkpoint_size() -> None:

@@ -87,7 +87,7 @@ INITIAL = CommitRecord(
 )
 
 
-def _default_results_dir() -> Path:
+def default_results_dir() -> Path:
     """bench/results of this source checkout, else of the current directory."""
     checkout = Path(__file__).resolve().parents[3]
     return (checkout if (checkout / "bench").is_dir() else Path.cwd()) / "bench" / "results"
@@ -160,7 +160,7 @@ class RefitBenchConfig(BaseModel):
     )
     keep_workdir: bool = Field(default=False, description="Keep the temp work directory.")
     results_dir: Path | None = Field(
-        default_factory=_default_results_dir,
+        default_factory=default_results_dir,
         description="Where the JSON and SVG go (None: do not write them).",
     )
 

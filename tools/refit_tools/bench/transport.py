@@ -9,11 +9,14 @@ here; `kuberefit bench apply` measures that).
 
 from __future__ import annotations
 
+import json
+import os
 import secrets
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +30,12 @@ from refit_sidecar.codec.encode import encode_payload
 from refit_sidecar.codec.records import Item, Op, TensorMeta
 from refit_sidecar.codec.wire import CODEC_VERSION, DecodedPayload, EncodedPayload, PayloadHeader
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
+from refit_sidecar.transport.relay import tree
 from refit_sidecar.transport.relay.dealer import DealerConfig
+from refit_sidecar.transport.relay.frames import DATA, FrameMeta
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from refit_sidecar.transport.s3 import S3Config, S3Fetcher, make_client, upload_payload
+from refit_tools.bench.bare_forward import run_bare_forward
 from refit_tools.bench.nodes import BenchNodes
 
 MIB = 1 << 20
@@ -120,6 +126,12 @@ def _relay_round(
         t.close()
 
 
+def _frames(ps: list[EncodedPayload], token: str) -> list[list[bytes]]:
+    """The DATA frames a producer's dealer sends for `ps` (metadata with the token, body)."""
+    metas = [FrameMeta.of(p).model_copy(update={"token": token}) for p in ps]
+    return [[DATA, m.model_dump_json().encode(), p.body] for m, p in zip(metas, ps, strict=True)]
+
+
 def run_relay_bench(
     *,
     nodes: int = 7,
@@ -129,7 +141,8 @@ def run_relay_bench(
     workdir: Path | None = None,
     say: Say = print,
 ) -> dict[str, Any]:
-    """Relay-tree delivery to `nodes` processes on loopback."""
+    """Relay-tree delivery to `nodes` processes on loopback, and the bare pyzmq forward of the
+    same frames through as many processes (`bare_forward.py`), measured in the same run."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kuberefit-bench-"))
     say(f"starting {nodes} receiver nodes ...")
     cluster = _nodes(nodes, workdir)
@@ -142,19 +155,53 @@ def run_relay_bench(
         tiny, tiny_metas = synthetic_payloads("bench-small", small, 1024, mac_key=key)
         say(f"relay tree: {small} payloads of 1 KiB ...")
         t_small = _relay_round(cluster, "bench-small", tiny, tiny_metas)
+        token = cluster.token
     finally:
         cluster.close()
+    say(f"bare pyzmq forward: the same {payloads} frames through {nodes} processes ...")
+    t_bare = run_bare_forward(nodes, _frames(big, token), token)
     return {
+        "benchmark": "transport",
         "nodes": nodes,
+        "tree_depth": tree.depth(nodes),
         "payloads": payloads,
         "payload_mib": payload_mib,
         "v_payload_bytes": volume,
         "delivery_s": t_big,
         "unique_gb_s": volume / t_big / 1e9,
         "delivered_gb_s": nodes * volume / t_big / 1e9,
+        "bare_delivery_s": t_bare,
+        "bare_unique_gb_s": volume / t_bare / 1e9,
+        "hop_ratio": t_bare / t_big,
         "small_payloads": small,
         "per_payload_ms": 1000 * t_small / small,
+        "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+        "definitions": DEFINITIONS,
     }
+
+
+#: Written into every result file, so a number never travels without its meaning.
+DEFINITIONS = {
+    "delivery_s": "first send until a successful relay flush on every node (every payload "
+    "received, checked, staged and forwarded)",
+    "unique_gb_s": "V_payload / delivery_s",
+    "delivered_gb_s": "nodes x V_payload / delivery_s",
+    "bare_delivery_s": "the same DATA frames through a bare pyzmq CurveZMQ forward in as many "
+    "processes and the same tree (no checks, no staging): first send until every bare node "
+    "received every frame; measured in the same run",
+    "hop_ratio": "bare_delivery_s / delivery_s: the share of the socket's ceiling the relay keeps",
+    "per_payload_ms": "time per payload of a stream of 1 KiB payloads (window 4)",
+    "tree_depth": "hops from the producer to the deepest node of the balanced binary tree",
+}
+
+
+def write_result(result: Mapping[str, Any], directory: Path) -> Path:
+    """`transport-<UTC time>.json` under `directory` (what `kuberefit plan --calibrate` reads)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = directory / f"transport-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    return path
 
 
 def run_s3_bench(
@@ -205,6 +252,13 @@ def format_report(result: Mapping[str, Any]) -> str:
             f"{result['unique_gb_s']:.3f} GB/s unique, {result['delivered_gb_s']:.3f} GB/s "
             f"delivered; per-payload overhead {result['per_payload_ms']:.2f} ms"
         )
+        lines.append(
+            f"bare pyzmq forward of the same frames: {result['bare_unique_gb_s']:.3f} GB/s "
+            f"unique; the relay keeps {result['hop_ratio']:.2f} of it (tree depth "
+            f"{result['tree_depth']})"
+        )
+    if result.get("files"):
+        lines.append("results: " + ", ".join(result["files"]))
     if "upload_gb_s" in result:
         lines.append(
             f"S3: {result['s3_payloads']} x {result['s3_payload_mib']} MiB, upload "

@@ -2,7 +2,7 @@
 
 Per DATA frame (paper §7.1, NeMo RL guide "Transport and apply"): authenticate the token in the
 metadata (unauthenticated or malformed frames are dropped and counted, never answered), ask the
-sink whether the attempt is current and the id new, verify identity and BLAKE2b-128 digest, let
+sink whether the attempt is current and the id new, verify MAC, identity and digest, let
 the sink register the payload and submit its local staging, submit at most two child forwards
 (the balanced binary tree of `tree.py`) to per-child bounded DEALER clients, then answer with the
 staged ACK. The sink is the receiver core; this module knows nothing about applying.
@@ -105,8 +105,9 @@ class RelaySink(Protocol):
     ) -> Verdict:
         """Register the verified payload and submit its local staging (atomic re-check).
 
-        `body` passed `verify_body(meta, body)`: it hashes to `meta.digest` (the sink relies
-        on it and does not hash the same bytes again)."""
+        `body` passed `verify_body(meta, body)`: it is the payload `meta.digest` names (its MAC
+        verified, or it hashed to the digest); the sink relies on it and does not check the
+        same bytes again."""
         ...
 
     def relay_release(self, meta: FrameMeta, error: str | None) -> None:

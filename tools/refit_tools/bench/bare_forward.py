@@ -1,0 +1,168 @@
+"""The socket's ceiling for `kuberefit bench transport`: a bare pyzmq forward of the same frames.
+
+Each bare node is a process (as each receiver node is) with a CurveZMQ ROUTER keyed like the
+product's relays (`curve_keys(token)`) and one CurveZMQ DEALER per child of the same balanced
+binary tree (`refit_sidecar.transport.relay.tree`). Per DATA frame it answers an ACK to the
+sender and forwards the frame, unchanged and without a copy, to its children; nothing is
+parsed, checked, hashed or staged. When a node has received every frame it tells the bench on
+a PUSH socket. The bench sends the same `[DATA, meta, body]` frames as the relay measurement
+through the same number of processes, so `relay GB/s / bare GB/s` is what the product's hop
+(authentication, MAC and identity checks, dedup, staging, windowed forwards, flush) keeps of
+what ZeroMQ itself can carry here.
+
+Benchmark only: the bare node accepts any Curve client key (no ZAP handler) and never runs
+outside a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from refit_sidecar.transport.relay import tree
+from refit_sidecar.transport.relay.curve import curve_keys
+from refit_tools.local.procs import free_ports
+
+ACK, DATA, PROBE = b"ACK", b"DATA", b"PROBE"
+DONE = b"DONE"
+#: A bare node that has not seen its frames after this long gives up (a broken run).
+IDLE_TIMEOUT_S = 120.0
+
+
+def _server(ctx: zmq.Context[Any], token: str, endpoint: str) -> zmq.Socket[Any]:
+    keys = curve_keys(token)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_server = True
+    sock.curve_secretkey, sock.curve_publickey = keys.secret, keys.public
+    sock.bind(endpoint)
+    return sock
+
+
+def _client(ctx: zmq.Context[Any], token: str, endpoint: str) -> zmq.Socket[Any]:
+    keys = curve_keys(token)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_secretkey, sock.curve_publickey = keys.secret, keys.public
+    sock.curve_serverkey = keys.public
+    sock.connect(endpoint)
+    return sock
+
+
+def serve_node(index: int, endpoints: Sequence[str], done: str, frames: int, token: str) -> None:
+    """Forward `frames` DATA frames down the tree rooted at position 0, then report DONE."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    router = _server(ctx, token, endpoints[index])
+    kids = [_client(ctx, token, endpoints[i]) for i in tree.children(index, 0, len(endpoints))]
+    report: zmq.Socket[Any] = ctx.socket(zmq.PUSH)
+    report.connect(done)
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    for kid in kids:
+        poller.register(kid, zmq.POLLIN)
+    seen, acks, last = 0, 0, time.monotonic()
+    prober, probe_acks = b"", 0
+    while seen < frames or acks < frames * len(kids):
+        events = dict(poller.poll(1000))
+        if not events and time.monotonic() - last > IDLE_TIMEOUT_S:
+            raise SystemExit(f"bare node {index}: {seen} of {frames} frames, then nothing")
+        if router in events:
+            msg = router.recv_multipart(copy=False)
+            kind = msg[1].bytes
+            if kind == PROBE:  # answered once the whole subtree is connected
+                prober = msg[0].bytes
+                for kid in kids:
+                    kid.send(PROBE)
+                if not kids:
+                    router.send_multipart([prober, ACK, PROBE])
+                continue
+            router.send_multipart([msg[0], ACK, DATA])
+            for kid in kids:
+                kid.send_multipart(msg[1:], copy=False)
+            seen, last = seen + 1, time.monotonic()
+            if seen == frames:
+                report.send(DONE)
+        for kid in kids:
+            if kid in events:
+                answer = kid.recv_multipart()
+                if answer[-1] == PROBE:
+                    probe_acks += 1
+                    if probe_acks == len(kids):
+                        router.send_multipart([prober, ACK, PROBE])
+                else:
+                    acks += 1
+    report.close(linger=1000)
+    ctx.destroy(linger=0)
+
+
+def _node_args(index: int, done: str, frames: int, endpoints: Sequence[str]) -> list[str]:
+    return ["--index", str(index), "--done", done, "--frames", str(frames), *endpoints]
+
+
+def run_bare_forward(
+    n: int, frames: Sequence[Sequence[bytes]], token: str, *, timeout_s: float = 300.0
+) -> float:
+    """Seconds from the first send until every one of `n` bare nodes received every frame."""
+    ports = free_ports(n + 1)
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[:n]]
+    done = f"tcp://127.0.0.1:{ports[n]}"
+    ctx: zmq.Context[Any] = zmq.Context()
+    pull: zmq.Socket[Any] = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.bind(done)
+    env = os.environ | {"KUBEREFIT_TOKEN": token}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", __name__, *_node_args(i, done, len(frames), endpoints)],
+            env=env,
+        )
+        for i in range(n)
+    ]
+    sender = _client(ctx, token, endpoints[0])
+    try:
+        sender.send(PROBE)  # answered when every link of the tree has completed its handshake
+        if not sender.poll(int(timeout_s * 1000)):
+            raise RuntimeError("the bare root never answered")
+        sender.recv_multipart()
+        t0 = time.monotonic()
+        for f in frames:
+            sender.send_multipart(list(f), copy=False)
+        for _ in range(n):
+            if not pull.poll(int(timeout_s * 1000)):
+                raise RuntimeError("a bare node never received every frame")
+            pull.recv()
+        elapsed = time.monotonic() - t0
+        for _ in frames:
+            sender.recv_multipart()
+        return elapsed
+    finally:
+        sender.close(linger=0)
+        pull.close(linger=0)
+        ctx.destroy(linger=0)
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="A bare forwarding node (benchmark only).")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--done", required=True)
+    parser.add_argument("--frames", type=int, required=True)
+    parser.add_argument("endpoints", nargs="+")
+    args = parser.parse_args(argv)
+    serve_node(args.index, args.endpoints, args.done, args.frames, os.environ["KUBEREFIT_TOKEN"])
+
+
+if __name__ == "__main__":
+    main()
