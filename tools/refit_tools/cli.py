@@ -282,6 +282,16 @@ def _rates(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
     return rates
 
 
+def _links(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[float, ...]:
+    try:
+        links = tuple(float(r) for r in value.split(",") if r.strip())
+    except ValueError as exc:
+        raise click.BadParameter("comma-separated rates in Mbit/s, e.g. 100,1000,0") from exc
+    if not links or any(r != 0 and r < 0.1 for r in links):
+        raise click.BadParameter("each rate is 0 (unshaped) or at least 0.1 Mbit/s")
+    return links
+
+
 @bench.command("refit", epilog=BENCH_EXIT_HELP)
 @click.option(
     "--quick",
@@ -296,10 +306,12 @@ def _rates(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
 )
 @click.option(
     "--link-mbit",
-    type=click.FloatRange(0.1, None),
-    default=100.0,
+    default="100",
     show_default=True,
-    help="Rate of the tc-tbf link between the trainer and rollout namespaces.",
+    callback=_links,
+    help="Rate of the tc-tbf link between the trainer and rollout namespaces in Mbit/s; "
+    "0 leaves the veth unshaped. Several, comma-separated (e.g. 100,1000,0), run one after "
+    "the other and add refit-links-<time>.{json,svg}: latency and speedup against the link.",
 )
 @click.option(
     "--nodes",
@@ -357,7 +369,7 @@ def bench_refit(
     quick: bool,
     as_json: bool,
     checkpoint_mib: int | None,
-    link_mbit: float,
+    link_mbit: tuple[float, ...],
     nodes: int | None,
     rates: tuple[float, ...],
     repeats: int,
@@ -386,11 +398,12 @@ def bench_refit(
         RefitBenchError,
         format_report,
         run_refit_bench,
+        run_refit_links,
     )
 
     configure_logging(default_level="warning")
     options: dict[str, object] = {
-        "link_mbit": link_mbit,
+        "link_mbit": link_mbit[0],
         "rates": rates,
         "repeats": repeats,
         "warmup": warmup,
@@ -408,12 +421,23 @@ def bench_refit(
     config = (
         RefitBenchConfig.quick(**options) if quick else RefitBenchConfig.model_validate(options)
     )
+
+    def say(msg: str) -> None:
+        click.echo(msg, err=True)
+
     try:
-        result = run_refit_bench(config, say=lambda msg: click.echo(msg, err=True))
+        if len(link_mbit) == 1:
+            result = run_refit_bench(config, say=say)
+            report = format_report(result)
+        else:
+            result = run_refit_links(config, link_mbit, say=say)
+            report = "\n\n".join(format_report(r) for r in result["runs"])
+            if result.get("files"):
+                report += "\nby link: " + ", ".join(result["files"])
     except NetnsError as exc:
         raise click.ClickException(str(exc)) from exc
     except RefitBenchError as exc:
         raise click.ClickException(f"bench refit failed: {exc}") from exc
-    click.echo(format_report(result), err=as_json)
+    click.echo(report, err=as_json)
     if as_json:
         click.echo(json.dumps(result))

@@ -70,7 +70,7 @@ def test_tiny_refit_bench_reports_consistent_bit_exact_numbers(tmp_path: Path) -
             "--nodes",
             "2",
             "--link-mbit",
-            "100",
+            "100,0",
             "--json",
             "--workdir",
             str(work),
@@ -83,7 +83,8 @@ def test_tiny_refit_bench_reports_consistent_bit_exact_numbers(tmp_path: Path) -
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    both = json.loads(proc.stdout.strip().splitlines()[-1])
+    out, unshaped = both["runs"]
 
     h = out["checkpoint_bytes"]
     assert out["link_mbit"] == 100.0
@@ -99,6 +100,8 @@ def test_tiny_refit_bench_reports_consistent_bit_exact_numbers(tmp_path: Path) -
         assert row["finalization_s"] < row["latency_s"]
         assert row["v_payload_bytes"] < h * float(key)  # compressed changes, not the checkpoint
         assert row["changed_fraction"] == pytest.approx(float(key), rel=0.05)
+        assert row["link_limit"] == pytest.approx(h / row["v_payload_bytes"])
+        assert row["speedup_over_limit"] == pytest.approx(row["speedup"] / row["link_limit"])
         volumes.append(row["v_payload_bytes"])
     assert volumes == sorted(volumes)
     ref = out["full_reference"]
@@ -106,17 +109,34 @@ def test_tiny_refit_bench_reports_consistent_bit_exact_numbers(tmp_path: Path) -
     assert ref["seconds"] >= 0.9 * h * 8 / 100e6  # ... over the 100 Mbit/s link
     assert len({row["full_reference_s"] for row in out["rates"].values()}) == 1
 
+    # The second run had the veth unshaped: no tbf, so no nominal time and no busy share, and
+    # the same bytes crossed it faster than the 100 Mbit/s link allows.
+    assert unshaped["link_mbit"] == 0
+    assert unshaped["full_reference"]["nominal_s"] is None
+    assert unshaped["full_reference"]["link_bytes"] >= h  # the veth's own counter
+    assert unshaped["full_reference"]["seconds"] < ref["seconds"]
+    for row in unshaped["rates"].values():
+        assert row["bit_exact"] is True
+        assert row["link_busy_share"] is None
+        assert row["link_bytes"] > 0
+
     latest = json.loads((results / "refit-latest.json").read_text())
-    assert latest["rates"].keys() == out["rates"].keys()
+    assert latest["rates"].keys() == unshaped["rates"].keys()
     svg = ET.parse(results / "refit-latest.svg").getroot()
     assert svg.tag.endswith("svg")
-    assert len(list(results.glob("refit-2*.json"))) == 1
+    assert len(list(results.glob("refit-2*.json"))) == 2
+    (links_json,) = results.glob("refit-links-*.json")
+    assert both["files"] == [str(links_json), str(links_json.with_suffix(".svg"))]
+    links = ET.parse(links_json.with_suffix(".svg")).getroot()
+    labels = {t.text for t in links.iter() if t.tag.endswith("text")}
+    assert {"100 Mbit/s", "unshaped", "1%", "3%", "5%"} <= labels
 
     assert not (_ours(proc.stderr) & _namespaces()), "namespaces left behind"
     assert not _processes_using(work), "processes left behind"
-    (run,) = work.iterdir()  # this run's directory: logs and configs, no baseline left
-    assert (run / "producer.log").exists()
-    assert not [p for p in run.iterdir() if p.is_dir()], "baseline files left behind"
+    for run in work.iterdir():  # each run's directory: logs and configs, no baseline left
+        assert (run / "producer.log").exists()
+        assert not [p for p in run.iterdir() if p.is_dir()], "baseline files left behind"
+    assert len(list(work.iterdir())) == 2
 
 
 def test_ctrl_c_cleans_up(tmp_path: Path) -> None:

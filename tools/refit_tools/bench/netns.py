@@ -26,6 +26,11 @@ class NetnsError(RuntimeError):
     """The namespaces or the shaped link could not be set up (message says what to do)."""
 
 
+#: Deadlines (ACK windows, timeouts) on an unshaped link are sized for this rate: far below
+#: what two cores move through a veth, so a slow moment never fails a run.
+UNSHAPED_DEADLINE_BYTES_S = 50e6
+
+
 def require_netns_tools() -> None:
     """Fail early, with a clear message, when namespaces cannot be created here."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
@@ -63,15 +68,32 @@ class Link:
     _host_veths: list[str] = field(default_factory=list)
 
     @property
-    def rate_bytes_s(self) -> float:
-        return self.rate_mbit * 1e6 / 8
+    def shaped(self) -> bool:
+        """False for rate 0: the veth is left unshaped (as fast as the two cores move bytes)."""
+        return self.rate_mbit > 0
+
+    @property
+    def rate_bytes_s(self) -> float | None:
+        """The tbf rate (None when unshaped)."""
+        return self.rate_mbit * 1e6 / 8 if self.shaped else None
+
+    @property
+    def deadline_bytes_s(self) -> float:
+        """The rate deadlines are sized for: the tbf rate, or UNSHAPED_DEADLINE_BYTES_S."""
+        return self.rate_bytes_s or UNSHAPED_DEADLINE_BYTES_S
 
     def wrap(self, ns: str, argv: list[str]) -> list[str]:
         """`argv` run inside namespace `ns` (`ip netns exec` execs, so the PID is argv's)."""
         return ["ip", "netns", "exec", ns, *argv]
 
     def shaped_bytes(self) -> int:
-        """Bytes the tbf qdisc has sent so far (L2 frames that crossed the shaped link)."""
+        """Bytes sent over the payload link so far (L2 frames): the tbf qdisc's count, or the
+        veth's transmit counter when the link is unshaped."""
+        if not self.shaped:
+            out = _run(
+                "ip", "-n", self.trainer_ns, "-s", "-j", "link", "show", "dev", self.shaped_dev
+            )
+            return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
         out = _run("tc", "-n", self.trainer_ns, "-s", "-j", "qdisc", "show", "dev", self.shaped_dev)
         for qdisc in json.loads(out or "[]"):
             if qdisc.get("kind") == "tbf":
@@ -98,8 +120,8 @@ def _free_subnet() -> int:
 
 
 def create_link(rate_mbit: float, *, latency_ms: int = 100, trainer_control: bool = False) -> Link:
-    """trainer --(tbf rate_mbit)--> rollout, plus host <-> rollout (and host <-> trainer) for
-    control traffic."""
+    """trainer --(tbf rate_mbit; 0: unshaped)--> rollout, plus host <-> rollout (and host <->
+    trainer) for control traffic."""
     require_netns_tools()
     tag = secrets.token_hex(3)
     s = _free_subnet()
@@ -127,24 +149,8 @@ def create_link(rate_mbit: float, *, latency_ms: int = 100, trainer_control: boo
         _run("ip", "-n", r, "addr", "add", f"{link.rollout_ip}/30", "dev", vr)
         _run("ip", "-n", t, "link", "set", vt, "up")
         _run("ip", "-n", r, "link", "set", vr, "up")
-        burst = max(16_000, int(link.rate_bytes_s / 250))  # ~4 ms of tokens
-        _run(
-            "tc",
-            "-n",
-            t,
-            "qdisc",
-            "add",
-            "dev",
-            vt,
-            "root",
-            "tbf",
-            "rate",
-            f"{rate_mbit}mbit",
-            "burst",
-            str(burst),
-            "latency",
-            f"{latency_ms}ms",
-        )
+        if link.rate_bytes_s is not None:
+            _shape(link, latency_ms)
         link.control_ip = _control_veth(link, r, f"krvh{tag}", f"krvc{tag}", _ROLLOUT_CTL_NET, s)
         if trainer_control:
             link.trainer_control_ip = _control_veth(
@@ -154,6 +160,29 @@ def create_link(rate_mbit: float, *, latency_ms: int = 100, trainer_control: boo
         link.close()
         raise
     return link
+
+
+def _shape(link: Link, latency_ms: int) -> None:
+    """tbf on the trainer end of the payload veth (the payload direction)."""
+    assert link.rate_bytes_s is not None
+    burst = max(16_000, int(link.rate_bytes_s / 250))  # ~4 ms of tokens
+    _run(
+        "tc",
+        "-n",
+        link.trainer_ns,
+        "qdisc",
+        "add",
+        "dev",
+        link.shaped_dev,
+        "root",
+        "tbf",
+        "rate",
+        f"{link.rate_mbit}mbit",
+        "burst",
+        str(burst),
+        "latency",
+        f"{latency_ms}ms",
+    )
 
 
 def _control_veth(link: Link, ns: str, host_dev: str, ns_dev: str, net: str, s: int) -> str:

@@ -32,6 +32,11 @@ def _rect(x: float, y: float, w: float, h: float, fill: str, title: str = "") ->
     )
 
 
+def link_label(link_mbit: float) -> str:
+    """How a result names its link (rate 0 is the unshaped veth)."""
+    return "the unshaped veth" if link_mbit == 0 else f"{link_mbit:g} Mbit/s (tbf)"
+
+
 def refit_svg(result: dict[str, Any]) -> str:
     rates = list(result["rates"].items())
     height = _TOP + _ROW * len(rates) + 70
@@ -48,7 +53,7 @@ def refit_svg(result: dict[str, Any]) -> str:
             10,
             20,
             f"kuberefit bench refit: H = {result['checkpoint_bytes'] / MIB:.1f} MiB, "
-            f"{result['nodes']} nodes, {result['link_mbit']:g} Mbit/s tbf link; full-checkpoint "
+            f"{result['nodes']} nodes, link {link_label(result['link_mbit'])}; full-checkpoint "
             f"reference {ref['seconds']:.1f} s",
             13,
             font_weight="bold",
@@ -98,4 +103,72 @@ def refit_svg(result: dict[str, Any]) -> str:
         lx = x0 + j * 190
         out += [_rect(lx, legend_y - 10, 12, 12, color), _text(lx + 16, legend_y, label, 11)]
     out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+_COLORS = ("#4878d0", "#ee854a", "#6acc64", "#d65f5f", "#956cb4")
+
+
+def _panel(
+    x0: float,
+    top: float,
+    size: tuple[float, float],
+    title: str,
+    series: dict[str, list[float]],
+    labels: list[str],
+    fmt: str,
+) -> list[str]:
+    """One line chart: x = the links in run order, one polyline per change rate."""
+    width, height = size
+    peak = max(v for values in series.values() for v in values) * 1.15 or 1.0
+    step = width / max(len(labels) - 1, 1)
+    out = [
+        _text(x0, top - 10, title, 12),
+        f'<line x1="{x0}" y1="{top + height}" x2="{x0 + width}" y2="{top + height}" '
+        f'stroke="#555"/>',
+        f'<line x1="{x0}" y1="{top}" x2="{x0}" y2="{top + height}" stroke="#555"/>',
+    ]
+    for i, label in enumerate(labels):
+        out.append(_text(x0 + i * step, top + height + 16, label, 10, "middle"))
+    for j, (name, values) in enumerate(series.items()):
+        color = _COLORS[j % len(_COLORS)]
+        points = [(x0 + i * step, top + height - v * height / peak) for i, v in enumerate(values)]
+        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+        out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
+        for (x, y), v in zip(points, values, strict=True):
+            out += [
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>',
+                _text(x + 5, y - 5, format(v, fmt), 10),
+            ]
+        out += [
+            _rect(x0 + j * 70, top + height + 30, 12, 12, color),
+            _text(x0 + j * 70 + 16, top + height + 40, name, 11),
+        ]
+    return out
+
+
+def links_svg(results: list[dict[str, Any]]) -> str:
+    """Latency and speedup against the link, one line per change rate (`bench refit` with
+    several `--link-mbit` values)."""
+    labels = [f"{r['link_mbit']:g} Mbit/s" if r["link_mbit"] else "unshaped" for r in results]
+    keys = list(results[0]["rates"])
+    latency = {f"{float(k):.0%}": [r["rates"][k]["latency_s"] for r in results] for k in keys}
+    speedup = {f"{float(k):.0%}": [r["rates"][k]["speedup"] for r in results] for k in keys}
+    first = results[0]
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="330" '
+        f'font-family="sans-serif">',
+        _rect(0, 0, _W, 330, "white"),
+        _text(
+            10,
+            20,
+            f"kuberefit bench refit: H = {first['checkpoint_bytes'] / MIB:.1f} MiB, "
+            f"{first['nodes']} nodes, by link between the clusters",
+            13,
+            font_weight="bold",
+        ),
+        *_panel(60, 60, (330, 190), "refit latency, s", latency, labels, ".2f"),
+        *_panel(480, 60, (330, 190), "speedup vs full checkpoint", speedup, labels, ".1f"),
+        "</svg>",
+    ]
     return "\n".join(out) + "\n"

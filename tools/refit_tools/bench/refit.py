@@ -72,7 +72,7 @@ from refit_sidecar.transport.relay.dealer import DealerConfig
 from refit_sidecar.transport.relay.transport import RelayTransportConfig
 from refit_tools.bench.netns import Link, create_link, require_netns_tools
 from refit_tools.bench.nodes import BenchNodes
-from refit_tools.bench.plot import refit_svg
+from refit_tools.bench.plot import link_label, links_svg, refit_svg
 from refit_tools.bench.refit_producer import RefitProducerConfig
 from refit_tools.bench.refit_receiver import read_digest
 from refit_tools.bench.refit_workload import MIB, Workload, reference_plan
@@ -124,7 +124,9 @@ class RefitBenchConfig(BaseModel):
         default=512 * MIB, ge=MIB, description="Lower bound on H (whole layers are added)."
     )
     link_mbit: float = Field(
-        default=100.0, gt=0, description="Rate of the tbf-shaped trainer -> rollout link."
+        default=100.0,
+        ge=0,
+        description="Rate of the tbf-shaped trainer -> rollout link (0: the veth unshaped).",
     )
     nodes: int = Field(default=3, ge=1, le=16, description="Rollout nodes (relay tree size).")
     rates: tuple[float, ...] = Field(
@@ -262,7 +264,7 @@ class _Run:
 class _Driver:
     def __init__(self, run: _Run, session: aiohttp.ClientSession) -> None:
         self.run = run
-        timeout = 3 * run.workload.nbytes / run.link.rate_bytes_s + 600
+        timeout = 3 * run.workload.nbytes / run.link.deadline_bytes_s + 600
         self.clients = [
             ReceiverHttpClient(name, url, token=run.nodes.token, session=session, timeout_s=timeout)
             for name, url in zip(run.nodes.names, run.nodes.http, strict=True)
@@ -337,7 +339,8 @@ class _Driver:
             )
         progress = result.progress
         assert progress is not None
-        link_busy = link_bytes / run.link.rate_bytes_s
+        rate_bytes_s = run.link.rate_bytes_s
+        link_busy = None if rate_bytes_s is None else link_bytes / rate_bytes_s / latency
         flushed = run.clock.committing[version]
         first = min((a for a, _ in spans), default=t0)
         last = max((b for _, b in spans), default=t0)
@@ -353,7 +356,7 @@ class _Driver:
             "transport_span_s": last - first,
             "drain_s": flushed - last,
             "link_bytes": link_bytes,
-            "link_busy_share": link_busy / latency,
+            "link_busy_share": link_busy,
             "payloads": progress.payloads,
             "changed_elements": int(staged["changed_elements"]),
             "changed_fraction": progress.changed_elements / max(progress.total_elements, 1),
@@ -397,7 +400,7 @@ class _Driver:
             "payloads": count,
             "root_acked_s": sent["t_acked"] - sent["t_start"],
             "link_bytes": link_bytes,
-            "nominal_s": run.workload.nbytes / run.link.rate_bytes_s,
+            "nominal_s": _nominal(run.workload.nbytes, run.link),
         }
 
 
@@ -411,10 +414,11 @@ async def _measure(run: _Run) -> dict[str, Any]:
         for i in range(cfg.warmup):
             say(f"[bench refit] warm-up transition {i + 1}/{cfg.warmup} (1%, not reported)")
             warm.append(await driver.transition(0.01, seed=10_000 + i))
+        nominal = _nominal(run.workload.nbytes, run.link)
         say(
             f"[bench refit] full-checkpoint reference: {run.workload.nbytes / MIB:.1f} MiB to "
-            f"{cfg.nodes} nodes over {cfg.link_mbit:g} Mbit/s "
-            f"(~{run.workload.nbytes / run.link.rate_bytes_s:.0f} s at the nominal rate)"
+            f"{cfg.nodes} nodes over {link_label(cfg.link_mbit)}"
+            + ("" if nominal is None else f" (~{nominal:.0f} s at the nominal rate)")
         )
         reference = await driver.reference()
         say(f"[bench refit]   {reference['seconds']:.2f} s")
@@ -431,7 +435,7 @@ async def _measure(run: _Run) -> dict[str, Any]:
                     f"{row['speedup']:.1f}x, transport share {row['transport_share']:.0%}, "
                     f"finalization {row['finalization_s']:.3f} s, bit-exact"
                 )
-            rates[format(rate, "g")] = _summarize(runs, reference["seconds"])
+            rates[format(rate, "g")] = _summarize(runs, reference["seconds"], run.workload.nbytes)
         return {
             "full_reference": reference,
             "rates": rates,
@@ -440,18 +444,29 @@ async def _measure(run: _Run) -> dict[str, Any]:
         }
 
 
-def _summarize(runs: list[dict[str, Any]], reference_s: float) -> dict[str, Any]:
+def _nominal(nbytes: int, link: Link) -> float | None:
+    """Seconds the checkpoint takes at the link's nominal rate (None: unshaped)."""
+    return None if link.rate_bytes_s is None else nbytes / link.rate_bytes_s
+
+
+def _summarize(
+    runs: list[dict[str, Any]], reference_s: float, checkpoint_bytes: int
+) -> dict[str, Any]:
     """Means over the repeats; speedup from the mean latency; every run kept."""
     keys = (
         *("latency_s", "v_payload_bytes", "transport_share", "finalization_s"),
-        *("transport_union_s", "link_busy_share", "link_bytes", "changed_fraction"),
+        *("transport_union_s", "link_bytes", "changed_fraction"),
         *("startup_s", "transport_span_s", "drain_s"),
     )
     out: dict[str, Any] = {k: statistics.fmean(float(r[k]) for r in runs) for k in keys}
+    busy = [r["link_busy_share"] for r in runs]
+    out["link_busy_share"] = None if None in busy else statistics.fmean(busy)
     out["v_payload_bytes"] = round(out["v_payload_bytes"])
     out["link_bytes"] = round(out["link_bytes"])
     out["full_reference_s"] = reference_s
     out["speedup"] = reference_s / out["latency_s"]
+    out["link_limit"] = checkpoint_bytes / out["v_payload_bytes"]
+    out["speedup_over_limit"] = out["speedup"] / out["link_limit"]
     out["bit_exact"] = all(r["bit_exact"] for r in runs)
     out["runs"] = runs
     return out
@@ -466,7 +481,7 @@ def _start_producer(
     token = nodes.token
     nodes_relay_root = nodes.relays[0]
     port = free_port()
-    rate = link.rate_bytes_s
+    rate = link.deadline_bytes_s
     transport = RelayTransportConfig(
         root=nodes_relay_root,
         # ACK deadlines sized for the emulated link: a payload may queue behind another.
@@ -541,7 +556,7 @@ def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print)
             link = create_link(cfg.link_mbit, trainer_control=True)
             say(
                 f"[bench refit] H = {workload.nbytes / MIB:.1f} MiB ({len(workload.layout())} "
-                f"tensors); link {cfg.link_mbit:g} Mbit/s tbf between namespaces "
+                f"tensors); link {link_label(cfg.link_mbit)} between namespaces "
                 f"{link.trainer_ns} -> {link.rollout_ns}; starting 1 producer and {cfg.nodes} "
                 f"receiver nodes (workdir {workdir})"
             )
@@ -654,21 +669,46 @@ def write_results(result: dict[str, Any], directory: Path, when: datetime) -> li
     return paths
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def run_refit_links(
+    config: RefitBenchConfig, links: Sequence[float], *, say: Say = print
+) -> dict[str, Any]:
+    """One run per link rate (0: the unshaped veth), each written as usual, then
+    `refit-links-<UTC time>.{json,svg}`: latency and speedup against the link."""
+    started = datetime.now(UTC)
+    results = [
+        run_refit_bench(config.model_copy(update={"link_mbit": link}), say=say) for link in links
+    ]
+    summary: dict[str, Any] = {"benchmark": "refit-links", "runs": results}
+    if config.results_dir is not None:
+        stamp = started.strftime("%Y%m%dT%H%M%SZ")
+        json_path = config.results_dir / f"refit-links-{stamp}.json"
+        svg_path = json_path.with_suffix(".svg")
+        json_path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        svg_path.write_text(links_svg(results))
+        summary["files"] = [str(json_path), str(svg_path)]
+    return summary
+
+
 def format_report(result: dict[str, Any]) -> str:
     """A table for the terminal."""
     ref = result["full_reference"]
     lines = [
         f"H = {result['checkpoint_bytes'] / MIB:.1f} MiB, {result['nodes']} nodes, link "
-        f"{result['link_mbit']:g} Mbit/s; full-checkpoint reference {ref['seconds']:.2f} s "
-        f"(nominal {ref['nominal_s']:.2f} s)",
+        f"{link_label(result['link_mbit'])}; full-checkpoint reference {ref['seconds']:.2f} s"
+        + ("" if ref["nominal_s"] is None else f" (nominal {ref['nominal_s']:.2f} s)"),
         "",
         f"{'rate':>5} {'latency s':>10} {'V_payload MiB':>14} {'speedup':>8} "
-        f"{'transport':>10} {'link busy':>10} {'final. s':>9} {'bit-exact':>9}",
+        f"{'limit':>7} {'transport':>10} {'link busy':>10} {'final. s':>9} {'bit-exact':>9}",
     ]
     for key, r in result["rates"].items():
         lines.append(
             f"{float(key):>5.0%} {r['latency_s']:>10.2f} {r['v_payload_bytes'] / MIB:>14.2f} "
-            f"{r['speedup']:>7.1f}x {r['transport_share']:>10.0%} {r['link_busy_share']:>10.0%} "
+            f"{r['speedup']:>7.1f}x {r['link_limit']:>6.1f}x {r['transport_share']:>10.0%} "
+            f"{_share(r['link_busy_share']):>10} "
             f"{r['finalization_s']:>9.3f} {'yes' if r['bit_exact'] else 'NO':>9}"
         )
     targets = result.get("targets_at_3pct")
