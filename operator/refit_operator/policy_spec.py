@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 from refit_operator.coordinator import CoordinatorConfig
+from refit_protocol.config_files import AUTO, SizeOrAuto
 
 
 class _Spec(BaseModel):
@@ -92,8 +93,8 @@ class PolicySpec(_Spec):
     transport: Literal["zmq", "s3"] = "zmq"
     s3: S3Spec | None = None
     encoding: EncodingSpec = Field(default_factory=EncodingSpec)
-    chunk_bytes: int = Field(256 << 20, ge=1)
-    bucket_bytes: int = Field(512 << 20, ge=1)
+    chunk_bytes: SizeOrAuto = AUTO  # auto: sized from the checkpoint (baseline/sizing.py)
+    bucket_bytes: SizeOrAuto = AUTO
     baseline: BaselineSpec = Field(default_factory=BaselineSpec)
     post_apply_checks: int = Field(0, ge=-1)
     mode: Literal["sync", "async"] = "sync"

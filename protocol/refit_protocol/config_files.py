@@ -17,7 +17,7 @@ import types
 import typing
 from decimal import Decimal
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import structlog
 import yaml
@@ -70,6 +70,31 @@ def format_byte_size(size: int) -> str:
 
 class _Bytes:
     """Marks a ByteSize field, so examples and the reference print it with a unit."""
+
+
+#: Put in a size type's `Annotated` metadata (as `ByteSize` does) to print it with a unit.
+BYTE_SIZE = _Bytes()
+
+
+Auto = Literal["auto"]
+AUTO: Auto = "auto"
+
+
+def _size_or_auto(value: Any) -> Any:
+    if value == AUTO:
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size: write auto, bytes, or a unit (256MiB)")
+    size = parse_byte_size(value)
+    if isinstance(size, int) and size < 1:
+        raise ValueError(f"{value!r}: a size must be at least 1 byte (or auto)")
+    return size
+
+
+#: A size setting that may also be `auto` (one clear error for anything else).
+SizeOrAuto = Annotated[
+    int | Auto, BeforeValidator(_size_or_auto, json_schema_input_type=int | str), BYTE_SIZE
+]
 
 
 def resolve_relative(value: Path, info: ValidationInfo) -> Path:

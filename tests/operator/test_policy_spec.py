@@ -30,6 +30,8 @@ def test_defaults_map_to_the_coordinator() -> None:
         ({"mode": "eventually"}, "spec.mode"),
         ({"verify": {"everyVersions": 2}}, "spec.verify.everyVersions needs spec.restore"),
         ({"verify": {"everyVersions": -1}}, "spec.verify.everyVersions"),
+        ({"chunkBytes": "lots"}, "spec.chunkBytes"),
+        ({"bucketBytes": 0}, "spec.bucketBytes"),
     ],
 )
 def test_errors_name_the_field(spec: dict[str, object], names: str) -> None:
@@ -63,3 +65,12 @@ def test_label_selector_semantics() -> None:
     assert not sel.matches({k: v for k, v in base.items() if k != "gpu"})
     assert not sel.matches({**base, "app": "trainer"})
     assert LabelSelector().matches({})
+
+
+def test_sizes_default_to_auto_and_take_units() -> None:
+    """`auto` (the CRD's default) lets every trainer sidecar size chunks from the checkpoint;
+    a size may be written as Kubernetes quantities are."""
+    spec = parse_spec(TOKEN)
+    assert (spec.chunk_bytes, spec.bucket_bytes) == ("auto", "auto")
+    spec = parse_spec({**TOKEN, "chunkBytes": "64Mi", "bucketBytes": 1 << 27})
+    assert (spec.chunk_bytes, spec.bucket_bytes) == (64 << 20, 128 << 20)

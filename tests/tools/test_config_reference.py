@@ -19,7 +19,7 @@ def test_it_names_every_setting_with_its_default() -> None:
         "| `relay.bind` | string | **required** |",
         "| `async_staging_max_bytes` | size | `64GiB` |",
         "| `staging.inbox` | path | **required** |",
-        "| `pipeline.bucket_bytes` | size | `512MiB` |",
+        "| `pipeline.bucket_bytes` | size or `auto` | `auto` |",
         "| `nodes[].url` | string | **required** |",
         "| `coordinator.max_attempts` | integer | `5` |",
         "| `allow_insecure` | boolean | `false` |",

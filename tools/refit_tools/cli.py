@@ -282,6 +282,18 @@ def _rates(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
     return rates
 
 
+def _size_mib(_ctx: click.Context, _param: click.Parameter, value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        mib = int(value)
+    except ValueError as exc:
+        raise click.BadParameter("auto or a whole number of MiB, e.g. 32") from exc
+    if mib < 1:
+        raise click.BadParameter("at least 1 MiB (or auto)")
+    return mib << 20
+
+
 def _links(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[float, ...]:
     try:
         links = tuple(float(r) for r in value.split(",") if r.strip())
@@ -341,17 +353,19 @@ def _links(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
 )
 @click.option(
     "--bucket-mib",
-    type=click.IntRange(1, None),
-    default=32,
+    default="auto",
     show_default=True,
-    help="Producer bucket target (payload granularity; the product default is 512).",
+    callback=_size_mib,
+    help="Producer bucket target in MiB (payload granularity); auto: the product's default, "
+    "one chunk.",
 )
 @click.option(
     "--chunk-mib",
-    type=click.IntRange(1, None),
-    default=32,
+    default="auto",
     show_default=True,
-    help="Export chunk limit (the product default is 256).",
+    callback=_size_mib,
+    help="Export chunk limit in MiB; auto: the product's default, sized from H so the producer "
+    "streams ~16 chunks (4-256 MiB).",
 )
 @click.option(
     "--results-dir",
@@ -374,8 +388,8 @@ def bench_refit(
     rates: tuple[float, ...],
     repeats: int,
     warmup: int,
-    bucket_mib: int,
-    chunk_mib: int,
+    bucket_mib: int | str,
+    chunk_mib: int | str,
     results_dir: Path | None,
     workdir: Path | None,
     keep_workdir: bool,
@@ -407,8 +421,8 @@ def bench_refit(
         "rates": rates,
         "repeats": repeats,
         "warmup": warmup,
-        "bucket_bytes": bucket_mib << 20,
-        "chunk_bytes": chunk_mib << 20,
+        "bucket_bytes": bucket_mib,
+        "chunk_bytes": chunk_mib,
         "workdir": workdir,
         "keep_workdir": keep_workdir,
     }

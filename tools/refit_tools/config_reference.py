@@ -51,7 +51,8 @@ dots. The token can also come from `$KUBEREFIT_TOKEN` or a file named by
 def type_name(annotation: Any, info: FieldInfo | None = None) -> str:
     """A reader's name for a field's type."""
     if info is not None and is_byte_size(info):
-        return "size"
+        literals = [a for a in typing.get_args(info.annotation) if typing.get_origin(a) is Literal]
+        return "size" + "".join(f" or {type_name(a)[len('one of ') :]}" for a in literals)
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Annotated:

@@ -42,6 +42,7 @@ from refit_operator.kube.names import (
     ROLE_LABEL,
     SIDECAR_CONTAINER,
 )
+from refit_protocol.config_files import Auto
 from refit_protocol.pod_contract import (
     CONFIG_ENV,
     INBOX_ENV,
@@ -83,7 +84,11 @@ class PolicyFacts:
 
 
 def producer_settings(
-    zstd_level: int, shuffle: bool, chunk_bytes: int, bucket_bytes: int, in_memory: bool
+    zstd_level: int,
+    shuffle: bool,
+    chunk_bytes: int | Auto,
+    bucket_bytes: int | Auto,
+    in_memory: bool,
 ) -> dict[str, Any]:
     """The parts of a trainer sidecar's ProducerProcessConfig a RefitPolicy decides."""
     return {

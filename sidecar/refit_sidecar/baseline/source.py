@@ -24,8 +24,9 @@ import numpy.typing as npt
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from refit_protocol.config_files import ByteSize, ConfigPath
+from refit_protocol.config_files import AUTO, ConfigPath, SizeOrAuto
 from refit_sidecar.baseline.chunks import ExportChunk, owner_of, plan_chunks
+from refit_sidecar.baseline.sizing import resolve_sizes
 from refit_sidecar.baseline.storage import ChunkStore
 from refit_sidecar.bitdiff import (
     NO_BUFFERS,
@@ -61,11 +62,12 @@ class BaselineConfig(BaseModel):
         "in it); None uses the system temp directory.",
     )
     in_memory: bool = Field(default=False, description="Keep the baseline in RAM, not in files.")
-    export_chunk_bytes: ByteSize = Field(
-        default=256 << 20,
-        ge=1,
-        description="Export chunk limit in bytes (256 MiB suits ZeroMQ, 64 MiB S3); must be the "
-        "same on every producer because ownership depends on it.",
+    export_chunk_bytes: SizeOrAuto = Field(
+        default=AUTO,
+        description="Export chunk limit in bytes; `auto` sizes it from the checkpoint so each "
+        "producer's share makes ~16 chunks, 4-256 MiB (refit_sidecar/baseline/sizing.py; "
+        "256 MiB without staging.reference_checkpoint). Must come out the same on every "
+        "producer because ownership depends on it.",
     )
     commit_workers: int = Field(default=2, ge=1, description="Threads applying a commit.")
     reuse_delta_buffers: bool = Field(
@@ -116,13 +118,24 @@ class SourceBaseline:
     """One producer's share of the source baseline and its pending delta."""
 
     def __init__(
-        self, *, producer: int, producers: int, config: BaselineConfig | None = None
+        self,
+        *,
+        producer: int,
+        producers: int,
+        config: BaselineConfig | None = None,
+        total_bytes: int | None = None,
     ) -> None:
+        """`total_bytes`: the checkpoint's size H, which an `auto` chunk limit is derived from
+        (None: unknown, see `sizing.resolve_sizes`)."""
         if not 0 <= producer < producers:
             raise ValueError(f"producer {producer} not in [0, {producers})")
         self.producer = producer
         self.producers = producers
         self.config = config or BaselineConfig()
+        #: The export chunk limit in effect (`config.export_chunk_bytes` resolved).
+        self.chunk_bytes = resolve_sizes(
+            self.config.export_chunk_bytes, AUTO, total_bytes=total_bytes, producers=producers
+        ).chunk_bytes
         self._plan: list[tuple[TensorMeta, ...]] | None = None
         self._stores: dict[int, ChunkStore] = {}
         self._dir: Path | None = None
@@ -159,9 +172,9 @@ class SourceBaseline:
                     for name, t in chunk.tensors:
                         np.copyto(store.views[name], bits_numpy(t.cpu()))
             flat = [m for metas in seen for m in metas]
-            if plan_chunks(flat, self.config.export_chunk_bytes) != seen:
+            if plan_chunks(flat, self.chunk_bytes) != seen:
                 raise ExportMismatchError(
-                    f"export chunks do not follow the {self.config.export_chunk_bytes}-byte limit"
+                    f"export chunks do not follow the {self.chunk_bytes}-byte limit"
                 )
             names = [m.name for m in flat]
             if len(set(names)) != len(names):

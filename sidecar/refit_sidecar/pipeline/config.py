@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from refit_protocol.config_files import ByteSize
+from refit_protocol.config_files import AUTO, SizeOrAuto
 from refit_sidecar.codec.wire import CodecConfig
 
 
@@ -14,11 +14,11 @@ class PipelineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     compare_workers: int = Field(default=2, ge=1, description="Threads comparing chunks.")
-    bucket_bytes: ByteSize = Field(
-        default=512 << 20,
-        ge=1,
+    bucket_bytes: SizeOrAuto = Field(
+        default=AUTO,
         description="Bucket target: input bytes of the chunks (with records) coalesced into one "
-        "payload. Chunks are never split, so a bucket can exceed it.",
+        "payload. Chunks are never split, so a bucket can exceed it. `auto`: one chunk (the "
+        "export chunk limit in effect), so payloads keep the pipeline overlapped.",
     )
     max_chunks_in_flight: int = Field(
         default=4,

@@ -121,6 +121,9 @@ class ProducerPipeline:
         self.transport = transport
         self.config = config or PipelineConfig()
         self.mac_key = mac_key
+        bucket = self.config.bucket_bytes
+        #: The bucket target in effect (`auto`: the baseline's export chunk limit).
+        self.bucket_bytes = bucket if isinstance(bucket, int) else baseline.chunk_bytes
 
     def run(
         self,
@@ -253,7 +256,7 @@ class ProducerPipeline:
     def _coalesce(
         self, run: _Run, chunk_q: queue.Queue[Any], bucket_q: queue.Queue[Any], held: _Gauge
     ) -> None:
-        bucketer = Bucketer(self.config.bucket_bytes)
+        bucketer = Bucketer(self.bucket_bytes)
         m = run.metrics
         while (fut := run.get(chunk_q)) is not _END:
             delta, prepared = run.outcome(fut, "compare")

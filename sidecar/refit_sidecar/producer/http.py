@@ -90,7 +90,7 @@ def create_producer_app(
             candidate_version=service.candidate_version,
             pending_attempt=b.pending_attempt,
             producers=b.producers,
-            export_chunk_bytes=b.config.export_chunk_bytes,
+            export_chunk_bytes=b.chunk_bytes,
             baseline_ready=service.baseline_ready,
             baseline_fingerprint=service.baseline_fingerprint,
         )

@@ -28,10 +28,12 @@ from refit_protocol.errors import listen_error
 from refit_protocol.keys import payload_mac_key
 from refit_protocol.logs import configure_logging, log_settings
 from refit_protocol.tokens import DEFAULT_ROTATION_GRACE_S, TokenRing
+from refit_sidecar.baseline.sizing import resolve_sizes
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.http import create_producer_app
-from refit_sidecar.producer.readiness import startup_problem
+from refit_sidecar.producer.readiness import reference_problem, startup_problem
+from refit_sidecar.producer.resume import checkpoint_nbytes
 from refit_sidecar.producer.service import ProducerObserver, ProducerService
 from refit_sidecar.producer.staging import StagingConfig
 from refit_sidecar.transport.base import SendObserver
@@ -117,8 +119,12 @@ def build(
     *,
     observer: ProducerObserver | None = None,
     send_observer: SendObserver | None = None,
+    total_bytes: int | None = None,
 ) -> ProducerProcess:
-    """The sidecar's parts, not yet serving (refuses a non-loopback bind without a token)."""
+    """The sidecar's parts, not yet serving (refuses a non-loopback bind without a token).
+
+    `total_bytes`: the checkpoint's size H, which `auto` chunk and bucket sizes derive from;
+    by default read from `staging.reference_checkpoint` (the same on every producer)."""
     tokens = open_ring(config.token, config.token_file, grace_s=config.token_rotation_grace_s)
     require_token_or_loopback(
         f"producer {config.producer}",
@@ -126,8 +132,28 @@ def build(
         tokens.sending(),
         allow_insecure=config.allow_insecure,
     )
+    if total_bytes is None and config.staging is not None:
+        reference = config.staging.reference_checkpoint
+        if reference is not None and reference_problem(reference) is None:
+            total_bytes = checkpoint_nbytes(reference)
     baseline = SourceBaseline(
-        producer=config.producer, producers=config.producers, config=config.baseline
+        producer=config.producer,
+        producers=config.producers,
+        config=config.baseline,
+        total_bytes=total_bytes,
+    )
+    sizes = resolve_sizes(
+        config.baseline.export_chunk_bytes,
+        config.pipeline.bucket_bytes,
+        total_bytes=total_bytes,
+        producers=config.producers,
+    )
+    log.info(
+        "producer.sizes",
+        producer=config.producer,
+        export_chunk_bytes=sizes.chunk_bytes,
+        bucket_bytes=sizes.bucket_bytes,
+        rule=sizes.rule,
     )
     template = config.transport.model_copy(update={"producer": config.producer})
     transports = TransportSelector(template, observer=send_observer, tokens=tokens)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -24,6 +25,25 @@ from safetensors import safe_open
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.fingerprint import named_tensors_digest
 from refit_sidecar.trainer.errors import FingerprintMismatchError
+
+#: Element sizes of the safetensors dtype names.
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 def tensor_digest(name: str, tensor: torch.Tensor) -> str:
@@ -59,6 +79,18 @@ def checkpoint_files(directory: Path) -> dict[str, Path]:
         with safe_open(str(f), framework="pt") as fh:
             out.update((name, f) for name in fh.keys())  # noqa: SIM118 - not a dict
     return out
+
+
+def checkpoint_nbytes(directory: Path) -> int:
+    """H of an HF checkpoint: the bytes of every tensor, from the safetensors headers alone."""
+    total = 0
+    for file in sorted(set(checkpoint_files(directory).values())):
+        with safe_open(str(file), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - not a dict
+                piece = fh.get_slice(name)
+                numel = math.prod(piece.get_shape())
+                total += numel * _DTYPE_BYTES[piece.get_dtype()]
+    return total
 
 
 def checkpoint_digests(directory: Path, names: Iterable[str]) -> dict[str, str | None]:

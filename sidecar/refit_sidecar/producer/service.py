@@ -320,7 +320,7 @@ class ProducerService:
             return None
         if self._layout_cache is None:
             metas = self.baseline.metadata
-            plan = plan_chunks(list(metas.values()), self.baseline.config.export_chunk_bytes)
+            plan = plan_chunks(list(metas.values()), self.baseline.chunk_bytes)
             self._layout_cache = (plan, metas)
         return self._layout_cache
 
@@ -371,7 +371,7 @@ class ProducerService:
             require_same_layout(
                 manifest, list(self.baseline.metadata.values()), "the baseline's export"
             )
-        plan = plan_chunks(manifest, self.baseline.config.export_chunk_bytes)
+        plan = plan_chunks(manifest, self.baseline.chunk_bytes)
         owned = [
             i for i in range(len(plan)) if owner_of(i, self.baseline.producers) == self.producer
         ]

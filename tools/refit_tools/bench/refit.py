@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -63,8 +64,10 @@ from refit_operator.producer_client import HttpProducerClient
 from refit_operator.receiver_client import ReceiverHttpClient
 from refit_protocol.auth import bearer_header
 from refit_protocol.commit import CommitRecord
+from refit_protocol.config_files import AUTO, SizeOrAuto
 from refit_protocol.errors import EndpointError
 from refit_protocol.receiver_api import PrewarmRequest
+from refit_sidecar.baseline.sizing import Sizes, resolve_sizes
 from refit_sidecar.baseline.source import BaselineConfig
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.main import ProducerProcessConfig
@@ -138,17 +141,13 @@ class RefitBenchConfig(BaseModel):
     repeats: int = Field(
         default=3, ge=1, description="Timed transitions per rate (means are reported)."
     )
-    chunk_bytes: int = Field(
-        default=32 * MIB,
-        ge=1,
-        description="Export chunk limit. The product's 256 MiB suits checkpoints 100-1000x "
-        "larger; 32 MiB keeps ~20 pipeline units per attempt at H = 512 MiB.",
+    chunk_bytes: SizeOrAuto = Field(
+        default=AUTO,
+        description="Export chunk limit; auto: the product's rule (baseline/sizing.py, from H "
+        "and the producer count).",
     )
-    bucket_bytes: int = Field(
-        default=32 * MIB,
-        ge=1,
-        description="Bucket target (payload granularity); the product's 512 MiB would make the "
-        "whole 512 MiB checkpoint one payload, serializing compare and transport.",
+    bucket_bytes: SizeOrAuto = Field(
+        default=AUTO, description="Bucket target (payload granularity); auto: one chunk."
     )
     compare_workers: int = Field(default=2, ge=1, description="Producer compare threads.")
     reference_payload_bytes: int = Field(
@@ -473,6 +472,13 @@ def _summarize(
 
 
 # ------------------------------------------------------------------------------------- processes
+def bench_sizes(cfg: RefitBenchConfig, workload: Workload) -> Sizes:
+    """The chunk and bucket sizes the bench's one producer uses (the product's rule for auto)."""
+    return resolve_sizes(
+        cfg.chunk_bytes, cfg.bucket_bytes, total_bytes=workload.nbytes, producers=1
+    )
+
+
 def _start_producer(
     cfg: RefitBenchConfig, workload: Workload, link: Link, nodes: BenchNodes, workdir: Path
 ) -> tuple[ManagedProcess, str, str]:
@@ -482,10 +488,11 @@ def _start_producer(
     nodes_relay_root = nodes.relays[0]
     port = free_port()
     rate = link.deadline_bytes_s
+    sizes = bench_sizes(cfg, workload)
     transport = RelayTransportConfig(
         root=nodes_relay_root,
         # ACK deadlines sized for the emulated link: a payload may queue behind another.
-        stop_timeout_s=60 + 8 * max(cfg.reference_payload_bytes, cfg.bucket_bytes) / rate,
+        stop_timeout_s=60 + 8 * max(cfg.reference_payload_bytes, sizes.bucket_bytes) / rate,
         client=DealerConfig(min_bandwidth_bytes_s=rate / 4),
     )
     config = RefitProducerConfig(
@@ -629,6 +636,7 @@ def _result(
         "settings": json.loads(
             cfg.model_dump_json(exclude={"workdir", "keep_workdir", "results_dir"})
         ),
+        "sizes": dataclasses.asdict(bench_sizes(cfg, workload)),
         "machine": {
             "cpus": os.cpu_count(),
             "load_avg_before": measured["load_avg_before"],

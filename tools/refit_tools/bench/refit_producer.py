@@ -120,16 +120,21 @@ class ProducerBench:
     def __init__(self, cfg: RefitProducerConfig) -> None:
         self.cfg = cfg
         t0 = time.perf_counter()
-        self.chunk_bytes = cfg.producer.baseline.export_chunk_bytes
         self.committed: Tensors = list(cfg.workload.tensors())
         self.candidate: tuple[int, Tensors] | None = None
         self.intervals: list[SendInterval] = []
         self._lock = threading.Lock()
         self.timed = TimedWindows()
         # The product's own sidecar, with the bench's clock readings and send intervals.
-        self.process = build(cfg.producer, observer=self.timed, send_observer=self._observe)
+        self.process = build(
+            cfg.producer,
+            observer=self.timed,
+            send_observer=self._observe,
+            total_bytes=cfg.workload.nbytes,
+        )
         self.service = self.process.service
         self.baseline = self.process.baseline
+        self.chunk_bytes = self.baseline.chunk_bytes
         self.baseline.load_initial(chunk_export(self.committed, self.chunk_bytes))
         log.info("bench.producer_ready", seconds=time.perf_counter() - t0)
 
