@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from refit_tools.plan.command import plan
+
 #: Exit codes of the benches.
 BENCH_EXIT_HELP = (
     "Exit codes: 0 measured (figures on stdout); 1 the run failed (a bit mismatch, a process "
@@ -455,3 +457,6 @@ def bench_refit(
     click.echo(report, err=as_json)
     if as_json:
         click.echo(json.dumps(result))
+
+
+commands.add_command(plan)

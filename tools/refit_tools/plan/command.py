@@ -1,0 +1,352 @@
+"""`kuberefit plan`: projected refit latency, wire bytes and speedup for a deployment, from a
+calibration fitted to this repository's bench results (heavy imports inside the command)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from refit_tools.plan.units import (
+    parse_change_rate,
+    parse_rate,
+    parse_size,
+    parse_size_or_auto,
+)
+
+PLAN_EXIT_HELP = (
+    "Every figure printed is marked input, measured (with its bench source), assumed or "
+    "projected. Exit codes: 0 projected (or calibrated); 1 the calibration could not be read "
+    "or fitted; 2 bad usage (a missing or impossible input)."
+)
+
+
+def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _size_or_auto(_ctx: click.Context, _param: click.Parameter, value: str) -> int | str:
+    try:
+        return parse_size_or_auto(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _link(_ctx: click.Context, _param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_rate(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _change(_ctx: click.Context, _param: click.Parameter, value: str) -> float:
+    try:
+        return parse_change_rate(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@click.command("plan", epilog=PLAN_EXIT_HELP)
+@click.option(
+    "--model-bytes",
+    metavar="SIZE",
+    callback=_size,
+    help="H, the canonical checkpoint's size: bytes or a unit (60GB = 60*10^9, 1.5TiB). "
+    "Give this, --safetensors-index or --hf-config.",
+)
+@click.option(
+    "--safetensors-index",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A model.safetensors.index.json: H is its metadata.total_size (exact).",
+)
+@click.option(
+    "--hf-config",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A Hugging Face config.json: H is estimated from the architecture (hidden, "
+    "intermediate and expert sizes, layers, attention and KV heads, vocabulary, tied "
+    "embeddings, dtype) and marked as an estimate.",
+)
+@click.option(
+    "--change-rate",
+    metavar="RATE",
+    default="3%",
+    show_default=True,
+    callback=_change,
+    help="Fraction of elements whose stored bits change per step: 0.03 or 3%; above 0, at "
+    "most 100%. The bench measured 1-5%; other rates are extrapolated (and said so).",
+)
+@click.option(
+    "--producers",
+    type=click.IntRange(1, None),
+    default=1,
+    show_default=True,
+    help="Producers (trainer-side sidecars) splitting H between them; each compares its share.",
+)
+@click.option(
+    "--cross-link",
+    metavar="LINK",
+    callback=_link,
+    help="Rate between the training and rollout clusters, shared by all producers' flows "
+    "(required): 100Mbit, 10Gbit/s, 400Gbps, 1.25GB/s (b/bit = bits, B = bytes).",
+)
+@click.option(
+    "--intra-link",
+    metavar="LINK",
+    default="100Gbit/s",
+    show_default=True,
+    callback=_link,
+    help="Rate of each rollout node's link inside its cluster (relay-tree forwarding, or S3 "
+    "downloads); same units as --cross-link.",
+)
+@click.option(
+    "--nodes",
+    type=click.IntRange(1, None),
+    default=1,
+    show_default=True,
+    help="Rollout nodes; every one applies all of H's changes (relay: a balanced binary tree "
+    "of depth ceil(log2(nodes+1))).",
+)
+@click.option(
+    "--transport",
+    type=click.Choice(["relay", "s3"]),
+    default="relay",
+    show_default=True,
+    help="Payload path: the ZeroMQ relay tree (each payload crosses once), or S3 (every "
+    "node's download crosses; needs an S3 transport bench result in the calibration).",
+)
+@click.option(
+    "--chunk-size",
+    metavar="SIZE|auto",
+    default="auto",
+    show_default=True,
+    callback=_size_or_auto,
+    help="Export chunk limit, a size or auto (the producer's rule: ~16 chunks per producer's "
+    "share, 4-256 MiB). The first send waits for the first bucket's chunks.",
+)
+@click.option(
+    "--bucket-size",
+    metavar="SIZE|auto",
+    default="auto",
+    show_default=True,
+    callback=_size_or_auto,
+    help="Bucket target, bytes of H per payload, a size or auto (one chunk): sets the payload "
+    "count, start-up and drain.",
+)
+@click.option(
+    "--construction-rate",
+    metavar="THROUGHPUT",
+    callback=_link,
+    help="Replace the measured construction throughput per producer (bytes of H per "
+    "second, e.g. 20GB/s); the figure is then marked as an input.",
+)
+@click.option(
+    "--apply-rate",
+    metavar="THROUGHPUT",
+    callback=_link,
+    help="Replace the measured apply throughput per rollout node (bytes of H per second, "
+    "e.g. 50GB/s for GPU nodes); the figure is then marked as an input.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write an SVG of latency and speedup vs the cross-cluster link rate (1/100x to "
+    "100x the given rate) for this model.",
+)
+@click.option(
+    "--calibrate",
+    is_flag=True,
+    help="Fit a fresh calibration from the bench results in --results-dir and use it; it is "
+    "written to --calibration FILE, or to RESULTS_DIR/plan-calibration.json.",
+)
+@click.option(
+    "--results-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Bench results for --calibrate (default: bench/results of this checkout, else of the "
+    "current directory).",
+)
+@click.option(
+    "--calibration",
+    "calibration_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Calibration file to use (default: the one shipped with KubeRefit, fitted from this "
+    "repository's bench results); with --calibrate, where the fresh one is written.",
+)
+def plan(
+    model_bytes: int | None,
+    safetensors_index: Path | None,
+    hf_config: Path | None,
+    change_rate: float,
+    producers: int,
+    cross_link: float | None,
+    intra_link: float | None,
+    nodes: int,
+    transport: str,
+    chunk_size: int | str,
+    bucket_size: int | str,
+    construction_rate: float | None,
+    apply_rate: float | None,
+    as_json: bool,
+    plot: Path | None,
+    calibrate: bool,
+    results_dir: Path | None,
+    calibration_file: Path | None,
+) -> None:
+    """Project refit latency, wire bytes and speedup over a full-checkpoint transfer.
+
+    Given the model size, change rate, producers, link rates, rollout nodes and transport, it
+    prints the projected latency of one refit split into its stages (construction,
+    cross-cluster transfer, fan-out, apply; start-up, drain and finalization) with the stage
+    that bounds it, the bytes on the wire, the time to move the full checkpoint over the same
+    links, and the speedup. The model's constants come from a calibration fitted to the
+    `kuberefit bench refit/codec/transport` result files (docs/performance.md).
+    """
+    from refit_tools.plan import calibration as cal_mod
+    from refit_tools.plan import sizing
+    from refit_tools.plan.model import Deployment
+    from refit_tools.plan.projection import plan as make_plan
+    from refit_tools.plan.projection import product_sizes, sweep
+    from refit_tools.plan.report import Context, plot_rates, svg, table
+    from refit_tools.plan.report import as_json as to_json
+
+    sources = [
+        (name, value)
+        for name, value in (
+            ("--model-bytes", model_bytes),
+            ("--safetensors-index", safetensors_index),
+            ("--hf-config", hf_config),
+        )
+        if value is not None
+    ]
+    if len(sources) > 1:
+        raise click.UsageError(
+            f"give the model size once: {' and '.join(n for n, _ in sources)} were both given"
+        )
+    if calibrate:
+        where = results_dir or cal_mod.default_results_dir()
+        try:
+            calibration = cal_mod.fit(where)
+        except cal_mod.CalibrationError as exc:
+            raise click.ClickException(f"calibration failed: {exc}") from exc
+        target = calibration_file or where / "plan-calibration.json"
+        cal_mod.write(calibration, target)
+        cal_path = str(target)
+        used = [s.file for s in calibration.sources if s.used]
+        click.echo(f"calibration written to {target} ({len(used)} bench results)", err=True)
+        if not sources:
+            click.echo(calibration.model_dump_json(indent=2) if as_json else _summary(calibration))
+            return
+    else:
+        try:
+            calibration = cal_mod.load(calibration_file)
+        except cal_mod.CalibrationError as exc:
+            raise click.ClickException(str(exc)) from exc
+        cal_path = str(calibration_file) if calibration_file else "shipped calibration"
+    if not sources:
+        raise click.UsageError(
+            "give the model size: --model-bytes, --safetensors-index or --hf-config"
+        )
+    if cross_link is None:
+        raise click.UsageError("--cross-link is required (e.g. --cross-link 10Gbit/s)")
+    name, _ = sources[0]
+    try:
+        if safetensors_index is not None:
+            size = sizing.from_safetensors_index(safetensors_index)
+        elif hf_config is not None:
+            size = sizing.from_hf_config(hf_config)
+        else:
+            assert model_bytes is not None
+            size = sizing.ModelSize(model_bytes, None, True, "given")
+    except sizing.SizingError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"'{name}'") from None
+    if transport == "s3" and (calibration.s3_upload is None or calibration.s3_download is None):
+        raise click.BadParameter(
+            "s3 is not calibrated: the calibration has no S3 upload/download throughput. Run "
+            "`kuberefit bench transport --s3-endpoint-url URL --s3-bucket BUCKET` so its result "
+            "lands in bench/results, then `kuberefit plan --calibrate`.",
+            param_hint="'--transport'",
+        )
+    chunk_bytes, bucket_bytes, _ = product_sizes(
+        size.model_bytes, producers, chunk_size, bucket_size
+    )
+    sizes_how = (
+        "as given"
+        if isinstance(chunk_size, int) and isinstance(bucket_size, int)
+        else "auto: the producer's rule for this H and producer count"
+    )
+    deployment = Deployment(
+        model_bytes=size.model_bytes,
+        change_rate=change_rate,
+        producers=producers,
+        nodes=nodes,
+        cross_bytes_s=cross_link,
+        intra_bytes_s=intra_link,
+        chunk_bytes=chunk_bytes,
+        bucket_bytes=bucket_bytes,
+        transport="s3" if transport == "s3" else "relay",
+        last_tensor_bytes=size.last_tensor_bytes,
+    )
+    result = make_plan(
+        deployment,
+        calibration,
+        construction_bytes_s=construction_rate,
+        apply_bytes_s=apply_rate,
+    )
+    overridden = frozenset(
+        n for n, v in (("construction", construction_rate), ("apply", apply_rate)) if v
+    )
+    ctx = Context(calibration, cal_path, size.how, size.exact, overridden, sizes_how)
+    if plot is not None:
+        rates = plot_rates(cross_link)
+        try:
+            plot.write_text(svg(result, rates, sweep(result, rates)))
+        except OSError as exc:
+            raise click.BadParameter(
+                f"cannot write {plot}: {exc.strerror}", param_hint="'--plot'"
+            ) from None
+        click.echo(f"plot written to {plot}", err=True)
+    if as_json:
+        out: dict[str, Any] = to_json(result, ctx)
+        click.echo(json.dumps(out))
+    else:
+        click.echo(table(result, ctx))
+
+
+def _summary(calibration: Any) -> str:
+    """The fitted constants, one line each (after `--calibrate` with no model)."""
+    lines = [f"calibration fitted {calibration.created} from {calibration.results_dir}:"]
+    for s in calibration.sources:
+        lines.append(f"  {'used' if s.used else 'skipped':7} {s.file}: {s.why}")
+    for field in (
+        "link_overhead",
+        "payload_overhead_s",
+        "startup_fixed_s",
+        "finalization_s_per_byte",
+        "relay_hop",
+        "relay_hop_payload_s",
+    ):
+        fig = getattr(calibration, field)
+        lines.append(
+            f"  {field}: "
+            + (f"{fig.value:.4g} {fig.unit} ({fig.kind})" if fig else "not measured (assumed)")
+        )
+    v = calibration.v_over_h
+    lines.append(f"  V_payload / H = {v.coefficient:.4g} x rate^{v.exponent:.4f}")
+    for field in ("construction_colocated", "construction_isolated", "apply"):
+        curve = getattr(calibration, field)
+        pts = (
+            ", ".join(f"{r:.3g}: {val / 1e9:.3g} GB/s" for r, val in curve.points)
+            if curve
+            else "not measured"
+        )
+        lines.append(f"  {field}: {pts}")
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""A deployment and a calibration in, a projection out (`plan`), and the same model applied to
+a `bench refit` result's own settings (`project_for_bench`), which is how it is validated."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from refit_tools.plan.calibration import Calibration, bench_deployment, rate_rows
+from refit_tools.plan.model import Breakdown, Constants, Deployment, project
+
+
+def product_sizes(
+    model_bytes: int, producers: int, chunk: int | str, bucket: int | str
+) -> tuple[int, int, str]:
+    """(chunk, bucket, how) as the producer resolves its settings, `auto` included
+    (`refit_sidecar.baseline.sizing`)."""
+    from refit_sidecar.baseline.sizing import resolve_sizes
+
+    sizes = resolve_sizes(
+        chunk if isinstance(chunk, int) else "auto",
+        bucket if isinstance(bucket, int) else "auto",
+        total_bytes=model_bytes,
+        producers=producers,
+    )
+    return sizes.chunk_bytes, sizes.bucket_bytes, sizes.rule
+
+
+@dataclass(frozen=True)
+class Plan:
+    deployment: Deployment
+    constants: Constants
+    breakdown: Breakdown
+    notes: list[str]
+
+
+def plan(
+    d: Deployment,
+    calibration: Calibration,
+    *,
+    colocated: bool = False,
+    construction_bytes_s: float | None = None,
+    apply_bytes_s: float | None = None,
+) -> Plan:
+    """Project `d` with the calibration's constants at its change rate; `construction_bytes_s`
+    (per producer) and `apply_bytes_s` (per node) replace the calibrated throughputs when given
+    (the plan then marks them as inputs)."""
+    constants, notes = calibration.constants(d.change_rate, colocated=colocated)
+    if construction_bytes_s is not None:
+        constants = replace(constants, construction_bytes_s=construction_bytes_s)
+    if apply_bytes_s is not None:
+        constants = replace(constants, apply_bytes_s=apply_bytes_s)
+    if d.transport == "s3" and (
+        constants.s3_upload_bytes_s is None or constants.s3_download_bytes_s is None
+    ):
+        raise ValueError(
+            "no S3 calibration: run `kuberefit bench transport --s3-endpoint-url URL "
+            "--s3-bucket BUCKET` (its result in bench/results), then `kuberefit plan --calibrate`"
+        )
+    breakdown = project(d, constants)
+    notes = notes + breakdown.notes
+    if d.transport == "relay" and constants.hop_bytes_s is None:
+        notes.append(
+            "fan-out: relay hop throughput and per-payload cost assumed unlimited (no transport "
+            "bench result); only the intra-cluster link rate bounds it"
+        )
+    if d.transport == "s3":
+        notes.append("s3: start-up, drain and finalization come from relay-tree refit runs")
+    return Plan(d, constants, breakdown, notes)
+
+
+def sweep(base: Plan, rates: list[float]) -> list[Breakdown]:
+    """The same deployment and constants at other cross-cluster rates (for the plot)."""
+    return [project(replace(base.deployment, cross_bytes_s=r), base.constants) for r in rates]
+
+
+def project_bench(result: Mapping[str, Any], calibration: Calibration) -> dict[str, Breakdown]:
+    """Each rate of a `bench refit` result projected with its own settings (H, change rate,
+    link, nodes, chunk and bucket sizes; producer and receivers sharing the machine's cores)."""
+    out = {}
+    for key, rate, _ in rate_rows(result):
+        out[key] = plan(bench_deployment(result, rate), calibration, colocated=True).breakdown
+    return out
+
+
+def project_for_bench(
+    result: Mapping[str, Any], calibration: Calibration, rate: str | None = None
+) -> float:
+    """Projected latency (s) of one rate of a `bench refit` result (its key, e.g. "0.03"; may be
+    omitted when the result has one rate). Compare with `result["rates"][rate]["latency_s"]`."""
+    projected = project_bench(result, calibration)
+    if rate is None:
+        if len(projected) != 1:
+            raise ValueError(f"the result has rates {sorted(projected)}: name one")
+        rate = next(iter(projected))
+    return projected[rate].latency_s

@@ -1,0 +1,111 @@
+"""H, the canonical checkpoint's size, from what a user has at hand.
+
+- a safetensors index (`model.safetensors.index.json`): `metadata.total_size`, the exact sum of
+  the tensors' bytes;
+- a Hugging Face `config.json`: an estimate from the architecture (embedding, attention with
+  grouped KV heads, gated MLP or experts, norms, untied output head) times the dtype's width. It
+  ignores biases and model-specific extras, so it is marked as an estimate.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+class SizingError(ValueError):
+    """The file does not give a size (the message says why)."""
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    model_bytes: int
+    #: The output head's bytes (the last tensor in export order) when known.
+    last_tensor_bytes: int | None
+    exact: bool
+    how: str
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise SizingError(f"{path}: cannot read it: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise SizingError(f"{path}: not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SizingError(f"{path}: not a JSON object")
+    return data
+
+
+def from_safetensors_index(path: Path) -> ModelSize:
+    data = _json(path)
+    total = (data.get("metadata") or {}).get("total_size")
+    if not isinstance(total, int | float) or isinstance(total, bool) or total <= 0:
+        raise SizingError(f"{path}: no positive metadata.total_size (a safetensors index has one)")
+    return ModelSize(int(total), None, True, f"metadata.total_size of {path.name}")
+
+
+def _int(cfg: dict[str, Any], *keys: str, default: int | None = None) -> int:
+    for key in keys:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    if default is not None:
+        return default
+    raise SizingError(f"config has no positive {' / '.join(keys)}")
+
+
+def from_hf_config(path: Path) -> ModelSize:
+    """Parameter count x dtype width, estimated from a Hugging Face config.json."""
+    outer = _json(path)
+    cfg = outer.get("text_config") if isinstance(outer.get("text_config"), dict) else outer
+    assert isinstance(cfg, dict)
+    try:
+        hidden = _int(cfg, "hidden_size", "d_model", "n_embd")
+        layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers")
+        heads = _int(cfg, "num_attention_heads", "n_head")
+        kv_heads = _int(cfg, "num_key_value_heads", default=heads)
+        vocab = _int(cfg, "vocab_size")
+        head_dim = _int(cfg, "head_dim", default=hidden // heads)
+        inter = _int(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
+        experts = _int(cfg, "num_experts", "n_routed_experts", "num_local_experts", default=0)
+        moe_inter = _int(cfg, "moe_intermediate_size", default=inter)
+        shared_inter = _int(cfg, "shared_expert_intermediate_size", default=0)
+        shared_experts = _int(cfg, "n_shared_experts", default=0)
+    except SizingError as exc:
+        raise SizingError(f"{path}: {exc}") from None
+    dtype = str(
+        cfg.get("torch_dtype") or cfg.get("dtype") or outer.get("torch_dtype") or "bfloat16"
+    )
+    width = _DTYPE_BYTES.get(dtype.removeprefix("torch."))
+    if width is None:
+        raise SizingError(f"{path}: unknown dtype {dtype!r} (known: {', '.join(_DTYPE_BYTES)})")
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    if experts:
+        mlp = experts * 3 * hidden * moe_inter + experts * hidden  # experts + router
+        mlp += 3 * hidden * (shared_inter or shared_experts * moe_inter)
+    else:
+        mlp = 3 * hidden * inter
+    per_layer = attention + mlp + 2 * hidden
+    tied = bool(cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", False)))
+    head = 0 if tied else vocab * hidden
+    params = vocab * hidden + layers * per_layer + hidden + head
+    how = (
+        f"estimated from {path.name}: {params / 1e9:.3g}B parameters x {width} bytes ({dtype}); "
+        f"{layers} layers, hidden {hidden}, {f'{experts} experts, ' if experts else ''}"
+        f"vocabulary {vocab}{', tied head' if tied else ''}"
+    )
+    return ModelSize(params * width, head * width or None, False, how)
