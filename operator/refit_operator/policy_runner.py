@@ -42,11 +42,12 @@ from refit_operator.kube.names import CLEAR_ABORT, VERIFY_NOW
 from refit_operator.pod_membership import PodMembership
 from refit_operator.policy_spec import PolicySpec, SpecError, parse_spec
 from refit_operator.policy_status import Observed, policy_status, same_status
-from refit_operator.producer_client import HttpProducerClient
+from refit_operator.producer_client import HttpProducerClient, chunking_disagreement
 from refit_operator.transitions import TransitionRecorder, to_prune
 from refit_operator.verify import EXIT_MISMATCH, EXIT_OK, exit_code, render, verify_nodes
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
+from refit_protocol.producer_api import ProducerStatus
 from refit_protocol.tensors import TensorMetaModel
 from refit_protocol.tokens import TokenRing
 
@@ -500,6 +501,7 @@ class PolicyRunner:
         assert self.session is not None
         timeout = min(5.0, float(spec.control_timeout_seconds))
         clients: dict[int, HttpProducerClient] = {}
+        statuses: dict[str, ProducerStatus] = {}
         for pod in found.ready_trainers:
             probe = HttpProducerClient(0, pod.url, token=token, session=self.session)
             try:
@@ -520,6 +522,11 @@ class PolicyRunner:
                     f"trainer pod {pod.name} reports producer index {status.producer}, "
                     "which another trainer pod reports too"
                 )
+                return None
+            statuses[f"trainer pod {pod.name}"] = status
+            split = chunking_disagreement(statuses)
+            if split is not None:
+                self._producer_error = split
                 return None
             client = HttpProducerClient(status.producer, pod.url, token=token, session=self.session)
             clients[status.producer] = client

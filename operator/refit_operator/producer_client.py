@@ -12,7 +12,12 @@ from pydantic import BaseModel
 
 from refit_protocol.auth import bearer_header
 from refit_protocol.commit import CommitRecord
-from refit_protocol.errors import EndpointError, ErrorBody, PeerAuthenticationError
+from refit_protocol.errors import (
+    ConfigurationError,
+    EndpointError,
+    ErrorBody,
+    PeerAuthenticationError,
+)
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
     AttemptPlan,
@@ -118,4 +123,30 @@ async def all_staged(
     except (EndpointError, TimeoutError) as exc:
         log.info("producer.not_ready", error=str(exc) or type(exc).__name__)
         return False
+    split = chunking_disagreement({f"producer {s.producer}": s for s in statuses})
+    if split is not None:
+        raise ConfigurationError(split)  # ownership would overlap: waiting cannot help
     return all(s.candidate_version == version for s in statuses)
+
+
+def chunking_disagreement(statuses: dict[str, ProducerStatus]) -> str | None:
+    """Why these producers cannot share one export (None: they can). Chunk `i` belongs to
+    producer `i % producers` of chunks cut at `export_chunk_bytes`: producers that cut or count
+    differently would both own some tensors (an XOR applied twice cancels out) and none own
+    others. With `auto` sizes a producer without the reference checkpoint falls back to
+    256 MiB, so this names what each one reports."""
+    seen = {
+        name: (s.producers, s.export_chunk_bytes)
+        for name, s in statuses.items()
+        if s.export_chunk_bytes is not None
+    }
+    if len(set(seen.values())) <= 1:
+        return None
+    said = ", ".join(
+        f"{name}: {count} producers, {size}-byte chunks" for name, (count, size) in seen.items()
+    )
+    return (
+        f"the producers chunk the export differently ({said}); give every trainer sidecar the "
+        "same export_chunk_bytes and producers (with auto sizes, the same "
+        "staging.reference_checkpoint), or set them explicitly"
+    )

@@ -134,8 +134,11 @@ def build(
     )
     if total_bytes is None and config.staging is not None:
         reference = config.staging.reference_checkpoint
-        if reference is not None and reference_problem(reference) is None:
+        problem = None if reference is None else reference_problem(reference)
+        if reference is not None and problem is None:
             total_bytes = checkpoint_nbytes(reference)
+        elif problem is not None:  # `serve` refuses to start on it; say why sizes fell back
+            log.warning("producer.sizes_without_reference", problem=problem)
     baseline = SourceBaseline(
         producer=config.producer,
         producers=config.producers,

@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from refit_operator.producer_client import HttpProducerClient
+from refit_operator.producer_client import HttpProducerClient, all_staged
 from refit_protocol.commit import CommitRecord
-from refit_protocol.errors import EndpointError
+from refit_protocol.errors import ConfigurationError, EndpointError
 from refit_protocol.producer_api import AttemptPlan
 from refit_sidecar.baseline.chunks import chunk_export
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
@@ -96,3 +96,38 @@ async def test_committed_record_learned_only_without_a_baseline(  # type: ignore
     restarted.learn_committed(CommitRecord(7, "g-7"))
     assert restarted.committed == CommitRecord(7, "g-7")
     fresh.close()
+
+
+async def test_producers_that_chunk_differently_stop_the_coordinator(tmp_path: Path) -> None:
+    """Two sidecars of one policy, one sized `auto` without a reference checkpoint (256 MiB),
+    one with 20000-byte chunks: ownership would overlap, so the coordinator's readiness check
+    refuses with both sizes named instead of starting a transition."""
+    runners, services = [], []
+    urls = []
+    for p, size in ((0, 20000), (1, "auto")):
+        cfg = BaselineConfig(directory=tmp_path / str(p), export_chunk_bytes=size)
+        baseline = SourceBaseline(producer=p, producers=2, config=cfg)
+        service = ProducerService(baseline, RecordingTransportFake())
+        runner = web.AppRunner(create_producer_app(service, token=TOKEN))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runners.append(runner)
+        services.append(service)
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        async with aiohttp.ClientSession() as session:
+            clients = [
+                HttpProducerClient(i, u, token=TOKEN, session=session) for i, u in enumerate(urls)
+            ]
+            with pytest.raises(ConfigurationError) as caught:
+                await all_staged(clients, 1)
+            assert "producer 0: 2 producers, 20000-byte chunks" in str(caught.value)
+            assert f"producer 1: 2 producers, {256 << 20}-byte chunks" in str(caught.value)
+            assert await all_staged(clients[:1], 1) is False  # one alone: just not staged yet
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        for service in services:
+            service.baseline.close()

@@ -108,7 +108,10 @@ DEFINITIONS = {
     "speedup": "full_reference_s / latency_s",
     "transport_share": "union of the payloads' transport intervals (send-window admission to "
     "the root relay's queueing ACK) clipped to [t0, t1], over t1 - t0 (paper §8.7)",
-    "link_busy_share": "bytes the tbf qdisc sent during the transition / link rate, over latency_s",
+    "link_busy_share": "bytes the tbf qdisc sent during the transition / link rate, over latency_s "
+    "(null on the unshaped veth: it has no rate)",
+    "link_limit": "H / V_payload: the speedup if the refit and the reference were both link-bound",
+    "speedup_over_limit": "speedup / link_limit: how close the run is to what the link allows",
     "finalization_s": "every receiver's completion ACK reached the coordinator .. t1 "
     "(compare-and-set commit + baseline update)",
 }
