@@ -23,6 +23,7 @@ def test_full_install_lists_every_package_command() -> None:
         "coordinator",
         "demo",
         "operator",
+        "plan",
         "producer",
         "receiver",
         "verify",

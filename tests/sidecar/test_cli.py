@@ -150,9 +150,15 @@ def test_an_address_in_use_names_the_setting(tmp_path: Path) -> None:
             )
             for what, (config, _) in expected.items()
         }
-        for what, proc in procs.items():
-            _, err = proc.communicate(timeout=120)
-            assert proc.returncode == 2, err
-            last = err.strip().splitlines()[-1]  # after the start-up warnings (no token, no vLLM)
-            assert last == f"kuberefit receiver serve: error: {expected[what][1]}"
-            assert "Traceback" not in err
+        try:
+            for what, proc in procs.items():
+                _, err = proc.communicate(timeout=120)
+                assert proc.returncode == 2, err
+                last = err.strip().splitlines()[-1]  # after the warnings (no token, no vLLM)
+                assert last == f"kuberefit receiver serve: error: {expected[what][1]}"
+                assert "Traceback" not in err
+        finally:  # a receiver that did start after all must not outlive the test
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()

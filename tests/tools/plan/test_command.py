@@ -4,6 +4,7 @@ JSON and table outputs, the plot, the size sources and --calibrate."""
 from __future__ import annotations
 
 import json
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from refit_tools.plan import calibration as cal
+from refit_tools.plan import sizing
 from refit_tools.plan.command import plan
 from refit_tools.plan.units import parse_change_rate, parse_rate, parse_size
 
@@ -116,7 +118,18 @@ def test_json_has_the_breakdown_and_the_bounding_stage() -> None:
     assert out["calibration"]["sources"]
 
 
-def test_table_marks_every_figure() -> None:
+def _rows(output: str) -> dict[str, str]:
+    """The kind column of each table row, by figure name (what precedes two spaces)."""
+    out = {}
+    for line in output.splitlines():
+        if line.startswith("  "):
+            kind = re.search(r"  (input|measured|assumed|projected)(  |$)", line)
+            assert kind, line
+            out[line.strip().split("  ")[0]] = kind.group(1)
+    return out
+
+
+def test_table_marks_every_figure(tmp_path: Path) -> None:
     result = run(*BASE, "--apply-rate", "50GB/s")
     assert result.exit_code == 0, result.output
     rows = [line for line in result.output.splitlines() if line.startswith("  ")]
@@ -125,8 +138,24 @@ def test_table_marks_every_figure() -> None:
         assert any(f"  {kind}" in line for kind in KINDS), line
     assert "refit latency" in result.output
     assert "bounds the stream" in result.output
-    assert "--apply-rate" in result.output  # the override is marked as an input
-    assert "assumed: no transport bench result" in result.output
+    kinds = _rows(result.output)
+    # The override is an input, the drain's last apply included.
+    assert kinds["apply / node"] == kinds["drain / node"] == "input"
+    assert "--apply-rate" in result.output
+    assert kinds["construction / producer"] == "measured"
+    assert kinds["intra-cluster link"] == "assumed"  # the default, not given
+    for name in ("refit latency", "stream", "drain", "stage: apply"):
+        assert kinds[name] == "projected", name
+    shipped = cal.load()
+    assert shipped.relay_hop is not None  # bench/results has a 1-node transport result
+    assert kinds["relay hop"] == "measured"
+    # Without a transport result the relay hop is an assumption, and says so.
+    bare = tmp_path / "no-transport.json"
+    cal.write(shipped.model_copy(update={"relay_hop": None, "relay_hop_payload_s": None}), bare)
+    without = run(*BASE, "--calibration", str(bare))
+    assert without.exit_code == 0, without.output
+    assert "assumed: no transport bench result" in without.output
+    assert _rows(without.output)["relay hop"] == "assumed"
 
 
 def test_plot_is_an_svg(tmp_path: Path) -> None:
@@ -161,6 +190,10 @@ def test_hf_config_is_an_estimate(tmp_path: Path) -> None:
     size = figures["model size H"]
     assert size["value"] == pytest.approx(2 * 8.03e9, rel=0.01)  # Llama-3-8B: 8.03B parameters
     assert "estimated" in size["note"]
+    # The embedding (first in export order) and the head (last) bound the first and last
+    # payloads' regions.
+    estimate = sizing.from_hf_config(config)
+    assert estimate.first_tensor_bytes == estimate.last_tensor_bytes == 2 * 128256 * 4096
 
 
 def test_safetensors_index_is_exact(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from refit_tools.plan.model import (
     Deployment,
     first_region,
     last_region,
+    payload_count,
     payloads_per_producer,
     project,
     tree_children,
@@ -156,3 +157,65 @@ def test_auto_sizes_are_the_producers() -> None:
         got = product_sizes(h, p, "auto", "auto")
         assert got[:2] == (want.chunk_bytes, want.bucket_bytes)
     assert product_sizes(10**12, 8, 32 * MIB, 64 * MIB)[:2] == (32 * MIB, 64 * MIB)
+
+
+def test_regions_of_a_known_layout_replace_the_estimates() -> None:
+    d = dataclasses.replace(
+        D, producers=1, model_bytes=600 * MIB, regions=(125 * MIB, 300 * MIB, 175 * MIB)
+    )
+    assert payload_count(d) == 3
+    assert first_region(d) == 125 * MIB
+    assert last_region(d) == 175 * MIB
+    assert project(d, K).payloads == 3
+    # Without them: the chunk / bucket estimate, and a first tensor larger than a chunk.
+    est = dataclasses.replace(d, regions=None, chunk_bytes=32 * MIB, bucket_bytes=32 * MIB)
+    assert payload_count(est) == 19
+    assert first_region(est) == 32 * MIB
+    assert first_region(dataclasses.replace(est, first_tensor_bytes=125 * MIB)) == 125 * MIB
+
+
+def test_shared_cpus_add_up_the_cpu_stages() -> None:
+    """On one machine (the bench) the CPU stages take turns: their machine-seconds add up."""
+    k = dataclasses.replace(
+        K,
+        construction_bytes_s=2e9,
+        apply_bytes_s=3e9,
+        apply_payload_s=0.002,
+        hop_bytes_s=0.5e9,
+        hop_payload_s=0.0003,
+        drain_fixed_s=0.01,
+        drain_bytes_s=1.5e9,
+        stream_fixed_s=0.005,
+    )
+    d = Deployment(
+        model_bytes=600 * MIB,
+        change_rate=0.03,
+        producers=1,
+        nodes=3,
+        cross_bytes_s=None,
+        intra_bytes_s=None,
+        chunk_bytes=32 * MIB,
+        bucket_bytes=32 * MIB,
+        regions=(125 * MIB,) + (25 * MIB,) * 14 + (125 * MIB,),
+    )
+    alone = project(d, k)
+    assert "shared CPU" not in alone.stages
+    shared = project(dataclasses.replace(d, shared_cpus=2), k)
+    h, v, n_p = 600 * MIB, 0.02 * 600 * MIB, 16
+    construction_rest = (h - 125 * MIB) / 2e9
+    apply_rest = h / 3e9 + n_p * 0.002 - 125 * MIB / 3e9 - 0.002
+    relay = 3 * (v / 0.5e9 + n_p * 0.0003)
+    assert shared.stages["shared CPU"] == pytest.approx(
+        construction_rest + 3 / 2 * apply_rest + relay
+    )
+    assert shared.bound == "shared CPU"
+    assert shared.stream_s == pytest.approx(shared.stages["shared CPU"])
+    assert shared.stream_s > alone.stream_s
+    # The last apply runs on all three nodes at once on two CPUs.
+    hops = 1 * (0.02 * 125 * MIB / 0.5e9 + 0.0003)
+    assert alone.drain_s == pytest.approx(0.01 + hops + 125 * MIB / 1.5e9)
+    assert shared.drain_s == pytest.approx(0.01 + hops + 1.5 * 125 * MIB / 1.5e9)
+    # A slow link still bounds it.
+    slow = project(dataclasses.replace(d, shared_cpus=2, cross_bytes_s=1e6), k)
+    assert slow.bound == "cross-cluster"
+    assert slow.stages["cross-cluster"] == pytest.approx(v * 1.05 / 1e6 + 0.005 + n_p * 0.001)

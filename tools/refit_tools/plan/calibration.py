@@ -3,20 +3,33 @@ results, with the files it came from.
 
 `fit(results_dir)` reads the result files the benches write (`bench/results/`):
 
-- `refit-<UTC>.json` (`kuberefit bench refit`): the link overhead (bytes through the qdisc /
-  payload bytes of the full-checkpoint reference), V_payload / H at each change rate (a power
-  law in the rate), the per-payload cost of the send window (the transport span beyond the link
-  time of V_payload, per payload), construction throughput (H / the producer's compare +
-  compress busy time), the fixed part of start-up, apply throughput (the drain: the last
-  payload's region applied after the last send) and finalization per byte of H. Byte counts come
-  from every run; times only from runs on a quiet machine (1-minute load average before the run
-  at most `QUIET_LOAD_PER_CPU` x the CPU count), since a busy neighbour on the bench's shared
-  cores measures the neighbour.
+- `refit-<UTC>.json` (`kuberefit bench refit`). Byte counts come from every run: V_payload / H
+  at each change rate (a power law in the rate) and the link overhead (bytes through the qdisc /
+  payload bytes of the full-checkpoint reference). Times come only from runs on a quiet machine
+  (1-minute load average before the run at most `QUIET_LOAD_PER_CPU` x the CPU count), since a
+  busy neighbour on the bench's shared cores measures the neighbour. Each quiet run splits every
+  rate's window into start-up, transport span, drain and finalization; with the run's own
+  settings (H, nodes, link, the payload regions its tensor layout and chunk / bucket sizes give,
+  the machine's CPUs) these are fitted by non-negative least squares of relative errors, each
+  CPU cost as (fixed + per byte of H + per changed element [+ per payload]):
+
+  * start-up = fixed + the first payload's region at the producer's construction cost (the
+    producer alone: the receivers are idle until the first send) -> construction, fixed start-up;
+  * link-bound rates (link time of V_payload >= `LINK_BOUND_SHARE` of the span): span - link
+    time = fixed + payloads x per-payload cost -> the cross-cluster stream's overheads; drain =
+    fixed + the last payload's region x max(1, nodes / CPUs) at the drain's cost, after its
+    relay hops -> the drain;
+  * CPU-bound rates (link time <= `CPU_BOUND_SHARE` of the span, or no shaped link): span +
+    drain = the producer's remaining construction + every node's receive at the relay hop's pace
+    + nodes / CPUs x every node's apply of all but the last payload (one core each) + the drain
+    -> apply per byte, per changed element and per payload;
+  * finalization = fixed + per byte of H.
 - `codec-<UTC>.json` (`kuberefit bench codec`, full size): construction throughput of one
-  producer alone on the machine (the plan's figure; the refit bench's producer shares its cores
-  with every receiver, which is the bench's own figure).
+  producer alone on the machine (the plan's figure; the refit bench's own producer is fitted
+  from its start-up, see above).
 - `transport-<UTC>.json` (`kuberefit bench transport`), when present: one relay hop's throughput
-  and per-payload cost (the fan-out stage), and S3 upload/download throughput when measured.
+  and per-payload cost (the fan-out stage, and each bench node's receive), and S3
+  upload/download throughput when measured.
 
 Each figure keeps its sources, and the whole calibration is one JSON file: `write` / `load`.
 The package ships one fitted from this checkout's results (`calibration.json`).
@@ -30,17 +43,29 @@ import math
 import os
 import re
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from refit_tools.plan.model import Constants, Deployment, first_region, last_region, tree_depth
+from refit_tools.plan.model import (
+    ELEMENT_BYTES,
+    Constants,
+    Deployment,
+    first_region,
+    last_region,
+    tree_depth,
+)
 
 #: A run is quiet when its 1-minute load average before it is at most this x the CPU count.
 QUIET_LOAD_PER_CPU = 1.5
+#: A rate is link-bound when the link time of its V_payload fills at least this share of its
+#: transport span, and CPU-bound when at most this other share (or the link is unshaped).
+LINK_BOUND_SHARE = 0.75
+CPU_BOUND_SHARE = 0.5
 #: Codec results within this many seconds of the latest full one form its batch.
 CODEC_BATCH_S = 3600
 SHIPPED = Path(__file__).with_name("calibration.json")
@@ -119,12 +144,45 @@ class PowerLaw(BaseModel):
         return value, not (lo * 0.95 <= rate <= hi * 1.05)
 
 
+class Costs(BaseModel):
+    """A fitted CPU cost: seconds = fixed_s + s_per_byte x bytes of H + s_per_changed x changed
+    elements in them + s_per_payload x payloads, on the bench machine."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fixed_s: float = 0.0
+    s_per_byte: float = 0.0
+    s_per_changed: float = 0.0
+    s_per_payload: float = 0.0
+    #: Change rates of the points it was fitted to (lowest, highest).
+    rates: tuple[float, float]
+    #: Rate rows fitted, and the root mean square of their relative residuals.
+    points: int
+    rms_error: float
+    kind: Kind = "measured"
+    sources: list[str] = Field(default_factory=list)
+    how: str
+
+    def s_per_h_byte(self, rate: float, element_bytes: int = ELEMENT_BYTES) -> float:
+        """Seconds per byte of H at `rate` (the changed elements' share included)."""
+        return self.s_per_byte + self.s_per_changed * rate / element_bytes
+
+    def bytes_s(self, rate: float, element_bytes: int = ELEMENT_BYTES) -> float:
+        """Bytes of H per second at `rate` (infinite when it costs nothing per byte)."""
+        per = self.s_per_h_byte(rate, element_bytes)
+        return 1.0 / per if per > 0 else math.inf
+
+    def extrapolated(self, rate: float) -> bool:
+        lo, hi = self.rates
+        return not (lo * 0.95 <= rate <= hi * 1.05)
+
+
 class Calibration(BaseModel):
     """Everything `model.project` needs, with where each figure came from."""
 
     model_config = ConfigDict(frozen=True)
 
-    format: Literal[1] = 1
+    format: Literal[2] = 2
     created: str
     results_dir: str
     quiet_load_per_cpu: float = QUIET_LOAD_PER_CPU
@@ -132,22 +190,31 @@ class Calibration(BaseModel):
     v_over_h: PowerLaw
     link_overhead: Scalar
     payload_overhead_s: Scalar
-    construction_colocated: Curve
+    stream_fixed_s: Scalar
+    #: The refit bench's producer (start-up fit: alone on the machine before the first send).
+    construction: Costs
+    #: The codec bench's producer alone (the plan's construction figure when measured).
     construction_isolated: Curve | None = None
-    apply: Curve
     startup_fixed_s: Scalar
-    finalization_s_per_byte: Scalar
+    #: One node applying payloads on one core (per byte of H, changed element and payload).
+    apply: Costs
+    #: After the last send: fixed flush barriers, and the last payload's region.
+    drain: Costs
+    #: Commit and baseline update (fixed, per byte of a producer's share of H).
+    finalization: Costs
     relay_hop: Scalar | None = None
     relay_hop_payload_s: Scalar | None = None
     s3_upload: Scalar | None = None
     s3_download: Scalar | None = None
 
-    def constants(self, rate: float, *, colocated: bool) -> tuple[Constants, list[str]]:
+    def constants(
+        self, rate: float, *, colocated: bool, element_bytes: int = ELEMENT_BYTES
+    ) -> tuple[Constants, list[str]]:
         """The model's constants at `rate`, and notes on extrapolation and missing figures.
 
-        `colocated`: the bench's setting (producer and receivers on the same cores), which uses
-        the refit bench's own construction throughput; otherwise the codec bench's producer
-        alone, when measured."""
+        `colocated`: the bench's setting (producer and receivers on the same machine), which
+        uses the refit bench's own producer; otherwise the codec bench's producer alone, when
+        measured."""
         notes: list[str] = []
         v, out = self.v_over_h.at(rate)
         if out:
@@ -156,18 +223,21 @@ class Calibration(BaseModel):
                 f"V_payload extrapolated: change rate {rate:.3g} outside the measured "
                 f"{lo:.3g}-{hi:.3g}"
             )
-        construction = self.construction_colocated
+        g_c = self.construction.bytes_s(rate, element_bytes)
+        out_c = self.construction.extrapolated(rate)
         if not colocated and self.construction_isolated is not None:
-            construction = self.construction_isolated
+            g_c, out_c = self.construction_isolated.at(rate)
         elif not colocated:
             notes.append(
-                "construction: no codec bench result; the refit bench's producer (sharing its "
-                "cores with the receivers) is used"
+                "construction: no codec bench result; the refit bench's producer (alone on its "
+                "machine before the first send) is used"
             )
-        g_c, out_c = construction.at(rate)
-        g_a, out_a = self.apply.at(rate)
+        out_a = any(c.extrapolated(rate) for c in (self.apply, self.drain))
         if out_c or out_a:
-            notes.append("throughputs held at the nearest measured change rate (extrapolated)")
+            notes.append(
+                "CPU costs extrapolated: the change rate is outside the measured ones "
+                "(linear in the changed elements)"
+            )
         hop = self.relay_hop.value if self.relay_hop else None
         return (
             Constants(
@@ -175,13 +245,18 @@ class Calibration(BaseModel):
                 link_overhead=self.link_overhead.value,
                 payload_overhead_s=self.payload_overhead_s.value,
                 construction_bytes_s=g_c,
-                apply_bytes_s=g_a,
+                apply_bytes_s=self.apply.bytes_s(rate, element_bytes),
                 startup_fixed_s=self.startup_fixed_s.value,
-                finalization_s_per_byte=self.finalization_s_per_byte.value,
+                finalization_s_per_byte=self.finalization.s_per_byte,
                 hop_bytes_s=hop,
                 hop_payload_s=self.relay_hop_payload_s.value if self.relay_hop_payload_s else 0.0,
                 s3_upload_bytes_s=self.s3_upload.value if self.s3_upload else None,
                 s3_download_bytes_s=self.s3_download.value if self.s3_download else None,
+                stream_fixed_s=self.stream_fixed_s.value,
+                apply_payload_s=self.apply.s_per_payload,
+                drain_fixed_s=self.drain.fixed_s,
+                drain_bytes_s=self.drain.bytes_s(rate, element_bytes),
+                finalization_fixed_s=self.finalization.fixed_s,
             ),
             notes,
         )
@@ -214,8 +289,9 @@ def write(calibration: Calibration, path: Path) -> None:
 
 
 def _stamped(results_dir: Path, benchmark: str) -> list[Path]:
-    """`<benchmark>-<UTC stamp>.json`, oldest first (the `-latest` copies are skipped)."""
-    return sorted(p for p in results_dir.glob(f"{benchmark}-*.json") if _STAMP.search(p.name))
+    """`<benchmark>-<UTC stamp>.json`, oldest first (the `-latest` copies and other benches'
+    groupings such as `refit-links-<UTC>.json` are skipped)."""
+    return sorted(p for p in results_dir.glob(f"{benchmark}-2*.json") if _STAMP.search(p.name))
 
 
 def _stamp_time(path: Path) -> datetime:
@@ -253,34 +329,75 @@ def link_bytes_s(result: Mapping[str, Any]) -> float | None:
     return float(mbit) * 1e6 / 8 if mbit else None
 
 
+def _bench_workload(result: Mapping[str, Any]) -> Any | None:
+    """The bench's synthetic checkpoint rebuilt from the run's settings; None when that does
+    not reproduce the run's H."""
+    from refit_tools.bench.refit_workload import Workload
+
+    settings = result.get("settings") or {}
+    requested = settings.get("checkpoint_bytes")
+    if not requested:
+        return None
+    work = Workload(checkpoint_bytes=int(requested), seed=int(settings.get("seed") or 0))
+    return work if work.nbytes == int(result["checkpoint_bytes"]) else None
+
+
 def bench_last_tensor_bytes(result: Mapping[str, Any]) -> int | None:
     """Bytes of the last tensor of the bench's synthetic checkpoint (its output head), rebuilt
     from the run's settings; None when that does not reproduce the run's H."""
-    from refit_tools.bench.refit_workload import Workload
+    work = _bench_workload(result)
+    return None if work is None else 2 * math.prod(work.layout()[-1][1])
 
-    requested = (result.get("settings") or {}).get("checkpoint_bytes")
-    if not requested:
+
+def bench_regions(
+    result: Mapping[str, Any], chunk_bytes: int, bucket_bytes: int
+) -> tuple[int, ...] | None:
+    """Bytes of H of each payload of the run, in send order: its synthetic checkpoint's tensors
+    grouped into export chunks (`refit_sidecar.baseline.chunks.plan_chunks`) and the chunks into
+    buckets as the producer's `Bucketer` closes them (every chunk carries changes at the
+    bench's rates). None when the layout cannot be rebuilt."""
+    from refit_sidecar.baseline.chunks import plan_chunks
+
+    work = _bench_workload(result)
+    if work is None:
         return None
-    work = Workload(checkpoint_bytes=int(requested))
-    if work.nbytes != int(result["checkpoint_bytes"]):
-        return None
-    return 2 * math.prod(work.layout()[-1][1])
+    regions: list[int] = []
+    current = 0
+    for chunk in plan_chunks(work.metas(), chunk_bytes):
+        nbytes = sum(m.nbytes for m in chunk)
+        if current and current + nbytes > bucket_bytes:
+            regions.append(current)
+            current = 0
+        current += nbytes
+        if current >= bucket_bytes:
+            regions.append(current)
+            current = 0
+    if current:
+        regions.append(current)
+    return tuple(regions)
 
 
 def bench_deployment(result: Mapping[str, Any], rate: float) -> Deployment:
     """The deployment a `bench refit` result measured: one producer, its nodes, its link, the
-    rollout namespace's relay links unshaped."""
-    from refit_sidecar.baseline.sizing import resolve_sizes
+    rollout namespace's relay links unshaped, its payload regions, and every process sharing
+    the machine's CPUs."""
+    from refit_sidecar.baseline.sizing import Sizes, resolve_sizes
 
     settings = result.get("settings") or {}
     h = int(result["checkpoint_bytes"])
     chunk, bucket = (settings.get(k) for k in ("chunk_bytes", "bucket_bytes"))
-    sizes = resolve_sizes(
-        chunk if isinstance(chunk, int) else "auto",
-        bucket if isinstance(bucket, int) else "auto",
-        total_bytes=h,
-        producers=1,
+    recorded = result.get("sizes")  # what the run used (results since the auto sizes)
+    sizes = (
+        Sizes(int(recorded["chunk_bytes"]), int(recorded["bucket_bytes"]), str(recorded["rule"]))
+        if recorded
+        else resolve_sizes(
+            chunk if isinstance(chunk, int) else "auto",
+            bucket if isinstance(bucket, int) else "auto",
+            total_bytes=h,
+            producers=1,
+        )
     )
+    _, cpus = load_of(result)
     return Deployment(
         model_bytes=h,
         change_rate=rate,
@@ -292,6 +409,8 @@ def bench_deployment(result: Mapping[str, Any], rate: float) -> Deployment:
         bucket_bytes=sizes.bucket_bytes,
         transport="relay",
         last_tensor_bytes=bench_last_tensor_bytes(result),
+        regions=bench_regions(result, sizes.chunk_bytes, sizes.bucket_bytes),
+        shared_cpus=cpus,
     )
 
 
@@ -308,25 +427,6 @@ def _runs(row: Mapping[str, Any]) -> list[dict[str, Any]]:
     return list(row.get("runs") or [row])
 
 
-def _pipeline_s(run: Mapping[str, Any]) -> float | None:
-    pipe = run.get("pipeline") or {}
-    if "compare" not in pipe:
-        return None
-    return float(pipe["compare"]) + float(pipe.get("compress", 0.0))
-
-
-def _pooled(points: Iterable[tuple[float, float, float]]) -> list[tuple[float, float]]:
-    """Per nominal rate: sum(bytes) / sum(seconds) over (rate, bytes, seconds) samples."""
-    groups: dict[float, list[tuple[float, float, float]]] = {}
-    for rate, nbytes, secs in points:
-        groups.setdefault(round(rate, 3), []).append((rate, nbytes, secs))
-    out = []
-    for samples in groups.values():
-        rate = statistics.fmean(r for r, _, _ in samples)
-        out.append((rate, sum(b for _, b, _ in samples) / sum(s for _, _, s in samples)))
-    return sorted(out)
-
-
 def _power_law(points: list[tuple[float, float]]) -> tuple[float, float]:
     xs = [math.log(r) for r, _ in points]
     ys = [math.log(v) for _, v in points]
@@ -337,6 +437,138 @@ def _power_law(points: list[tuple[float, float]]) -> tuple[float, float]:
         (x - mx) ** 2 for x in xs
     )
     return math.exp(my - slope * mx), slope
+
+
+# --------------------------------------------------------------------------- least squares
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when (nearly) singular."""
+    n = len(b)
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-10:  # unit-norm columns: a (nearly) dependent one
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def nnls(
+    rows: Sequence[Sequence[float]], targets: Sequence[float], weights: Sequence[float]
+) -> list[float]:
+    """Non-negative weighted least squares: the x >= 0 minimising sum (w (row . x - y))^2.
+
+    Exact for the few unknowns here: every subset of free unknowns is solved unconstrained
+    (normal equations of unit-norm columns) and the best solution with all of them positive is
+    kept."""
+    n = len(rows[0])
+    wrows = [[w * x for x in row] for row, w in zip(rows, weights, strict=True)]
+    wy = [w * y for y, w in zip(targets, weights, strict=True)]
+    norms = [math.sqrt(sum(r[i] ** 2 for r in wrows)) for i in range(n)]
+
+    def residual(x: list[float]) -> float:
+        return sum(
+            (sum(a * b for a, b in zip(r, x, strict=True)) - y) ** 2
+            for r, y in zip(wrows, wy, strict=True)
+        )
+
+    best, best_res = [0.0] * n, residual([0.0] * n)
+    usable = [i for i in range(n) if norms[i] > 0]
+    for size in range(1, len(usable) + 1):
+        for free in itertools.combinations(usable, size):
+            ata = [
+                [sum(r[i] * r[j] for r in wrows) / (norms[i] * norms[j]) for j in free]
+                for i in free
+            ]
+            aty = [sum(r[i] * y for r, y in zip(wrows, wy, strict=True)) / norms[i] for i in free]
+            sol = _solve(ata, aty)
+            if sol is None or min(sol) <= 0:
+                continue
+            x = [0.0] * n
+            for i, value in zip(free, sol, strict=True):
+                x[i] = value / norms[i]
+            res = residual(x)
+            if res < best_res * (1 - 1e-12):
+                best, best_res = x, res
+    return best
+
+
+def _rms(
+    rows: Sequence[Sequence[float]],
+    targets: Sequence[float],
+    x: Sequence[float],
+    totals: Sequence[float],
+) -> float:
+    """Root mean square of the residuals relative to each point's measured total."""
+    errs = [
+        (sum(a * b for a, b in zip(r, x, strict=True)) - y) / t
+        for r, y, t in zip(rows, targets, totals, strict=True)
+    ]
+    return math.sqrt(statistics.fmean(e * e for e in errs)) if errs else 0.0
+
+
+@dataclass(frozen=True)
+class _Point:
+    """One rate of a quiet refit run, with its settings and its measured window split."""
+
+    file: str
+    rate: float
+    h: float
+    nodes: int
+    cpus: int
+    link: float | None
+    v: float
+    payloads: int
+    first: float
+    last: float
+    startup: float
+    span: float
+    drain: float
+    finalization: float
+
+    def changed(self, nbytes: float) -> float:
+        return self.rate * nbytes / ELEMENT_BYTES
+
+    def link_s(self, overhead: float) -> float:
+        """The link time of the run's V_payload (0 when unshaped)."""
+        return 0.0 if self.link is None else self.v * overhead / self.link
+
+    @property
+    def tail_share(self) -> float:
+        return max(1.0, self.nodes / self.cpus)
+
+
+def _points(name: str, result: Mapping[str, Any]) -> list[_Point]:
+    out = []
+    _, cpus = load_of(result)
+    for _, rate, row in rate_rows(result):
+        if not all(k in row for k in ("startup_s", "transport_span_s", "drain_s")):
+            continue
+        dep = bench_deployment(result, rate)
+        payloads = max(int(r.get("payloads") or 0) for r in _runs(row)) or len(dep.regions or ())
+        out.append(
+            _Point(
+                file=name,
+                rate=rate,
+                h=float(result["checkpoint_bytes"]),
+                nodes=int(result["nodes"]),
+                cpus=cpus,
+                link=link_bytes_s(result),
+                v=float(row["v_payload_bytes"]),
+                payloads=max(payloads, 1),
+                first=first_region(dep),
+                last=last_region(dep),
+                startup=float(row["startup_s"]),
+                span=float(row["transport_span_s"]),
+                drain=float(row["drain_s"]),
+                finalization=float(row["finalization_s"]),
+            )
+        )
+    return out
 
 
 # ------------------------------------------------------------------------------------- fit
@@ -379,7 +611,6 @@ def fit(results_dir: Path, *, exclude: Iterable[str] = ()) -> Calibration:
     if not quiet:
         raise CalibrationError(f"{results_dir}: no refit result measured on a quiet machine")
     names_all = [n for n, _ in refits]
-    names_quiet = [n for n, _ in quiet]
 
     # Byte counts: every run.
     v_points = [
@@ -399,64 +630,108 @@ def fit(results_dir: Path, *, exclude: Iterable[str] = ()) -> Calibration:
     overhead = sum(float(r["link_bytes"]) for r in refs) / sum(float(r["wire_bytes"]) for r in refs)
 
     transport = _transport(results_dir, skip, sources)
-    hop_figure = transport.get("hop")
+    hop_figure: Scalar | None = transport.get("hop")
     hop = hop_figure.value if hop_figure is not None else None
-    hop_payload = transport.get("hop_payload_s")
+    hop_payload_figure: Scalar | None = transport.get("hop_payload")
+    hop_payload = hop_payload_figure.value if hop_payload_figure is not None else 0.0
 
-    # Timings: quiet runs only.
-    construction: list[tuple[float, float, float]] = []
-    finalization: list[tuple[float, float]] = []
-    for _, d in quiet:
-        h = float(d["checkpoint_bytes"])
-        for _, rate, row in rate_rows(d):
-            for run in _runs(row):
-                secs = _pipeline_s(run)
-                if secs:
-                    construction.append((rate, h, secs))
-                finalization.append((float(run["finalization_s"]), h))
-    g_c = _pooled(construction)
-    if not g_c:
-        raise CalibrationError("no refit result carries the producer's pipeline timings")
-    construction_curve = Curve(
-        unit="B/s",
-        points=g_c,
-        sources=names_quiet,
-        how="H / (compare + compress busy seconds of the producer), pooled per change rate "
-        "over the quiet refit runs (producer and receivers share the bench's cores)",
-    )
-
-    per_payload, startup_fixed, apply_samples = [], [], []
-    for _, d in quiet:
-        link = link_bytes_s(d)
-        for _, rate, row in rate_rows(d):
-            if "drain_s" not in row:
-                continue
-            dep = bench_deployment(d, rate)
-            n_p = max(int(r.get("payloads") or 1) for r in _runs(row))
-            g, _ = construction_curve.at(rate)
-            startup_fixed.append(float(row["startup_s"]) - first_region(dep) / g)
-            if link:
-                link_s = float(row["v_payload_bytes"]) * overhead / link
-                per_payload.append((float(row["transport_span_s"]) - link_s) / n_p)
-            v_h = float(row["v_payload_bytes"]) / float(d["checkpoint_bytes"])
-            last = last_region(dep)
-            hop_s = (tree_depth(dep.nodes) - 1) * (
-                (v_h * last / hop if hop else 0.0) + (hop_payload or 0.0)
-            )
-            apply_samples.append((rate, last, max(float(row["drain_s"]) - hop_s, 1e-3)))
-    if not apply_samples:
+    # Timings: every rate of the quiet runs that splits its window.
+    points = [p for n, d in quiet for p in _points(n, d)]
+    if not points:
         raise CalibrationError("no quiet refit result splits its window (startup_s, drain_s)")
-    apply_curve = Curve(
-        unit="B/s",
-        points=_pooled(apply_samples),
-        sources=names_quiet,
-        how="region of H the last payload covers (a bucket, or the output head when larger) / "
-        "the drain after the last send less its relay hops: the last payload's apply, pooled "
-        "per change rate over the quiet refit runs (all of the bench's receivers share its "
-        "cores, so this is low for a node of its own)",
-    )
+    rates = (min(p.rate for p in points), max(p.rate for p in points))
+
+    def names(pts: Iterable[_Point]) -> list[str]:
+        return sorted({p.file for p in pts})
+
+    # Start-up: fixed + the first payload's region, the producer alone on the machine.
+    rows = [[1.0, p.first, p.changed(p.first)] for p in points]
+    ys = [p.startup for p in points]
+    s0, c_byte, c_changed = nnls(rows, ys, [1 / y for y in ys])
+    startup_rms = _rms(rows, ys, (s0, c_byte, c_changed), ys)
+
+    def construction_s(p: _Point, nbytes: float) -> float:
+        return c_byte * nbytes + c_changed * p.changed(nbytes)
+
+    link_bound = [p for p in points if p.link and p.link_s(overhead) >= LINK_BOUND_SHARE * p.span]
+    cpu_bound = [p for p in points if p.link_s(overhead) <= CPU_BOUND_SHARE * p.span]
+
+    # Cross-cluster stream beyond the link time: fixed + per payload (link-bound rates).
+    if link_bound:
+        rows = [[1.0, float(p.payloads)] for p in link_bound]
+        ys = [p.span - p.link_s(overhead) for p in link_bound]
+        stream_fixed, per_payload = nnls(rows, ys, [1 / p.span for p in link_bound])
+    else:
+        stream_fixed = per_payload = 0.0
+
+    # Drain after the last root ACK: its relay hops, then fixed + the last region on every
+    # node at once (link-bound rates: nothing else is left to do then).
+    def hops_s(p: _Point) -> float:
+        last_wire = p.v * p.last / p.h
+        depth = tree_depth(p.nodes)
+        return (depth - 1) * ((last_wire / hop if hop else 0.0) + hop_payload)
+
+    drain_points = link_bound or points
+    rows = [[1.0, p.tail_share * p.last, p.tail_share * p.changed(p.last)] for p in drain_points]
+    ys = [p.drain - hops_s(p) for p in drain_points]
+    d0, d_byte, d_changed = nnls(rows, ys, [1 / p.drain for p in drain_points])
+    drain_rms = _rms(rows, ys, (d0, d_byte, d_changed), [p.drain for p in drain_points])
+
+    def drain_s(p: _Point) -> float:
+        return d0 + hops_s(p) + p.tail_share * (d_byte * p.last + d_changed * p.changed(p.last))
+
+    # Apply: what a CPU-bound rate's span + drain leaves after the producer's remaining
+    # construction, each node's receive and the drain, shared by the nodes on the CPUs.
+    def relay_s(p: _Point) -> float:
+        return p.nodes * ((p.v / hop if hop else 0.0) + p.payloads * hop_payload)
+
+    if cpu_bound:
+        rows = [
+            [
+                p.nodes / p.cpus * (p.h - p.last),
+                p.nodes / p.cpus * p.changed(p.h - p.last),
+                p.nodes / p.cpus * (p.payloads - 1),
+            ]
+            for p in cpu_bound
+        ]
+        ys = [
+            p.span + p.drain - drain_s(p) - construction_s(p, p.h - p.first) - relay_s(p)
+            for p in cpu_bound
+        ]
+        totals = [p.span + p.drain for p in cpu_bound]
+        a_byte, a_changed, a_payload = nnls(rows, ys, [1 / t for t in totals])
+        apply = Costs(
+            s_per_byte=a_byte,
+            s_per_changed=a_changed,
+            s_per_payload=a_payload,
+            rates=(min(p.rate for p in cpu_bound), max(p.rate for p in cpu_bound)),
+            points=len(cpu_bound),
+            rms_error=_rms(rows, ys, (a_byte, a_changed, a_payload), totals),
+            sources=names(cpu_bound),
+            how="CPU-bound quiet refit rates (link time of V_payload <= "
+            f"{CPU_BOUND_SHARE:.0%} of the span): span + drain = the producer's remaining "
+            "construction + each node's receive at the relay hop's pace + nodes / CPUs x each "
+            "node's apply of all but the last payload (one core each) + the fitted drain; "
+            "non-negative least squares of relative residuals",
+        )
+    else:
+        apply = Costs(
+            s_per_byte=d_byte,
+            s_per_changed=d_changed,
+            rates=rates,
+            points=0,
+            rms_error=0.0,
+            kind="assumed",
+            sources=names(drain_points),
+            how="no CPU-bound quiet refit run (unshaped or fast link): taken as the drain's "
+            "cost per byte of the last payload's region",
+        )
+
+    rows = [[1.0, p.h] for p in points]
+    ys = [p.finalization for p in points]
+    f0, f_byte = nnls(rows, ys, [1 / y for y in ys])
+
     isolated = _codec(results_dir, skip, sources)
-    fin_rate = sum(f for f, _ in finalization) / sum(h for _, h in finalization)
     return Calibration(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         results_dir=str(results_dir),
@@ -477,34 +752,76 @@ def fit(results_dir: Path, *, exclude: Iterable[str] = ()) -> Calibration:
             "headers) / payload bytes sent, summed over every refit run",
         ),
         payload_overhead_s=Scalar(
-            value=max(statistics.fmean(per_payload), 0.0) if per_payload else 0.0,
+            value=per_payload,
             unit="s per payload",
-            kind="measured" if per_payload else "assumed",
-            sources=names_quiet if per_payload else [],
-            how="(transport span - V_payload * link overhead / link rate) / payloads, mean over "
-            "the quiet shaped refit runs: the send window's per-payload round trips"
-            if per_payload
-            else "no quiet shaped refit run: taken as 0",
+            kind="measured" if link_bound else "assumed",
+            sources=names(link_bound),
+            how="link-bound quiet refit rates: span - V_payload x link overhead / link rate = "
+            "fixed + payloads x this (non-negative least squares): the send window's stalls"
+            if link_bound
+            else "no quiet link-bound refit run: taken as 0",
         ),
-        construction_colocated=construction_curve,
-        construction_isolated=isolated,
-        apply=apply_curve,
-        startup_fixed_s=Scalar(
-            value=max(statistics.fmean(startup_fixed), 0.0),
+        stream_fixed_s=Scalar(
+            value=stream_fixed,
             unit="s",
-            sources=names_quiet,
-            how="start-up (t0 to the first send) less the first payload's construction, mean "
-            "over the quiet refit runs: the start call and the first seal",
+            kind="measured" if link_bound else "assumed",
+            sources=names(link_bound),
+            how="the same fit's fixed part: the cross-cluster stream's ramp and last ACK"
+            if link_bound
+            else "no quiet link-bound refit run: taken as 0",
         ),
-        finalization_s_per_byte=Scalar(
-            value=fin_rate,
-            unit="s per byte of a producer's share of H",
-            sources=names_quiet,
-            how="sum of finalization times / sum of H over the quiet refit runs' transitions "
-            "(one producer): the compare-and-set commit and the baseline update",
+        construction=Costs(
+            s_per_byte=c_byte,
+            s_per_changed=c_changed,
+            rates=rates,
+            points=len(points),
+            rms_error=startup_rms,
+            sources=names(points),
+            how="start-up (t0 to the first send) = fixed + the first payload's region of H "
+            "(from the run's tensor layout and sizes) x this, non-negative least squares of "
+            "relative residuals over every quiet refit rate: the refit bench's producer with the "
+            "machine to itself",
+        ),
+        construction_isolated=isolated,
+        startup_fixed_s=Scalar(
+            value=s0,
+            unit="s",
+            sources=names(points),
+            how="the start-up fit's fixed part: the start call and the first seal",
+        ),
+        apply=apply,
+        drain=Costs(
+            fixed_s=d0,
+            s_per_byte=d_byte,
+            s_per_changed=d_changed,
+            rates=(min(p.rate for p in drain_points), max(p.rate for p in drain_points)),
+            points=len(drain_points),
+            rms_error=drain_rms,
+            sources=names(drain_points),
+            how=(
+                f"link-bound quiet refit rates (link time of V_payload >= {LINK_BOUND_SHARE:.0%} "
+                "of the span)"
+                if link_bound
+                else "every quiet refit rate (none link-bound)"
+            )
+            + ": drain (last root ACK to every completion ACK) less the last payload's relay "
+            "hops = fixed (flush barriers) + max(1, nodes / CPUs) x the last payload's region "
+            "x this (its apply on every node at once), non-negative least squares of relative "
+            "residuals",
+        ),
+        finalization=Costs(
+            fixed_s=f0,
+            s_per_byte=f_byte,
+            rates=rates,
+            points=len(points),
+            rms_error=_rms(rows, ys, (f0, f_byte), ys),
+            sources=names(points),
+            how="finalization (every completion ACK to t1: the compare-and-set commit and the "
+            "baseline update) = fixed + H x this (one producer), non-negative least squares of "
+            "relative residuals over every quiet refit rate",
         ),
         relay_hop=hop_figure,
-        relay_hop_payload_s=transport.get("hop_payload"),
+        relay_hop_payload_s=hop_payload_figure,
         s3_upload=transport.get("s3_upload"),
         s3_download=transport.get("s3_download"),
     )
@@ -574,12 +891,11 @@ def _transport(results_dir: Path, skip: set[str], sources: list[Source]) -> dict
                 how="transport bench: one relay hop's throughput (1 node, loopback)",
             )
         if per_payload_ms is not None:
-            out["hop_payload_s"] = float(per_payload_ms) / 1e3
             out["hop_payload"] = Scalar(
                 value=float(per_payload_ms) / 1e3,
                 unit="s per payload per hop",
                 sources=[path.name],
-                how="transport bench: time per 1 KiB payload of a stream (window 2)",
+                how="transport bench: time per 1 KiB payload of a stream (window 4)",
             )
         for key, name in (("upload_gb_s", "s3_upload"), ("download_gb_s", "s3_download")):
             if data.get(key):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from refit_tools.plan.units import (
     parse_change_rate,
@@ -294,6 +295,7 @@ def plan(
         bucket_bytes=bucket_bytes,
         transport="s3" if transport == "s3" else "relay",
         last_tensor_bytes=size.last_tensor_bytes,
+        first_tensor_bytes=size.first_tensor_bytes,
     )
     result = make_plan(
         deployment,
@@ -304,7 +306,9 @@ def plan(
     overridden = frozenset(
         n for n, v in (("construction", construction_rate), ("apply", apply_rate)) if v
     )
-    ctx = Context(calibration, cal_path, size.how, size.exact, overridden, sizes_how)
+    source = click.get_current_context().get_parameter_source("intra_link")
+    defaulted = frozenset({"intra_link"} if source is ParameterSource.DEFAULT else set())
+    ctx = Context(calibration, cal_path, size.how, size.exact, overridden, sizes_how, defaulted)
     if plot is not None:
         rates = plot_rates(cross_link)
         try:
@@ -329,8 +333,8 @@ def _summary(calibration: Any) -> str:
     for field in (
         "link_overhead",
         "payload_overhead_s",
+        "stream_fixed_s",
         "startup_fixed_s",
-        "finalization_s_per_byte",
         "relay_hop",
         "relay_hop_payload_s",
     ):
@@ -341,12 +345,16 @@ def _summary(calibration: Any) -> str:
         )
     v = calibration.v_over_h
     lines.append(f"  V_payload / H = {v.coefficient:.4g} x rate^{v.exponent:.4f}")
-    for field in ("construction_colocated", "construction_isolated", "apply"):
-        curve = getattr(calibration, field)
-        pts = (
-            ", ".join(f"{r:.3g}: {val / 1e9:.3g} GB/s" for r, val in curve.points)
-            if curve
-            else "not measured"
+    for field in ("construction", "apply", "drain", "finalization"):
+        c = getattr(calibration, field)
+        lines.append(
+            f"  {field}: {c.fixed_s * 1e3:.3g} ms + {c.s_per_byte * 1e9:.3g} s/GB of H + "
+            f"{c.s_per_changed * 1e9:.3g} ns/changed element + {c.s_per_payload * 1e3:.3g} "
+            f"ms/payload ({c.kind}, {c.points} points, rms {c.rms_error:.0%}); at 1/3/5%: "
+            + ", ".join(f"{c.bytes_s(r) / 1e9:.3g}" for r in (0.01, 0.03, 0.05))
+            + " GB/s"
         )
-        lines.append(f"  {field}: {pts}")
+    iso = calibration.construction_isolated
+    pts = ", ".join(f"{r:.3g}: {val / 1e9:.3g} GB/s" for r, val in iso.points) if iso else None
+    lines.append(f"  construction_isolated: {pts or 'not measured'}")
     return "\n".join(lines)

@@ -11,18 +11,30 @@ the last send (drain), and the commit and baseline update follow (finalization).
     latency = startup + stream + drain + finalization
     startup = fixed start-up + construction of the first payload's region
     stream  = max over stages of (stage time - the part already counted in start-up / drain)
-    drain   = (tree depth - 1) relay hops of the last payload + applying its region
-    finalization = per-byte baseline update of each producer's share of H
+    drain   = fixed (flush barriers) + (tree depth - 1) relay hops of the last payload
+              + the last payload's region at the drain's rate x its CPU share
+    finalization = fixed + per-byte baseline update of each producer's share of H
 
 with the stage times (whole attempt)
 
     construction  = (H / P) / construction throughput          (P producers split H)
-    cross-cluster = V * link overhead / cross rate + payloads per producer * per-payload cost
-    fan-out       = children * V / min(intra rate, relay hop throughput) + payloads * hop cost
-    apply         = H / apply throughput                       (every node applies all of H)
+    cross-cluster = max(V * link overhead / cross rate, V / P / relay hop)
+                    + fixed + payloads per producer * per-payload cost
+    fan-out       = children * V / min(intra rate, relay hop) + payloads * hop cost
+    apply         = H / apply throughput + payloads * per-payload apply  (every node, all of H)
 
-and V = V_payload(rate) * H. Nothing here is a constant of its own: every throughput, overhead
-and fixed time comes in through `Constants`, which `calibration` fits from bench results.
+and V = V_payload(rate) * H. Throughputs are at the deployment's change rate: the calibration
+fits each CPU cost as (per byte of H + per changed element) and turns it into bytes of H per
+second at that rate.
+
+Where every process shares one machine's cores (`Deployment.shared_cpus`, the bench), the CPU
+stages do not overlap but take turns: one more stage, "shared CPU", adds up the machine-seconds
+after start-up and before the drain (producers' remaining construction, each node's receive at
+the relay hop's pace, each node's apply of all but the last payload on one core of `cpus`), and
+the drain's last apply runs on every node at once (x max(1, nodes / cpus)).
+
+Nothing here is a constant of its own: every throughput, overhead and fixed time comes in
+through `Constants`, which `calibration` fits from bench results.
 """
 
 from __future__ import annotations
@@ -32,8 +44,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Transport = Literal["relay", "s3"]
-#: Stage names, in pipeline order (S3 adds "upload"; its "fan-out" is every node's download).
-STAGES = ("construction", "upload", "cross-cluster", "fan-out", "apply")
+#: Stage names, in pipeline order (S3 adds "upload"; its "fan-out" is every node's download;
+#: a deployment on shared cores adds "shared CPU").
+STAGES = ("construction", "upload", "cross-cluster", "fan-out", "apply", "shared CPU")
+#: Bytes per element of the canonical checkpoint (BF16) unless the deployment says otherwise.
+ELEMENT_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,16 @@ class Deployment:
     #: Size of the last tensor in export order (the output head), when known: its payload is
     #: applied after the last send, however small the buckets.
     last_tensor_bytes: int | None = None
+    #: Size of the first tensor in export order (the embedding), when known: the first payload
+    #: waits for its whole chunk.
+    first_tensor_bytes: int | None = None
+    #: Bytes of H each of one producer's payloads covers, in send order, when the tensor layout
+    #: is known (a bench run); otherwise estimated from the chunk and bucket sizes.
+    regions: tuple[int, ...] | None = None
+    #: Every producer, relay and node shares this many cores (the bench machine); None: each
+    #: has its own.
+    shared_cpus: int | None = None
+    element_bytes: int = ELEMENT_BYTES
 
 
 @dataclass(frozen=True)
@@ -73,6 +98,15 @@ class Constants:
     hop_payload_s: float = 0.0
     s3_upload_bytes_s: float | None = None
     s3_download_bytes_s: float | None = None
+    #: Fixed part of the cross-cluster stream (beyond the link time and per-payload costs).
+    stream_fixed_s: float = 0.0
+    #: Per payload each node applies, beyond its bytes.
+    apply_payload_s: float = 0.0
+    #: The drain after the last send: fixed part (flush barriers) and the rate at which it
+    #: covers the last payload's region (None: the apply throughput).
+    drain_fixed_s: float = 0.0
+    drain_bytes_s: float | None = None
+    finalization_fixed_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -122,15 +156,33 @@ def payloads_per_producer(model_bytes: int, producers: int, bucket_bytes: int) -
     return max(1, math.ceil(model_bytes / producers / bucket_bytes))
 
 
+def payload_count(d: Deployment) -> int:
+    """Payloads of one producer: the known regions, else the bucket estimate."""
+    if d.regions:
+        return len(d.regions)
+    return payloads_per_producer(d.model_bytes, d.producers, d.bucket_bytes)
+
+
 def first_region(d: Deployment) -> float:
-    """Bytes of H compared before the first send: a bucket closes only on whole chunks."""
-    return min(max(d.chunk_bytes, d.bucket_bytes), d.model_bytes / d.producers)
+    """Bytes of H compared before the first send: a bucket closes only on whole chunks (and a
+    tensor larger than the chunk limit is a chunk of its own)."""
+    if d.regions:
+        return float(d.regions[0])
+    share = d.model_bytes / d.producers
+    return min(max(d.chunk_bytes, d.bucket_bytes, d.first_tensor_bytes or 0), share)
 
 
 def last_region(d: Deployment) -> float:
     """Bytes of H the last payload covers: a bucket, or the last tensor when that is larger."""
+    if d.regions:
+        return float(d.regions[-1])
     share = d.model_bytes / d.producers
     return min(max(min(d.bucket_bytes, share), d.last_tensor_bytes or 0), share)
+
+
+def changed_elements(d: Deployment, nbytes: float) -> float:
+    """Elements of `nbytes` of H expected to change at the deployment's rate."""
+    return d.change_rate * nbytes / d.element_bytes
 
 
 def _per(nbytes: float, rate: float | None) -> float:
@@ -146,24 +198,27 @@ def project(d: Deployment, k: Constants) -> Breakdown:
     """Project one refit attempt (see the module docstring for the formula)."""
     h, p = float(d.model_bytes), d.producers
     v = k.v_over_h * h
-    n_p = payloads_per_producer(d.model_bytes, p, d.bucket_bytes)
+    n_p = payload_count(d)
     depth, children = tree_depth(d.nodes), tree_children(d.nodes)
     first, last = first_region(d), last_region(d)
     last_wire = k.v_over_h * last
+    g_drain = k.drain_bytes_s or k.apply_bytes_s
     construction = (h / p) / k.construction_bytes_s
-    apply = h / k.apply_bytes_s
+    apply = h / k.apply_bytes_s + n_p * p * k.apply_payload_s
     notes: list[str] = []
     stages: dict[str, float] = {"construction": construction}
+    relay_cpu = 0.0  # each node's receive at the relay hop's pace (shared cores only)
     if d.transport == "relay":
         hop = _min_rate(d.intra_bytes_s, k.hop_bytes_s)
         cross_link = _per(v * k.link_overhead, d.cross_bytes_s)
         # One producer's flow to its relay root also passes a relay hop (the root's receive).
         per_flow = _per(v / p, k.hop_bytes_s)
-        cross = max(cross_link, per_flow) + n_p * k.payload_overhead_s
+        cross = max(cross_link, per_flow) + k.stream_fixed_s + n_p * k.payload_overhead_s
         fan = children * _per(v, hop) + (n_p * p * k.hop_payload_s if children else 0.0)
         stages |= {"cross-cluster": cross, "fan-out": fan, "apply": apply}
         cross_bytes = v * k.link_overhead
         drain_move = (depth - 1) * (_per(last_wire, hop) + k.hop_payload_s)
+        relay_cpu = d.nodes * (_per(v, k.hop_bytes_s) + n_p * p * k.hop_payload_s)
         ref_fan = children * _per(h, hop)
         ref_cross = max(_per(h * k.link_overhead, d.cross_bytes_s), _per(h / p, k.hop_bytes_s))
         reference = max(ref_cross, ref_fan) + (depth - 1) * _per(d.bucket_bytes, hop)
@@ -185,11 +240,18 @@ def project(d: Deployment, k: Constants) -> Breakdown:
             h / k.s3_download_bytes_s,
         )
         notes.append("s3: per-payload overheads not calibrated (taken as 0)")
-    bound = max(stages, key=lambda s: stages[s])
     # Start-up already built the first payload and the drain applies the last one.
     overlap = dict(stages)
     overlap["construction"] = max(construction - first / k.construction_bytes_s, 0.0)
-    overlap["apply"] = max(apply - last / k.apply_bytes_s, 0.0)
+    overlap["apply"] = max(apply - last / k.apply_bytes_s - k.apply_payload_s, 0.0)
+    tail_share = 1.0
+    if d.shared_cpus:
+        cpus = d.shared_cpus
+        shared = p * overlap["construction"] + d.nodes / cpus * overlap["apply"] + relay_cpu
+        stages["shared CPU"] = shared
+        overlap["shared CPU"] = shared
+        tail_share = max(1.0, d.nodes / cpus)
+    bound = max(overlap, key=lambda s: overlap[s])
     return Breakdown(
         v_payload_bytes=v,
         cross_bytes=cross_bytes,
@@ -199,8 +261,8 @@ def project(d: Deployment, k: Constants) -> Breakdown:
         bound=bound,
         startup_s=k.startup_fixed_s + first / k.construction_bytes_s,
         stream_s=max(overlap.values()),
-        drain_s=drain_move + last / k.apply_bytes_s,
-        finalization_s=k.finalization_s_per_byte * h / p,
+        drain_s=k.drain_fixed_s + drain_move + tail_share * last / g_drain,
+        finalization_s=k.finalization_fixed_s + k.finalization_s_per_byte * h / p,
         reference_s=reference,
         reference_cross_bytes=reference_bytes,
         notes=notes,

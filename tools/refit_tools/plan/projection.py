@@ -44,13 +44,16 @@ def plan(
     apply_bytes_s: float | None = None,
 ) -> Plan:
     """Project `d` with the calibration's constants at its change rate; `construction_bytes_s`
-    (per producer) and `apply_bytes_s` (per node) replace the calibrated throughputs when given
-    (the plan then marks them as inputs)."""
-    constants, notes = calibration.constants(d.change_rate, colocated=colocated)
+    (per producer) and `apply_bytes_s` (per node, the drain's last apply included) replace the
+    calibrated throughputs when given (the plan then marks them as inputs)."""
+    constants, notes = calibration.constants(
+        d.change_rate, colocated=colocated, element_bytes=d.element_bytes
+    )
     if construction_bytes_s is not None:
         constants = replace(constants, construction_bytes_s=construction_bytes_s)
     if apply_bytes_s is not None:
-        constants = replace(constants, apply_bytes_s=apply_bytes_s)
+        # The drain's last apply runs at the given rate too.
+        constants = replace(constants, apply_bytes_s=apply_bytes_s, drain_bytes_s=None)
     if d.transport == "s3" and (
         constants.s3_upload_bytes_s is None or constants.s3_download_bytes_s is None
     ):
@@ -77,7 +80,8 @@ def sweep(base: Plan, rates: list[float]) -> list[Breakdown]:
 
 def project_bench(result: Mapping[str, Any], calibration: Calibration) -> dict[str, Breakdown]:
     """Each rate of a `bench refit` result projected with its own settings (H, change rate,
-    link, nodes, chunk and bucket sizes; producer and receivers sharing the machine's cores)."""
+    link, nodes, chunk and bucket sizes and the payload regions they give; producer, relays and
+    receivers sharing the machine's CPUs)."""
     out = {}
     for key, rate, _ in rate_rows(result):
         out[key] = plan(bench_deployment(result, rate), calibration, colocated=True).breakdown

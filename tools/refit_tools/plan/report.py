@@ -58,6 +58,8 @@ class Context:
     size_exact: bool
     overridden: frozenset[str] = frozenset()
     sizes_how: str = ""
+    #: Inputs the user did not give (their defaults are assumptions, and said so).
+    defaulted: frozenset[str] = frozenset()
 
 
 def machine(cal: Calibration) -> str:
@@ -87,17 +89,27 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
             "intra-cluster link",
             d.intra_bytes_s if d.intra_bytes_s else "unlimited",
             "bit/s",
-            "input",
-            "each rollout node's link",
+            "assumed" if "intra_link" in ctx.defaulted else "input",
+            "each rollout node's link"
+            + (" (the default: give --intra-link)" if "intra_link" in ctx.defaulted else ""),
         ),
         Figure("inputs", "export chunk", d.chunk_bytes, "MiB", "input", ctx.sizes_how),
         Figure("inputs", "bucket", d.bucket_bytes, "MiB", "input", "bytes of H per payload"),
     ]
     rate = d.change_rate
 
-    def measured(name: str, value: float, unit: str, how: str, extrapolated: bool = False) -> None:
-        kind: FigureKind = "projected" if extrapolated else "measured"
-        out.append(Figure("calibration", name, value, unit, kind, how))
+    def measured(
+        name: str,
+        value: float | str,
+        unit: str,
+        how: str,
+        extrapolated: bool = False,
+        kind: FigureKind = "measured",
+    ) -> None:
+        """A calibrated figure: measured (or assumed, when the calibration says so), projected
+        when it is carried beyond the measured change rates."""
+        shown: FigureKind = "projected" if extrapolated and kind == "measured" else kind
+        out.append(Figure("calibration", name, value, unit, shown, how))
 
     v_out = cal.v_over_h.at(rate)[1]
     measured(
@@ -110,12 +122,11 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
         v_out,
     )
     measured("link overhead", k.link_overhead, "x", "TCP/IP + Ethernet bytes per payload byte")
-    measured(
-        "per-payload send cost",
-        k.payload_overhead_s,
-        "s",
-        "send window round trips, from bench refit transport spans",
-    )
+    for name, value, scalar in (
+        ("per-payload send cost", k.payload_overhead_s, cal.payload_overhead_s),
+        ("cross-cluster stream, fixed", k.stream_fixed_s, cal.stream_fixed_s),
+    ):
+        measured(name, value, "s", scalar.how, kind=scalar.kind)
     if "construction" in ctx.overridden:
         out.append(
             Figure(
@@ -127,14 +138,24 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
                 "--construction-rate",
             )
         )
-    else:
-        curve = cal.construction_isolated or cal.construction_colocated
-        src = (
-            "codec bench, one producer alone"
-            if cal.construction_isolated
-            else ("bench refit producer sharing its cores with the receivers")
+    elif cal.construction_isolated is not None:
+        measured(
+            "construction / producer",
+            k.construction_bytes_s,
+            "B/s",
+            "codec bench, one producer alone",
+            cal.construction_isolated.at(rate)[1],
         )
-        measured("construction / producer", k.construction_bytes_s, "B/s", src, curve.at(rate)[1])
+    else:
+        measured(
+            "construction / producer",
+            k.construction_bytes_s,
+            "B/s",
+            "bench refit producer alone before its first send (start-up fit), per byte of H "
+            "and per changed element",
+            cal.construction.extrapolated(rate),
+        )
+    one_core = f"one core of the {machine(cal)} per node"
     if "apply" in ctx.overridden:
         out.append(
             Figure("calibration", "apply / node", k.apply_bytes_s, "B/s", "input", "--apply-rate")
@@ -144,42 +165,74 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
             "apply / node",
             k.apply_bytes_s,
             "B/s",
-            f"inferred from bench refit drains: CPU apply, the bench's receivers sharing the "
-            f"{machine(cal)}",
-            cal.apply.at(rate)[1],
+            (
+                f"fitted to CPU-bound bench refit rates (per byte of H and per changed element): "
+                f"CPU apply, {one_core}"
+                if cal.apply.kind == "measured"
+                else "assumed: " + cal.apply.how
+            ),
+            cal.apply.extrapolated(rate),
+            cal.apply.kind,
         )
+    measured(
+        "apply / payload",
+        k.apply_payload_s,
+        "s",
+        "per payload each node applies (same fit)"
+        if cal.apply.kind == "measured"
+        else "assumed: no CPU-bound bench refit run",
+        kind=cal.apply.kind,
+    )
     if d.transport == "relay":
         if cal.relay_hop is not None:
             measured("relay hop", cal.relay_hop.value, "B/s", cal.relay_hop.how)
         else:
-            out.append(
-                Figure(
-                    "calibration",
-                    "relay hop",
-                    "unlimited",
-                    "",
-                    "assumed",
-                    "assumed: no transport bench result",
-                )
+            measured(
+                "relay hop", "unlimited", "", "assumed: no transport bench result", kind="assumed"
             )
         if cal.relay_hop_payload_s is not None:
             measured("relay hop / payload", cal.relay_hop_payload_s.value, "s", "transport bench")
         else:
-            out.append(
-                Figure(
-                    "calibration",
-                    "relay hop / payload",
-                    0.0,
-                    "s",
-                    "assumed",
-                    "assumed: no transport bench result",
-                )
+            measured(
+                "relay hop / payload",
+                0.0,
+                "s",
+                "assumed: no transport bench result",
+                kind="assumed",
             )
     else:
         for name, fig in (("S3 upload", cal.s3_upload), ("S3 download", cal.s3_download)):
             if fig is not None:
                 measured(name, fig.value, "B/s", fig.how)
-    measured("fixed start-up", k.startup_fixed_s, "s", "bench refit start-up less first compare")
+    measured(
+        "fixed start-up",
+        k.startup_fixed_s,
+        "s",
+        "bench refit start-up less the first payload's construction",
+    )
+    if "apply" in ctx.overridden:
+        out.append(
+            Figure(
+                "calibration",
+                "drain / node",
+                k.drain_bytes_s or k.apply_bytes_s,
+                "B/s",
+                "input",
+                "--apply-rate (the last payload's apply)",
+            )
+        )
+    else:
+        measured(
+            "drain / node",
+            k.drain_bytes_s or k.apply_bytes_s,
+            "B/s",
+            "bench refit drains after the last send: the last payload's region at this rate "
+            f"(its apply and flush, {one_core})",
+            cal.drain.extrapolated(rate),
+            cal.drain.kind,
+        )
+    measured("drain, fixed", k.drain_fixed_s, "s", "flush barriers (bench refit drains)")
+    measured("finalization, fixed", k.finalization_fixed_s, "s", "commit (bench refit)")
     measured(
         "finalization per GB of H",
         k.finalization_s_per_byte * 1e9,
@@ -197,7 +250,7 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
         projected(f"stage: {stage}", secs, "s", "bounds the stream" if stage == b.bound else "")
     projected("start-up", b.startup_s, "s", "fixed + first payload's construction")
     projected("stream", b.stream_s, "s", f"bounded by {b.bound}")
-    projected("drain", b.drain_s, "s", "last payload's delivery in the cluster and apply")
+    projected("drain", b.drain_s, "s", "flush barriers + the last payload's relay hops and apply")
     projected("finalization", b.finalization_s, "s", "commit + baseline update")
     projected("refit latency", b.latency_s, "s", "start-up + stream + drain + finalization")
     projected(
@@ -222,6 +275,7 @@ def as_json(p: Plan, ctx: Context) -> dict[str, Any]:
             "cross_cluster_s": b.stages["cross-cluster"],
             "fan_out_s": b.stages["fan-out"],
             "apply_s": b.stages["apply"],
+            **({"shared_cpu_s": b.stages["shared CPU"]} if "shared CPU" in b.stages else {}),
             **({"upload_s": b.stages["upload"]} if "upload" in b.stages else {}),
             "startup_s": b.startup_s,
             "stream_s": b.stream_s,
@@ -278,7 +332,7 @@ def table(p: Plan, ctx: Context) -> str:
     if b.bound in ("apply", "construction") and b.bound not in ctx.overridden:
         lines.append(
             f"note: the {b.bound} throughput is the {machine(cal)}'s (CPU"
-            + (", receivers sharing its cores" if b.bound == "apply" else "")
+            + (", one core per node" if b.bound == "apply" else "")
             + f"); for other hardware give --{b.bound}-rate"
         )
     return "\n".join(lines)

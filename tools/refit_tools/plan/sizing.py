@@ -36,6 +36,8 @@ class ModelSize:
     last_tensor_bytes: int | None
     exact: bool
     how: str
+    #: The embedding's bytes (the first tensor in export order) when known.
+    first_tensor_bytes: int | None = None
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -108,4 +110,4 @@ def from_hf_config(path: Path) -> ModelSize:
         f"{layers} layers, hidden {hidden}, {f'{experts} experts, ' if experts else ''}"
         f"vocabulary {vocab}{', tied head' if tied else ''}"
     )
-    return ModelSize(params * width, head * width or None, False, how)
+    return ModelSize(params * width, head * width or None, False, how, vocab * hidden * width)
