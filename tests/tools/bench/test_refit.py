@@ -141,8 +141,10 @@ def test_tiny_refit_bench_reports_consistent_bit_exact_numbers(tmp_path: Path) -
 
 def test_ctrl_c_cleans_up(tmp_path: Path) -> None:
     work = tmp_path / "work"
+    # --results-dir: never bench/results of the checkout (the plan's calibration reads it)
+    results = ["--results-dir", str(tmp_path / "results")]
     proc = subprocess.Popen(
-        [*CLI, "--checkpoint-mib", "8", "--nodes", "2", "--workdir", str(work)],
+        [*CLI, "--checkpoint-mib", "8", "--nodes", "2", "--workdir", str(work), *results],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -166,7 +168,12 @@ def test_ctrl_c_cleans_up(tmp_path: Path) -> None:
 def test_clear_error_without_iproute2(tmp_path: Path) -> None:
     env = dict(os.environ, PATH=str(tmp_path))  # neither ip nor tc on PATH
     proc = subprocess.run(
-        [*CLI, "--quick"], capture_output=True, text=True, env=env, timeout=60, check=False
+        [*CLI, "--quick", "--results-dir", str(tmp_path / "results")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
     )
     assert proc.returncode != 0
     assert "iproute2" in proc.stderr, proc.stderr

@@ -220,7 +220,7 @@ def test_a_transport_result_calibrates_the_relay_hop(tmp_path: Path) -> None:
     by_file = {s.file: s for s in fitted.sources}
     assert by_file["transport-20261202T000000Z.json"].used
     assert not by_file["refit-20261202T000001Z.json"].used
-    assert by_file["refit-20261202T000001Z.json"].why == "unreadable"
+    assert by_file["refit-20261202T000001Z.json"].why == "unreadable (not JSON)"
     constants, _ = fitted.constants(0.03, colocated=True)
     assert constants.hop_bytes_s == pytest.approx(0.45e9)
     cal.write(fitted, tmp_path / "cal.json")
@@ -289,3 +289,104 @@ def test_costs_per_byte_and_changed_element() -> None:
     assert c.extrapolated(0.2)
     free = cal.Costs(rates=(0.01, 0.05), points=0, rms_error=0, how="t")
     assert free.bytes_s(0.03) == float("inf")
+
+
+def _set(data: dict[str, Any], path: str, value: Any) -> None:
+    """Set (or, for `_DELETE`, remove) the field at a dotted path, e.g. "rates.0.03.drain_s"."""
+    *parents, last = _split(path)
+    for key in parents:
+        data = data[key]
+    if value is _DELETE:
+        del data[last]
+    else:
+        data[last] = value
+
+
+def _split(path: str) -> list[str]:
+    """Dotted path to keys; a rate key such as 0.03 stays whole."""
+    parts = path.split(".")
+    out: list[str] = []
+    for part in parts:
+        if out and out[-1] in ("0", "1") and part.isdigit():
+            out[-1] += "." + part
+        else:
+            out.append(part)
+    return out
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("checkpoint_bytes", _DELETE, "checkpoint_bytes is missing"),
+        ("checkpoint_bytes", "594MiB", 'checkpoint_bytes is not a number ("594MiB")'),
+        ("checkpoint_bytes", 10**400, "checkpoint_bytes is 1000000000000000000000000000000"),
+        ("nodes", None, "nodes is missing"),
+        ("nodes", 2.5, "nodes is 2.5, not a whole number"),
+        ("link_mbit", "fast", 'link_mbit is not a number ("fast")'),
+        ("machine", [2], "machine is not an object"),
+        ("machine.load_avg_before", "low", "machine.load_avg_before is not a list of numbers"),
+        ("rates", {}, "rates is empty"),
+        ("rates.0.03", 7, "rates.0.03 is not an object"),
+        ("rates.0.03.v_payload_bytes", _DELETE, "rates.0.03.v_payload_bytes is missing"),
+        ("rates.0.03.v_payload_bytes", 0, "rates.0.03.v_payload_bytes is 0, not positive"),
+        ("rates.0.03.v_payload_bytes", float("nan"), "v_payload_bytes is nan, not a finite"),
+        ("rates.0.03.finalization_s", _DELETE, "rates.0.03.finalization_s is missing"),
+        ("rates.0.03.drain_s", "slow", 'rates.0.03.drain_s is not a number ("slow")'),
+        ("rates.0.03.changed_fraction", 3, "rates.0.03.changed_fraction is 3, above 1"),
+        ("rates.0.03.runs", "many", "rates.0.03.runs is not a list"),
+        ("full_reference.wire_bytes", _DELETE, "full_reference.wire_bytes is missing"),
+        ("full_reference.link_bytes", "1 GB", "full_reference.link_bytes is not a number"),
+        ("settings.seed", -1, "settings.seed is -1, not >= 0"),
+        ("sizes.chunk_bytes", "auto", 'sizes.chunk_bytes is not a number ("auto")'),
+    ],
+)
+def test_a_refit_result_with_a_bad_field_is_skipped_and_named(
+    tmp_path: Path, field: str, value: Any, says: str
+) -> None:
+    """A readable refit result missing a field the fit reads, or holding something other than a
+    usable number there, is skipped (not a KeyError / TypeError out of `fit`), and the
+    calibration's sources say which field."""
+    good = _refit_files()[-3:]
+    for path in good:
+        shutil.copy(path, tmp_path)
+    clean = cal.fit(tmp_path)
+    data = json.loads(good[0].read_text())  # quiet, 100 Mbit/s: every field is read
+    assert cal.is_quiet(data)
+    _set(data, field, value)
+    crafted = "refit-20261202T060000Z.json"
+    (tmp_path / crafted).write_text(json.dumps(data))
+    fitted = cal.fit(tmp_path)
+    by_file = {s.file: s for s in fitted.sources}
+    assert not by_file[crafted].used
+    assert by_file[crafted].why.startswith("skipped: "), by_file[crafted].why
+    assert says in by_file[crafted].why, by_file[crafted].why
+    assert _fitted(fitted) == _fitted(clean) | {"sources": _fitted(fitted)["sources"]}
+    assert [s for s in fitted.sources if s.file != crafted] == clean.sources
+
+
+def test_unreadable_or_foreign_results_are_skipped_with_the_reason(tmp_path: Path) -> None:
+    for path in _refit_files()[-3:]:
+        shutil.copy(path, tmp_path)
+    (tmp_path / "refit-20261202T060000Z.json").write_text("[1, 2]")
+    (tmp_path / "refit-20261202T060001Z.json").write_text(json.dumps({"benchmark": "codec"}))
+    (tmp_path / "transport-20261202T000000Z.json").write_text(
+        json.dumps({"benchmark": "transport", "nodes": 1, "hop_gb_s": "fast"})
+    )
+    (tmp_path / "codec-20261202T000000Z.json").write_text(
+        json.dumps({"quick": False, "checkpoint": {"0.03": {"encode_gbps_2t": "quick"}}})
+    )
+    fitted = cal.fit(tmp_path)
+    why = {s.file: s.why for s in fitted.sources if not s.used}
+    assert why == {
+        "refit-20261202T060000Z.json": "unreadable (not a JSON object)",
+        "refit-20261202T060001Z.json": 'not a refit result (benchmark "codec")',
+        "transport-20261202T000000Z.json": 'skipped: hop_gb_s is not a number ("fast")',
+        "codec-20261202T000000Z.json": (
+            'skipped: checkpoint.0.03.encode_gbps_2t is not a number ("quick")'
+        ),
+    }
+    assert fitted.relay_hop is None
+    assert fitted.construction_isolated is None

@@ -7,6 +7,7 @@ import json
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -218,8 +219,284 @@ def test_calibrate_writes_a_fresh_calibration(tmp_path: Path) -> None:
     broken = tmp_path / "broken.json"
     broken.write_text("{}")
     failed = run(*BASE, "--calibration", str(broken))
-    assert failed.exit_code == 1
+    assert failed.exit_code == 2
+    assert "--calibration" in failed.output
     assert "not a plan calibration" in failed.output
+
+
+def _shipped_json() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(cal.SHIPPED.read_text())
+    return data
+
+
+def _bad_calibration(tmp_path: Path, case: str) -> Path:
+    """A --calibration file that is not a usable calibration, of the kind `case` names."""
+    path = tmp_path / f"{case}.json"
+    if case == "bench result":
+        return REPO / "bench" / "results" / "refit-latest.json"
+    if case == "missing":
+        return path
+    if case == "not JSON":
+        path.write_text("format: 2\n")
+    elif case == "not text":
+        path.write_bytes(b"\xff\xfe\x00\xd8garbage")
+    elif case == "array":
+        path.write_text("[1, 2]")
+    elif case == "empty object":
+        path.write_text("{}")
+    elif case == "old format":
+        path.write_text(json.dumps(_shipped_json() | {"format": 1}))
+    elif case == "wrong shape":
+        data = _shipped_json()
+        data["link_overhead"]["value"] = "fast"
+        del data["apply"]["rates"]
+        path.write_text(json.dumps(data))
+    else:
+        raise AssertionError(case)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("missing", "no such file"),
+        ("not JSON", "not JSON (Expecting value at line 1 column 1)"),
+        ("not text", "not JSON"),
+        ("bench result", "it is a `kuberefit bench refit` result"),
+        ("array", "a JSON array, not an object"),
+        ("empty object", "no format field"),
+        ("old format", "format 1, and this KubeRefit reads format 2"),
+        ("wrong shape", "link_overhead.value: input should be a valid number"),
+    ],
+)
+def test_a_bad_calibration_file_is_a_one_line_usage_error(
+    tmp_path: Path, case: str, says: str
+) -> None:
+    """Whatever is wrong with --calibration FILE, the error names the option and the reason on
+    one line (exit 2), with no traceback and no pydantic dump."""
+    path = _bad_calibration(tmp_path, case)
+    result = run(*BASE, "--calibration", str(path))
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    assert errors[0].startswith(f"Error: Invalid value for '--calibration': {path}: ")
+    assert says in errors[0], result.output
+    assert len(result.output.strip().splitlines()) <= 4, result.output  # usage, hint, error
+    for noise in ("Traceback", "validation error", "errors.pydantic.dev", "input_value"):
+        assert noise not in result.output, result.output
+
+
+def test_an_unreadable_calibration_file_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "locked.json"
+    path.write_text(cal.SHIPPED.read_text())
+    real = Path.read_bytes
+
+    def read_bytes(self: Path) -> bytes:
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    result = run(*BASE, "--calibration", str(path))
+    assert result.exit_code == 2, result.output
+    assert f"'--calibration': {path}: cannot read it: Permission denied" in result.output
+
+
+def test_calibrate_that_cannot_write_names_the_path(tmp_path: Path) -> None:
+    """--calibrate fits, then cannot write its output: one line naming the path (exit 1)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    target = blocker / "cal.json"
+    results = REPO / "bench" / "results"
+    result = run("--calibrate", "--results-dir", str(results), "--calibration", str(target))
+    assert result.exit_code == 1, result.output
+    assert result.output.strip() == (
+        f"Error: cannot write the calibration to {target}: {blocker} is not a directory"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.parametrize(
+    ("total", "says"),
+    [
+        ("NaN", "total_size is nan"),
+        ("1e400", "total_size is inf"),
+        ("-5", "total_size is -5"),
+        ("0", "total_size is 0"),
+        ("1.5", "total_size is 1.5"),
+        ("1" + "0" * 400, "total_size is a 401-digit number"),
+    ],
+)
+def test_an_impossible_safetensors_total_size_is_refused(
+    tmp_path: Path, total: str, says: str
+) -> None:
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"metadata": {"total_size": ' + total + '}, "weight_map": {}}')
+    result = run("--safetensors-index", str(index), "--cross-link", "1Gbit")
+    assert result.exit_code == 2, result.output
+    assert "'--safetensors-index'" in result.output
+    assert says in result.output
+    assert "not a positive, finite whole number of bytes" in result.output
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--cross-link", "1e400Gbit", "must be finite"),
+        ("--intra-link", "1e400Gbit/s", "must be finite"),
+        ("--apply-rate", "1e400GB/s", "must be finite"),
+        ("--relay-hop-rate", "1e999B/s", "must be finite"),
+        ("--relay-hop-rate", "0GB/s", "positive"),
+        ("--model-bytes", "9" * 400, "must be finite"),
+    ],
+)
+def test_non_finite_inputs_are_refused(option: str, value: str, says: str) -> None:
+    result = run(*BASE, option, value)
+    assert result.exit_code == 2, result.output
+    assert f"'{option}'" in result.output
+    assert says in result.output
+
+
+def _figures(*args: str) -> dict[str, dict[str, Any]]:
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return {f["name"]: f for f in json.loads(result.output)["figures"]}
+
+
+def _config(tmp_path: Path, dtype: str) -> Path:
+    path = tmp_path / f"{dtype}.json"
+    path.write_text(
+        json.dumps(
+            {
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "vocab_size": 128256,
+                "torch_dtype": dtype,
+            }
+        )
+    )
+    return path
+
+
+def test_the_element_width_follows_the_dtype(tmp_path: Path) -> None:
+    """--hf-config's dtype sets the bytes per element (the changed elements per byte of H);
+    --model-bytes and --safetensors-index take BF16 and say so, unless --dtype-bytes."""
+    link = ("--cross-link", "10Gbit/s")
+    fp32 = _figures("--hf-config", str(_config(tmp_path, "float32")), *link)
+    bf16 = _figures("--hf-config", str(_config(tmp_path, "bfloat16")), *link)
+    assert fp32["element width"]["value"] == 4
+    assert fp32["element width"]["kind"] == "input"
+    assert "float32" in fp32["element width"]["note"]
+    assert bf16["element width"]["value"] == 2
+    # Half the changed elements per byte of H: faster per byte where a changed element costs.
+    assert fp32["apply / node"]["value"] > bf16["apply / node"]["value"]
+    assert fp32["drain / node"]["value"] > bf16["drain / node"]["value"]
+    given = _figures("--model-bytes", "32GB", *link)
+    assert given["element width"]["value"] == 2
+    assert given["element width"]["kind"] == "assumed"
+    assert "BF16" in given["element width"]["note"]
+    assert given["apply / node"]["value"] == bf16["apply / node"]["value"]
+    wide = _figures("--model-bytes", "32GB", "--dtype-bytes", "4", *link)
+    assert wide["element width"]["kind"] == "input"
+    assert wide["apply / node"]["value"] == fp32["apply / node"]["value"]
+    clash = run("--hf-config", str(_config(tmp_path, "float32")), *link, "--dtype-bytes", "2")
+    assert clash.exit_code == 2, clash.output
+    assert "'--dtype-bytes'" in clash.output
+    assert "float32" in clash.output
+    text = "".join(run("--help").output.split())
+    assert "BF16(2bytes)unless--dtype-bytes" in text
+
+
+HOP_NOTE = (
+    "note: fan-out and the full-checkpoint reference are bounded by the relay hop measured on "
+    "the 2-CPU bench machine (0.468 GB/s), not by --intra-link; give --relay-hop-rate for your "
+    "hosts"
+)
+
+
+def test_a_relay_hop_that_bounds_fan_out_is_said(tmp_path: Path) -> None:
+    """At 100 Gbit/s inside the cluster the bench VM's loopback relay hop (~0.47 GB/s), not the
+    link, bounds fan-out and the full-checkpoint reference: a note says so, and
+    --relay-hop-rate replaces it (an input)."""
+    result = run(*BASE)
+    assert result.exit_code == 0, result.output
+    assert HOP_NOTE in result.output.splitlines()
+    measured = _figures(*BASE)
+    assert measured["relay hop"]["kind"] == "measured"
+    assert "--relay-hop-rate" in measured["relay hop"]["note"]
+    given = run(*BASE, "--relay-hop-rate", "20GB/s")
+    assert given.exit_code == 0, given.output
+    assert "relay hop measured" not in given.output
+    assert _rows(given.output)["relay hop"] == "input"
+    faster = _figures(*BASE, "--relay-hop-rate", "20GB/s")
+    assert faster["relay hop"]["value"] == 20e9
+    assert faster["stage: fan-out"]["value"] < measured["stage: fan-out"]["value"] / 10
+    assert (
+        faster["full-checkpoint transfer"]["value"] < measured["full-checkpoint transfer"]["value"]
+    )
+    # A slower intra-cluster link than the hop bounds fan-out itself: no note.
+    slow = run(*BASE, "--intra-link", "1Gbit/s")
+    assert "relay hop measured" not in slow.output
+    # One node, one producer: no fan-out, but the relay root's receive of the flow bounds the
+    # reference ahead of a fast cross-cluster link.
+    one = run("--model-bytes", "1TB", "--cross-link", "100Gbit/s")
+    notes = [line for line in one.output.splitlines() if "relay hop measured" in line]
+    assert len(notes) == 1, one.output
+    assert notes[0].startswith(
+        "note: the cross-cluster stage (a relay root's receive) and the "
+        "full-checkpoint reference are bounded"
+    )
+    assert "not by --cross-link" in notes[0]
+    text = "".join(run("--help").output.split())  # click wraps lines at hyphens too
+    assert "--relay-hop-rateTHROUGHPUT" in text
+    assert "boundsfan-outandthefull-checkpointreferenceaheadofafast--intra-link" in text
+
+
+def test_relay_hop_rate_is_for_the_relay_tree(tmp_path: Path) -> None:
+    with_s3 = tmp_path / "s3.json"
+    shipped = cal.load()
+    s3 = cal.Scalar(value=1e9, unit="B/s", how="test")
+    cal.write(shipped.model_copy(update={"s3_upload": s3, "s3_download": s3}), with_s3)
+    ok = run(*BASE, "--calibration", str(with_s3), "--transport", "s3")
+    assert ok.exit_code == 0, ok.output
+    result = run(
+        *BASE, "--calibration", str(with_s3), "--transport", "s3", "--relay-hop-rate", "5GB/s"
+    )
+    assert result.exit_code == 2, result.output
+    assert "'--relay-hop-rate'" in result.output
+    assert "give it with --transport relay" in result.output
+
+
+def test_fitted_figures_say_they_are_fitted() -> None:
+    """Intercepts and residual fits keep the kind `measured` but say how they were fitted (runs
+    and residual), and V_payload / H says it is the bench's synthetic changes."""
+    figures = _figures(*BASE)
+    shipped = cal.load()
+    for name, costs in (
+        ("fixed start-up", shipped.construction),
+        ("drain, fixed", shipped.drain),
+        ("finalization, fixed", shipped.finalization),
+        ("finalization per GB of H", shipped.finalization),
+        ("apply / node", shipped.apply),
+        ("apply / payload", shipped.apply),
+        ("drain / node", shipped.drain),
+    ):
+        assert figures[name]["kind"] == "measured", name
+        want = (
+            f"fitted (least squares over {len(costs.sources)} quiet runs, "
+            f"rms {costs.rms_error:.0%}): "
+        )
+        assert figures[name]["note"].startswith(want), (name, figures[name]["note"])
+    for name in ("per-payload send cost", "cross-cluster stream, fixed"):
+        assert figures[name]["note"].startswith("fitted (least squares over "), name
+    v = figures["V_payload / H"]["note"]
+    assert "synthetic uniform changes (relative amplitude 1e-2)" in v
+    assert "real models' changes may compress differently" in v
 
 
 def test_units() -> None:
@@ -233,9 +510,13 @@ def test_units() -> None:
     assert parse_change_rate("3%") == pytest.approx(0.03)
     assert parse_change_rate("0.03") == pytest.approx(0.03)
     assert parse_change_rate("100%") == 1.0
-    for bad in ("100", "-5Gbit", "0Mbit", "fast", "5 furlongs/s"):
+    for bad in ("100", "-5Gbit", "0Mbit", "fast", "5 furlongs/s", "1e400Gbit", "1e-400Gbit"):
         with pytest.raises(ValueError, match="link rate"):
             parse_rate(bad)
+    with pytest.raises(ValueError, match="finite"):
+        parse_rate("1e400Gbit")
+    with pytest.raises(ValueError, match="finite"):
+        parse_size("1" + "0" * 400)
     for bad in ("101%", "1.5", "0", "x"):
         with pytest.raises(ValueError, match="change rate"):
             parse_change_rate(bad)

@@ -219,3 +219,23 @@ def test_shared_cpus_add_up_the_cpu_stages() -> None:
     slow = project(dataclasses.replace(d, shared_cpus=2, cross_bytes_s=1e6), k)
     assert slow.bound == "cross-cluster"
     assert slow.stages["cross-cluster"] == pytest.approx(v * 1.05 / 1e6 + 0.005 + n_p * 0.001)
+
+
+def test_the_breakdown_says_what_the_relay_hop_bounds() -> None:
+    """A relay hop slower than the intra-cluster link paces fan-out and, when it is the
+    slowest leg, the full-checkpoint reference; a slower link leaves them to the link."""
+    k = dataclasses.replace(K, hop_bytes_s=0.5e9)
+    b = project(D, k)  # 100 Gbit/s inside, 10 Gbit/s between: the hop is slower than both
+    assert b.hop_bound == {"fan-out": "intra", "reference": "intra"}
+    assert b.stages["fan-out"] == pytest.approx(2 * 0.02e12 / 0.5e9)
+    assert b.reference_s == pytest.approx(2 * 1e12 / 0.5e9 + 3 * (512 * MIB) / 0.5e9)
+    assert project(D, K).hop_bound == {}  # no relay hop measured
+    slow_intra = project(dataclasses.replace(D, intra_bytes_s=0.25e9), k)
+    assert "fan-out" not in slow_intra.hop_bound
+    assert "reference" not in slow_intra.hop_bound
+    # One node, one producer: no fan-out, but the root's receive of the whole flow.
+    single = project(dataclasses.replace(D, nodes=1, producers=1, cross_bytes_s=100e9 / 8), k)
+    assert single.hop_bound == {"cross-cluster": "cross", "reference": "cross"}
+    # A slow cross-cluster link bounds the reference itself.
+    slow_cross = project(dataclasses.replace(D, cross_bytes_s=1e9 / 8), k)
+    assert slow_cross.hop_bound == {"fan-out": "intra"}

@@ -32,11 +32,14 @@ results, with the files it came from.
   upload/download throughput when measured.
 
 Each figure keeps its sources, and the whole calibration is one JSON file: `write` / `load`.
+A result file that cannot be read, or lacks a field the fit reads (or holds something other
+than a usable number there), is skipped: its `Source` is not used and says which field.
 The package ships one fitted from this checkout's results (`calibration.json`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -49,7 +52,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from refit_tools.plan.model import (
     ELEMENT_BYTES,
@@ -70,6 +73,8 @@ CPU_BOUND_SHARE = 0.5
 CODEC_BATCH_S = 3600
 SHIPPED = Path(__file__).with_name("calibration.json")
 _STAMP = re.compile(r"-(\d{8}T\d{6}Z)\.json$")
+#: A refit result's rate row splits its window when it has these (and finalization_s).
+_WINDOW = ("startup_s", "transport_span_s", "drain_s")
 
 Kind = Literal["measured", "assumed"]
 
@@ -262,6 +267,12 @@ class Calibration(BaseModel):
         )
 
 
+def bench_machine(cal: Calibration) -> str:
+    """The bench machine the calibration's timings came from, in words."""
+    cpus = sorted({int(s.machine["cpus"]) for s in cal.sources if s.used and s.machine.get("cpus")})
+    return f"{'/'.join(str(c) for c in cpus)}-CPU bench machine" if cpus else "bench machine"
+
+
 # ------------------------------------------------------------------------------------ files
 def default_results_dir() -> Path:
     """bench/results of this source checkout, else of the current directory."""
@@ -270,22 +281,79 @@ def default_results_dir() -> Path:
 
 
 def load(path: Path | None = None) -> Calibration:
-    """A calibration file (default: the one shipped with the package)."""
+    """A calibration file (default: the one shipped with the package). A file that cannot be
+    one raises `CalibrationError` with a one-line reason: missing or unreadable, not JSON,
+    another kind of JSON (a bench result, say), an older format, or a field of the wrong shape."""
     path = path or SHIPPED
     try:
-        return Calibration.model_validate_json(path.read_text())
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CalibrationError(f"{path}: no such file") from None
     except OSError as exc:
-        raise CalibrationError(f"{path}: cannot read the calibration: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise CalibrationError(f"{path}: not a plan calibration: {exc}") from exc
+        raise CalibrationError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(
+            f"{path}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
+    except ValueError:  # not UTF-8 / UTF-16 / UTF-32 text
+        raise CalibrationError(f"{path}: not JSON (not text)") from None
+    problem = _calibration_problem(data)
+    if problem is not None:
+        raise CalibrationError(f"{path}: not a plan calibration: {problem}")
+    try:
+        return Calibration.model_validate(data)
+    except ValidationError as exc:
+        raise CalibrationError(f"{path}: not a plan calibration: {_first_error(exc)}") from None
+
+
+#: What to do about a file that is not a calibration.
+_REWRITE = "write one with `kuberefit plan --calibrate`"
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+_JSON_KINDS[type(None)] = "null"
+
+
+def _calibration_problem(data: Any) -> str | None:
+    """Why `data` is plainly not a calibration of this format (None: validate it)."""
+    if not isinstance(data, dict):
+        kind = _JSON_KINDS.get(type(data), type(data).__name__)
+        return f"a JSON {kind}, not an object; {_REWRITE}"
+    benchmark = data.get("benchmark")
+    if isinstance(benchmark, str) and "format" not in data:
+        return f"it is a `kuberefit bench {benchmark}` result; {_REWRITE}"
+    version = data.get("format")
+    if "format" not in data:
+        return f"it has no format field; {_REWRITE}"
+    if version != 2:
+        return (
+            f"format {_short(version)}, and this KubeRefit reads format 2: refit it with "
+            "`kuberefit plan --calibrate`"
+        )
+    return None
+
+
+def _first_error(exc: ValidationError) -> str:
+    """One line for a validation failure: how many problems, and the first."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the file"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {first['msg'].lower()}{more}; {_REWRITE}"
 
 
 def write(calibration: Calibration, path: Path) -> None:
-    """Write atomically (a reader never sees half a file)."""
+    """Write atomically (a reader never sees half a file); an OSError leaves no temporary file
+    behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(calibration.model_dump_json(indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(calibration.model_dump_json(indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def _stamped(results_dir: Path, benchmark: str) -> list[Path]:
@@ -301,11 +369,139 @@ def _stamp_time(path: Path) -> datetime:
 
 
 def _read(path: Path) -> dict[str, Any] | None:
+    return _read_why(path)[0]
+
+
+def _read_why(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """(the result file's JSON object, or None and why not)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+        data = json.loads(path.read_bytes())
+    except OSError as exc:
+        return None, f"unreadable ({exc.strerror or exc})"
+    except ValueError:
+        return None, "unreadable (not JSON)"
+    if not isinstance(data, dict):
+        return None, "unreadable (not a JSON object)"
+    return data, ""
+
+
+# ------------------------------------------------------------------ result files' fields
+class _FieldError(ValueError):
+    """A field of a result file that the fit cannot use (the message names it)."""
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number(
+    value: Any,
+    where: str,
+    *,
+    positive: bool = True,
+    integer: bool = False,
+    optional: bool = False,
+    at_most: float | None = None,
+) -> None:
+    """Raise `_FieldError` unless `value` is a finite number (positive, or non-negative), whole
+    when `integer`; None passes when `optional`."""
+    if value is None:
+        if optional:
+            return
+        raise _FieldError(f"{where} is missing")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _FieldError(f"{where} is not a number ({_short(value)})")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer beyond a float's range
+        finite = False
+    if not finite:
+        raise _FieldError(f"{where} is {_short(value)}, not a finite number")
+    if value < 0 or (positive and value == 0):
+        raise _FieldError(f"{where} is {_short(value)}, not {'positive' if positive else '>= 0'}")
+    if integer and value != int(value):
+        raise _FieldError(f"{where} is {_short(value)}, not a whole number")
+    if at_most is not None and value > at_most:
+        raise _FieldError(f"{where} is {_short(value)}, above {at_most:g}")
+
+
+def _object(value: Any, where: str, *, optional: bool = True) -> dict[str, Any]:
+    """`value` as an object ({} for None when `optional`), else `_FieldError`."""
+    if value is None and optional:
+        return {}
+    if not isinstance(value, dict):
+        raise _FieldError(f"{where} is {'missing' if value is None else 'not an object'}")
+    return value
+
+
+def _rate_key(key: str, row: Mapping[str, Any]) -> None:
+    """The change rate `rate_rows` reads: the row's changed_fraction, else its key."""
+    fraction = row.get("changed_fraction")
+    if fraction:
+        _number(fraction, f"rates.{key}.changed_fraction", at_most=1.0)
+        return
+    try:
+        rate = float(key)
+    except ValueError:
+        raise _FieldError(f"rates key {_short(key)} is not a change rate") from None
+    _number(rate, f"rates key {_short(key)}", at_most=1.0)
+
+
+def _check_refit(data: Mapping[str, Any]) -> None:
+    """Raise `_FieldError` naming the first field `fit` reads from a refit result that is missing or
+    not a number it can use."""
+    _number(data.get("checkpoint_bytes"), "checkpoint_bytes", integer=True)
+    _number(data.get("nodes"), "nodes", integer=True)
+    _number(data.get("link_mbit"), "link_mbit", positive=False, optional=True)
+    machine = _object(data.get("machine"), "machine")
+    _number(machine.get("cpus"), "machine.cpus", integer=True, optional=True)
+    load = machine.get("load_avg_before")
+    if load is not None:
+        if not isinstance(load, list) or not load:
+            raise _FieldError(f"machine.load_avg_before is not a list of numbers ({_short(load)})")
+        _number(load[0], "machine.load_avg_before[0]", positive=False)
+    rates = _object(data.get("rates"), "rates", optional=False)
+    if not rates:
+        raise _FieldError("rates is empty")
+    for key, raw in rates.items():
+        row = _object(raw, f"rates.{key}", optional=False)
+        _rate_key(key, row)
+        _number(row.get("v_payload_bytes"), f"rates.{key}.v_payload_bytes")
+        if all(k in row for k in _WINDOW):
+            for k in (*_WINDOW, "finalization_s"):
+                _number(row.get(k), f"rates.{key}.{k}")
+        runs = row.get("runs")
+        if runs is not None:
+            if not isinstance(runs, list):
+                raise _FieldError(f"rates.{key}.runs is not a list")
+            for i, run in enumerate(runs):
+                where = f"rates.{key}.runs[{i}]"
+                _number(
+                    _object(run, where, optional=False).get("payloads"),
+                    f"{where}.payloads",
+                    positive=False,
+                    integer=True,
+                    optional=True,
+                )
+    reference = _object(data.get("full_reference"), "full_reference")
+    if reference.get("link_bytes"):
+        _number(reference["link_bytes"], "full_reference.link_bytes")
+        _number(reference.get("wire_bytes"), "full_reference.wire_bytes")
+    settings = _object(data.get("settings"), "settings")
+    _number(
+        settings.get("checkpoint_bytes"),
+        "settings.checkpoint_bytes",
+        positive=False,
+        integer=True,
+        optional=True,
+    )
+    _number(settings.get("seed"), "settings.seed", positive=False, integer=True, optional=True)
+    recorded = data.get("sizes")
+    if recorded:
+        sizes = _object(recorded, "sizes")
+        for k in ("chunk_bytes", "bucket_bytes"):
+            _number(sizes.get(k), f"sizes.{k}", integer=True)
 
 
 # ------------------------------------------------------------------------------- refit runs
@@ -546,7 +742,7 @@ def _points(name: str, result: Mapping[str, Any]) -> list[_Point]:
     out = []
     _, cpus = load_of(result)
     for _, rate, row in rate_rows(result):
-        if not all(k in row for k in ("startup_s", "transport_span_s", "drain_s")):
+        if not all(k in row for k in _WINDOW):
             continue
         dep = bench_deployment(result, rate)
         payloads = max(int(r.get("payloads") or 0) for r in _runs(row)) or len(dep.regions or ())
@@ -571,63 +767,117 @@ def _points(name: str, result: Mapping[str, Any]) -> list[_Point]:
     return out
 
 
+def _check_codec(data: Mapping[str, Any]) -> None:
+    """Raise `_FieldError` naming the first field `_codec` reads that it cannot use."""
+    settings = _object(data.get("checkpoint_settings"), "checkpoint_settings")
+    _number(settings.get("cpus"), "checkpoint_settings.cpus", integer=True, optional=True)
+    rows = _object(data.get("checkpoint"), "checkpoint", optional=False)
+    for key, raw in rows.items():
+        row = _object(raw, f"checkpoint.{key}", optional=False)
+        try:
+            rate = float(key)
+        except ValueError:
+            raise _FieldError(f"checkpoint key {_short(key)} is not a change rate") from None
+        _number(rate, f"checkpoint key {_short(key)}", at_most=1.0)
+        for k in ("encode_gbps_2t", "encode_gbps_1t"):
+            _number(row.get(k), f"checkpoint.{key}.{k}", positive=False, optional=True)
+
+
+def _check_transport(data: Mapping[str, Any]) -> None:
+    """Raise `_FieldError` naming the first figure `_transport` reads that it cannot use."""
+    for key in ("hop_gb_s", "upload_gb_s", "download_gb_s", "per_payload_ms"):
+        _number(data.get(key), key, positive=False, optional=True)
+    _object(data.get("machine"), "machine")
+
+
+@dataclass(frozen=True)
+class _Refit:
+    """What the fit takes from one refit result file."""
+
+    name: str
+    data: dict[str, Any]
+    quiet: bool
+    #: (change rate, V_payload / H) of each rate.
+    v_points: list[tuple[float, float]]
+    #: The full-checkpoint reference's (link bytes, payload bytes) on a shaped link.
+    reference: tuple[float, float] | None
+    #: Each rate's window split (quiet runs only).
+    points: list[_Point]
+
+
+def _refit(path: Path) -> tuple[_Refit | None, str]:
+    """(the run, why it is used) or (None, why it is skipped: the problem, named)."""
+    data, why = _read_why(path)
+    if data is None:
+        return None, why
+    if data.get("benchmark") != "refit":
+        return None, f"not a refit result (benchmark {_short(data.get('benchmark'))})"
+    try:
+        _check_refit(data)
+        quiet = is_quiet(data)
+        h = float(data["checkpoint_bytes"])
+        v_points = [(rate, float(row["v_payload_bytes"]) / h) for _, rate, row in rate_rows(data)]
+        full = data.get("full_reference") or {}
+        reference = (
+            (float(full["link_bytes"]), float(full["wire_bytes"]))
+            if link_bytes_s(data) and full.get("link_bytes")
+            else None
+        )
+        points = _points(path.name, data) if quiet else []
+    except _FieldError as exc:
+        return None, f"skipped: {exc}"
+    except (ArithmeticError, LookupError, TypeError, ValueError) as exc:
+        return None, f"skipped: cannot use it ({type(exc).__name__}: {exc})"
+    load, cpus = load_of(data)
+    why = (
+        f"load {load:.1f} on {cpus} CPUs: "
+        + ("quiet, timings used" if quiet else "busy, byte counts only")
+        if load is not None
+        else "no load average before the run: byte counts only"
+    )
+    return _Refit(path.name, data, quiet, v_points, reference, points), why
+
+
 # ------------------------------------------------------------------------------------- fit
 def fit(results_dir: Path, *, exclude: Iterable[str] = ()) -> Calibration:
     """Fit every constant from the result files in `results_dir` (file names in `exclude` are
     left out: the leave-one-out validation uses it)."""
     skip = set(exclude)
     sources: list[Source] = []
-    refits: list[tuple[str, dict[str, Any]]] = []
+    refits: list[_Refit] = []
     for path in _stamped(results_dir, "refit"):
         if path.name in skip:
             continue
-        data = _read(path)
-        if data is None or data.get("benchmark") != "refit" or "rates" not in data:
-            sources.append(Source(file=path.name, benchmark="refit", used=False, why="unreadable"))
-            continue
-        load, cpus = load_of(data)
-        why = (
-            f"load {load:.1f} on {cpus} CPUs: "
-            + ("quiet, timings used" if is_quiet(data) else "busy, byte counts only")
-            if load is not None
-            else "no load average before the run: byte counts only"
-        )
+        run, why = _refit(path)
         sources.append(
             Source(
                 file=path.name,
                 benchmark="refit",
-                started=data.get("started"),
-                machine=data.get("machine") or {},
-                used=True,
+                started=run.data.get("started") if run else None,
+                machine=run.data.get("machine") or {} if run else {},
+                used=run is not None,
                 why=why,
             )
         )
-        refits.append((path.name, data))
+        if run is not None:
+            refits.append(run)
     if not refits:
         raise CalibrationError(
-            f"{results_dir}: no refit-<UTC>.json results (kuberefit bench refit)"
+            f"{results_dir}: no refit-<UTC>.json results it can use (kuberefit bench refit)"
         )
-    quiet = [(n, d) for n, d in refits if is_quiet(d)]
+    quiet = [r for r in refits if r.quiet]
     if not quiet:
         raise CalibrationError(f"{results_dir}: no refit result measured on a quiet machine")
-    names_all = [n for n, _ in refits]
+    names_all = [r.name for r in refits]
 
     # Byte counts: every run.
-    v_points = [
-        (rate, float(row["v_payload_bytes"]) / float(d["checkpoint_bytes"]))
-        for _, d in refits
-        for _, rate, row in rate_rows(d)
-    ]
+    v_points = [point for r in refits for point in r.v_points]
     coef, exponent = _power_law(v_points)
     # Only shaped runs count link bytes (an unshaped run has no qdisc to count them).
-    refs = [
-        d["full_reference"]
-        for _, d in refits
-        if link_bytes_s(d) and (d.get("full_reference") or {}).get("link_bytes")
-    ]
+    refs = [r.reference for r in refits if r.reference is not None]
     if not refs:
         raise CalibrationError("no shaped refit result counts the reference's link bytes")
-    overhead = sum(float(r["link_bytes"]) for r in refs) / sum(float(r["wire_bytes"]) for r in refs)
+    overhead = sum(link for link, _ in refs) / sum(wire for _, wire in refs)
 
     transport = _transport(results_dir, skip, sources)
     hop_figure: Scalar | None = transport.get("hop")
@@ -636,7 +886,7 @@ def fit(results_dir: Path, *, exclude: Iterable[str] = ()) -> Calibration:
     hop_payload = hop_payload_figure.value if hop_payload_figure is not None else 0.0
 
     # Timings: every rate of the quiet runs that splits its window.
-    points = [p for n, d in quiet for p in _points(n, d)]
+    points = [p for r in quiet for p in r.points]
     if not points:
         raise CalibrationError("no quiet refit result splits its window (startup_s, drain_s)")
     rates = (min(p.rate for p in points), max(p.rate for p in points))
@@ -837,6 +1087,12 @@ def _codec(results_dir: Path, skip: set[str], sources: list[Source]) -> Curve | 
         data = _read(path)
         if data is None or data.get("quick") or "checkpoint" not in data:
             continue
+        try:
+            _check_codec(data)
+        except _FieldError as exc:
+            why = f"skipped: {exc}"
+            sources.append(Source(file=path.name, benchmark="codec", used=False, why=why))
+            continue
         full.append((path, data))
     if not full:
         return None
@@ -877,6 +1133,12 @@ def _transport(results_dir: Path, skip: set[str], sources: list[Source]) -> dict
     for path in reversed(files):
         data = _read(path)
         if data is None or data.get("benchmark", "transport") != "transport":
+            continue
+        try:
+            _check_transport(data)
+        except _FieldError as exc:
+            why = f"skipped: {exc}"
+            sources.append(Source(file=path.name, benchmark="transport", used=False, why=why))
             continue
         if not any(data.get(k) for k in ("hop_gb_s", "upload_gb_s", "download_gb_s")):
             continue  # a multi-node run: its figures are not one hop's

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
@@ -17,10 +17,15 @@ from refit_tools.plan.units import (
     parse_size_or_auto,
 )
 
+if TYPE_CHECKING:
+    from refit_tools.plan.sizing import ModelSize
+
 PLAN_EXIT_HELP = (
     "Every figure printed is marked input, measured (with its bench source), assumed or "
-    "projected. Exit codes: 0 projected (or calibrated); 1 the calibration could not be read "
-    "or fitted; 2 bad usage (a missing or impossible input)."
+    "projected. Exit codes: 0 projected (or calibrated); 1 --calibrate could not fit the "
+    "results or write the calibration (or the shipped calibration is broken); 2 bad usage (a "
+    "missing or impossible input, or a --calibration file that is missing, unreadable or not a "
+    "plan calibration)."
 )
 
 
@@ -62,19 +67,31 @@ def _change(_ctx: click.Context, _param: click.Parameter, value: str) -> float:
     metavar="SIZE",
     callback=_size,
     help="H, the canonical checkpoint's size: bytes or a unit (60GB = 60*10^9, 1.5TiB). "
-    "Give this, --safetensors-index or --hf-config.",
+    "Give this, --safetensors-index or --hf-config. Its elements are taken as BF16 (2 bytes) "
+    "unless --dtype-bytes says otherwise.",
 )
 @click.option(
     "--safetensors-index",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="A model.safetensors.index.json: H is its metadata.total_size (exact).",
+    help="A model.safetensors.index.json: H is its metadata.total_size (exact). The index "
+    "does not give the dtype: elements are taken as BF16 (2 bytes) unless --dtype-bytes says "
+    "otherwise.",
 )
 @click.option(
     "--hf-config",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="A Hugging Face config.json: H is estimated from the architecture (hidden, "
     "intermediate and expert sizes, layers, attention and KV heads, vocabulary, tied "
-    "embeddings, dtype) and marked as an estimate.",
+    "embeddings, dtype) and marked as an estimate; the dtype's width (e.g. 4 bytes for "
+    "float32) is the element width.",
+)
+@click.option(
+    "--dtype-bytes",
+    type=click.Choice(["1", "2", "4", "8"]),
+    help="Bytes per element of the checkpoint (1 FP8, 2 BF16/FP16, 4 FP32, 8 FP64). The CPU "
+    "costs are fitted per byte and per changed element, so at one change rate a wider dtype "
+    "has fewer changed elements per byte. Default: 2 (BF16) with --model-bytes or "
+    "--safetensors-index (shown as assumed); --hf-config takes it from the config's dtype.",
 )
 @click.option(
     "--change-rate",
@@ -106,7 +123,8 @@ def _change(_ctx: click.Context, _param: click.Parameter, value: str) -> float:
     show_default=True,
     callback=_link,
     help="Rate of each rollout node's link inside its cluster (relay-tree forwarding, or S3 "
-    "downloads); same units as --cross-link.",
+    "downloads); same units as --cross-link. A relay hop forwards no faster than the relay hop "
+    "throughput (--relay-hop-rate).",
 )
 @click.option(
     "--nodes",
@@ -156,6 +174,17 @@ def _change(_ctx: click.Context, _param: click.Parameter, value: str) -> float:
     help="Replace the measured apply throughput per rollout node (bytes of H per second, "
     "e.g. 50GB/s for GPU nodes); the figure is then marked as an input.",
 )
+@click.option(
+    "--relay-hop-rate",
+    metavar="THROUGHPUT",
+    callback=_link,
+    help="Replace the measured relay hop throughput (payload bytes per second one relay node "
+    "receives, verifies and forwards; e.g. 5GB/s). The calibration's figure is the transport "
+    "bench's on its machine (the shipped one: loopback on a 2-vCPU VM, about 0.47 GB/s), "
+    "which then bounds fan-out and the full-checkpoint reference ahead of a fast --intra-link "
+    "(a note says so); give your hosts' figure here. It is then marked as an input; the "
+    "per-payload hop cost stays the measured one. Relay transport only.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option(
     "--plot",
@@ -186,6 +215,7 @@ def plan(
     model_bytes: int | None,
     safetensors_index: Path | None,
     hf_config: Path | None,
+    dtype_bytes: str | None,
     change_rate: float,
     producers: int,
     cross_link: float | None,
@@ -196,6 +226,7 @@ def plan(
     bucket_size: int | str,
     construction_rate: float | None,
     apply_rate: float | None,
+    relay_hop_rate: float | None,
     as_json: bool,
     plot: Path | None,
     calibrate: bool,
@@ -239,7 +270,18 @@ def plan(
         except cal_mod.CalibrationError as exc:
             raise click.ClickException(f"calibration failed: {exc}") from exc
         target = calibration_file or where / "plan-calibration.json"
-        cal_mod.write(calibration, target)
+        try:
+            cal_mod.write(calibration, target)
+        except OSError as exc:
+            # mkdir of a parent that is a file says "File exists": say what is wrong instead.
+            reason = (
+                f"{exc.filename} is not a directory"
+                if isinstance(exc, FileExistsError)
+                else exc.strerror or str(exc)
+            )
+            raise click.ClickException(
+                f"cannot write the calibration to {target}: {reason}"
+            ) from None
         cal_path = str(target)
         used = [s.file for s in calibration.sources if s.used]
         click.echo(f"calibration written to {target} ({len(used)} bench results)", err=True)
@@ -250,7 +292,9 @@ def plan(
         try:
             calibration = cal_mod.load(calibration_file)
         except cal_mod.CalibrationError as exc:
-            raise click.ClickException(str(exc)) from exc
+            if calibration_file is None:  # the package's own file: not the user's doing
+                raise click.ClickException(str(exc)) from None
+            raise click.BadParameter(str(exc), param_hint="'--calibration'") from None
         cal_path = str(calibration_file) if calibration_file else "shipped calibration"
     if not sources:
         raise click.UsageError(
@@ -269,12 +313,18 @@ def plan(
             size = sizing.ModelSize(model_bytes, None, True, "given")
     except sizing.SizingError as exc:
         raise click.BadParameter(str(exc), param_hint=f"'{name}'") from None
+    element_bytes, element_how = _element_width(dtype_bytes, size)
     if transport == "s3" and (calibration.s3_upload is None or calibration.s3_download is None):
         raise click.BadParameter(
             "s3 is not calibrated: the calibration has no S3 upload/download throughput. Run "
             "`kuberefit bench transport --s3-endpoint-url URL --s3-bucket BUCKET` so its result "
             "lands in bench/results, then `kuberefit plan --calibrate`.",
             param_hint="'--transport'",
+        )
+    if transport == "s3" and relay_hop_rate is not None:
+        raise click.BadParameter(
+            "it sets the relay tree's hop throughput: give it with --transport relay",
+            param_hint="'--relay-hop-rate'",
         )
     chunk_bytes, bucket_bytes, _ = product_sizes(
         size.model_bytes, producers, chunk_size, bucket_size
@@ -296,19 +346,38 @@ def plan(
         transport="s3" if transport == "s3" else "relay",
         last_tensor_bytes=size.last_tensor_bytes,
         first_tensor_bytes=size.first_tensor_bytes,
+        element_bytes=element_bytes,
     )
     result = make_plan(
         deployment,
         calibration,
         construction_bytes_s=construction_rate,
         apply_bytes_s=apply_rate,
+        relay_hop_bytes_s=relay_hop_rate,
     )
     overridden = frozenset(
-        n for n, v in (("construction", construction_rate), ("apply", apply_rate)) if v
+        n
+        for n, v in (
+            ("construction", construction_rate),
+            ("apply", apply_rate),
+            ("relay_hop", relay_hop_rate),
+        )
+        if v
     )
     source = click.get_current_context().get_parameter_source("intra_link")
-    defaulted = frozenset({"intra_link"} if source is ParameterSource.DEFAULT else set())
-    ctx = Context(calibration, cal_path, size.how, size.exact, overridden, sizes_how, defaulted)
+    defaulted = {"intra_link"} if source is ParameterSource.DEFAULT else set()
+    if dtype_bytes is None and hf_config is None:
+        defaulted.add("dtype_bytes")
+    ctx = Context(
+        calibration,
+        cal_path,
+        size.how,
+        size.exact,
+        overridden,
+        sizes_how,
+        frozenset(defaulted),
+        element_how,
+    )
     if plot is not None:
         rates = plot_rates(cross_link)
         try:
@@ -323,6 +392,25 @@ def plan(
         click.echo(json.dumps(out))
     else:
         click.echo(table(result, ctx))
+
+
+def _element_width(given: str | None, size: ModelSize) -> tuple[int, str]:
+    """(bytes per element, where that comes from): --dtype-bytes, the config's dtype, else
+    BF16."""
+    from refit_tools.plan.model import ELEMENT_BYTES
+
+    known = size.element_bytes
+    if given is not None:
+        if known is not None and int(given) != known:
+            raise click.BadParameter(
+                f"{given} bytes, but --hf-config's dtype {size.dtype} is {known} bytes per "
+                "element: give one of them",
+                param_hint="'--dtype-bytes'",
+            )
+        return int(given), "--dtype-bytes"
+    if known is not None:
+        return known, f"{size.dtype}, from --hf-config"
+    return ELEMENT_BYTES, "BF16, the default: give --dtype-bytes"
 
 
 def _summary(calibration: Any) -> str:

@@ -126,6 +126,10 @@ class Breakdown:
     reference_s: float
     reference_cross_bytes: float
     notes: list[str] = field(default_factory=list)
+    #: What the relay hop's throughput (not a link rate) bounds: "fan-out", "cross-cluster"
+    #: (a relay root's receive of one producer's flow) and "reference" (the full-checkpoint
+    #: transfer), each with the link it outpaces ("intra" or "cross").
+    hop_bound: dict[str, str] = field(default_factory=dict)
 
     @property
     def latency_s(self) -> float:
@@ -206,6 +210,7 @@ def project(d: Deployment, k: Constants) -> Breakdown:
     construction = (h / p) / k.construction_bytes_s
     apply = h / k.apply_bytes_s + n_p * p * k.apply_payload_s
     notes: list[str] = []
+    hop_bound: dict[str, str] = {}
     stages: dict[str, float] = {"construction": construction}
     relay_cpu = 0.0  # each node's receive at the relay hop's pace (shared cores only)
     if d.transport == "relay":
@@ -220,9 +225,21 @@ def project(d: Deployment, k: Constants) -> Breakdown:
         drain_move = (depth - 1) * (_per(last_wire, hop) + k.hop_payload_s)
         relay_cpu = d.nodes * (_per(v, k.hop_bytes_s) + n_p * p * k.hop_payload_s)
         ref_fan = children * _per(h, hop)
-        ref_cross = max(_per(h * k.link_overhead, d.cross_bytes_s), _per(h / p, k.hop_bytes_s))
-        reference = max(ref_cross, ref_fan) + (depth - 1) * _per(d.bucket_bytes, hop)
+        ref_link = _per(h * k.link_overhead, d.cross_bytes_s)
+        ref_flow = _per(h / p, k.hop_bytes_s)
+        reference = max(ref_link, ref_flow, ref_fan) + (depth - 1) * _per(d.bucket_bytes, hop)
         reference_bytes = h * k.link_overhead
+        # Where the relay hop, not the link given, sets the pace.
+        hop_paced = hop is not None and hop != _min_rate(d.intra_bytes_s)
+        if children and hop_paced:
+            hop_bound["fan-out"] = "intra"
+        if per_flow > cross_link:
+            hop_bound["cross-cluster"] = "cross"
+        if max(ref_flow, ref_fan) > ref_link:
+            if ref_fan >= ref_flow and hop_paced:
+                hop_bound["reference"] = "intra"
+            elif ref_flow > ref_fan:
+                hop_bound["reference"] = "cross"
     else:
         if k.s3_upload_bytes_s is None or k.s3_download_bytes_s is None:
             raise ValueError("no S3 calibration: S3 upload/download throughput unmeasured")
@@ -266,4 +283,5 @@ def project(d: Deployment, k: Constants) -> Breakdown:
         reference_s=reference,
         reference_cross_bytes=reference_bytes,
         notes=notes,
+        hop_bound=hop_bound,
     )

@@ -7,7 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from refit_tools.plan.calibration import Calibration, bench_deployment, rate_rows
+from refit_tools.plan.calibration import (
+    Calibration,
+    bench_deployment,
+    bench_machine,
+    rate_rows,
+)
 from refit_tools.plan.model import Breakdown, Constants, Deployment, project
 
 
@@ -42,10 +47,12 @@ def plan(
     colocated: bool = False,
     construction_bytes_s: float | None = None,
     apply_bytes_s: float | None = None,
+    relay_hop_bytes_s: float | None = None,
 ) -> Plan:
     """Project `d` with the calibration's constants at its change rate; `construction_bytes_s`
-    (per producer) and `apply_bytes_s` (per node, the drain's last apply included) replace the
-    calibrated throughputs when given (the plan then marks them as inputs)."""
+    (per producer), `apply_bytes_s` (per node, the drain's last apply included) and
+    `relay_hop_bytes_s` (one relay hop's receive, verify and forward) replace the calibrated
+    throughputs when given (the plan then marks them as inputs)."""
     constants, notes = calibration.constants(
         d.change_rate, colocated=colocated, element_bytes=d.element_bytes
     )
@@ -54,6 +61,8 @@ def plan(
     if apply_bytes_s is not None:
         # The drain's last apply runs at the given rate too.
         constants = replace(constants, apply_bytes_s=apply_bytes_s, drain_bytes_s=None)
+    if relay_hop_bytes_s is not None:
+        constants = replace(constants, hop_bytes_s=relay_hop_bytes_s)
     if d.transport == "s3" and (
         constants.s3_upload_bytes_s is None or constants.s3_download_bytes_s is None
     ):
@@ -68,9 +77,32 @@ def plan(
             "fan-out: relay hop throughput and per-payload cost assumed unlimited (no transport "
             "bench result); only the intra-cluster link rate bounds it"
         )
+    if d.transport == "relay" and relay_hop_bytes_s is None and breakdown.hop_bound:
+        notes.append(_hop_note(breakdown.hop_bound, calibration, constants.hop_bytes_s))
     if d.transport == "s3":
         notes.append("s3: start-up, drain and finalization come from relay-tree refit runs")
     return Plan(d, constants, breakdown, notes)
+
+
+_HOP_PARTS = {
+    "fan-out": "fan-out",
+    "cross-cluster": "the cross-cluster stage (a relay root's receive)",
+    "reference": "the full-checkpoint reference",
+}
+_LINK_OPTIONS = {"intra": "--intra-link", "cross": "--cross-link"}
+
+
+def _hop_note(bound: Mapping[str, str], calibration: Calibration, hop: float | None) -> str:
+    """Which figures the measured relay hop bounds rather than the links given."""
+    parts = [_HOP_PARTS[k] for k in _HOP_PARTS if k in bound]
+    links = [_LINK_OPTIONS[k] for k in _LINK_OPTIONS if k in bound.values()]
+    listed = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+    rate = f" ({hop / 1e9:.3g} GB/s)" if hop else ""
+    return (
+        f"{listed} {'are' if len(parts) > 1 else 'is'} bounded by the relay hop measured on the "
+        f"{bench_machine(calibration)}{rate}, not by {' or '.join(links)}; give "
+        "--relay-hop-rate for your hosts"
+    )
 
 
 def sweep(base: Plan, rates: list[float]) -> list[Breakdown]:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from refit_protocol.config_files import format_byte_size
 from refit_tools.bench.plot import _rect, _text
-from refit_tools.plan.calibration import Calibration
+from refit_tools.plan.calibration import Calibration, Costs, bench_machine
 from refit_tools.plan.model import Breakdown
 from refit_tools.plan.projection import Plan
 from refit_tools.plan.units import format_bytes, format_rate, format_seconds
@@ -60,12 +60,13 @@ class Context:
     sizes_how: str = ""
     #: Inputs the user did not give (their defaults are assumptions, and said so).
     defaulted: frozenset[str] = frozenset()
+    #: Where the bytes per element come from (--dtype-bytes, the config's dtype, the default).
+    element_how: str = ""
 
 
 def machine(cal: Calibration) -> str:
     """The bench machine the calibration's timings came from, in words."""
-    cpus = sorted({int(s.machine["cpus"]) for s in cal.sources if s.used and s.machine.get("cpus")})
-    return f"{'/'.join(str(c) for c in cpus)}-CPU bench machine" if cpus else "bench machine"
+    return bench_machine(cal)
 
 
 def figures(p: Plan, ctx: Context) -> list[Figure]:
@@ -93,10 +94,26 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
             "each rollout node's link"
             + (" (the default: give --intra-link)" if "intra_link" in ctx.defaulted else ""),
         ),
+        Figure(
+            "inputs",
+            "element width",
+            d.element_bytes,
+            "bytes",
+            "assumed" if "dtype_bytes" in ctx.defaulted else "input",
+            ctx.element_how,
+        ),
         Figure("inputs", "export chunk", d.chunk_bytes, "MiB", "input", ctx.sizes_how),
         Figure("inputs", "bucket", d.bucket_bytes, "MiB", "input", "bytes of H per payload"),
     ]
     rate = d.change_rate
+
+    def fitted(runs: int, costs: Costs | None = None) -> str:
+        """How a least-squares figure was found, with its fit's residual when recorded."""
+        rms = f", rms {costs.rms_error:.0%}" if costs is not None else ""
+        return f"fitted (least squares over {runs} quiet run{'s' if runs != 1 else ''}{rms})"
+
+    def fit_of(costs: Costs) -> str:
+        return fitted(len(costs.sources), costs)
 
     def measured(
         name: str,
@@ -118,7 +135,9 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
         "%",
         f"{cal.v_over_h.coefficient:.3g} x rate^{cal.v_over_h.exponent:.3f}, fitted to "
         f"{len(cal.v_over_h.points)} bench refit points"
-        + (" (extrapolated beyond the measured rates)" if v_out else ""),
+        + (" (extrapolated beyond the measured rates)" if v_out else "")
+        + "; from the bench's synthetic uniform changes (relative amplitude 1e-2): real models' "
+        "changes may compress differently",
         v_out,
     )
     measured("link overhead", k.link_overhead, "x", "TCP/IP + Ethernet bytes per payload byte")
@@ -126,7 +145,10 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
         ("per-payload send cost", k.payload_overhead_s, cal.payload_overhead_s),
         ("cross-cluster stream, fixed", k.stream_fixed_s, cal.stream_fixed_s),
     ):
-        measured(name, value, "s", scalar.how, kind=scalar.kind)
+        how = scalar.how
+        if scalar.kind == "measured":
+            how = f"{fitted(len(scalar.sources))}: {how}"
+        measured(name, value, "s", how, kind=scalar.kind)
     if "construction" in ctx.overridden:
         out.append(
             Figure(
@@ -151,8 +173,8 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
             "construction / producer",
             k.construction_bytes_s,
             "B/s",
-            "bench refit producer alone before its first send (start-up fit), per byte of H "
-            "and per changed element",
+            f"{fit_of(cal.construction)}: bench refit producer alone before its first send "
+            "(start-up), per byte of H and per changed element",
             cal.construction.extrapolated(rate),
         )
     one_core = f"one core of the {machine(cal)} per node"
@@ -166,8 +188,8 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
             k.apply_bytes_s,
             "B/s",
             (
-                f"fitted to CPU-bound bench refit rates (per byte of H and per changed element): "
-                f"CPU apply, {one_core}"
+                f"{fit_of(cal.apply)}: the CPU-bound bench refit rates' span + drain less the "
+                f"other stages, per byte of H and per changed element: CPU apply, {one_core}"
                 if cal.apply.kind == "measured"
                 else "assumed: " + cal.apply.how
             ),
@@ -178,14 +200,26 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
         "apply / payload",
         k.apply_payload_s,
         "s",
-        "per payload each node applies (same fit)"
+        f"{fit_of(cal.apply)}: per payload each node applies (the apply fit)"
         if cal.apply.kind == "measured"
         else "assumed: no CPU-bound bench refit run",
         kind=cal.apply.kind,
     )
     if d.transport == "relay":
-        if cal.relay_hop is not None:
-            measured("relay hop", cal.relay_hop.value, "B/s", cal.relay_hop.how)
+        if "relay_hop" in ctx.overridden:
+            assert k.hop_bytes_s is not None
+            out.append(
+                Figure(
+                    "calibration", "relay hop", k.hop_bytes_s, "B/s", "input", "--relay-hop-rate"
+                )
+            )
+        elif cal.relay_hop is not None:
+            measured(
+                "relay hop",
+                cal.relay_hop.value,
+                "B/s",
+                f"{cal.relay_hop.how}, on the {machine(cal)}: give --relay-hop-rate for yours",
+            )
         else:
             measured(
                 "relay hop", "unlimited", "", "assumed: no transport bench result", kind="assumed"
@@ -208,7 +242,8 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
         "fixed start-up",
         k.startup_fixed_s,
         "s",
-        "bench refit start-up less the first payload's construction",
+        f"{fit_of(cal.construction)}: the intercept of bench refit start-up = fixed + the "
+        "first payload's construction",
     )
     if "apply" in ctx.overridden:
         out.append(
@@ -226,18 +261,29 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
             "drain / node",
             k.drain_bytes_s or k.apply_bytes_s,
             "B/s",
-            "bench refit drains after the last send: the last payload's region at this rate "
-            f"(its apply and flush, {one_core})",
+            f"{fit_of(cal.drain)}: bench refit drains after the last send, the last payload's "
+            f"region at this rate (its apply and flush, {one_core})",
             cal.drain.extrapolated(rate),
             cal.drain.kind,
         )
-    measured("drain, fixed", k.drain_fixed_s, "s", "flush barriers (bench refit drains)")
-    measured("finalization, fixed", k.finalization_fixed_s, "s", "commit (bench refit)")
+    measured(
+        "drain, fixed",
+        k.drain_fixed_s,
+        "s",
+        f"{fit_of(cal.drain)}: the drain fit's intercept, flush barriers (bench refit drains)",
+    )
+    measured(
+        "finalization, fixed",
+        k.finalization_fixed_s,
+        "s",
+        f"{fit_of(cal.finalization)}: the finalization fit's intercept, commit (bench refit)",
+    )
     measured(
         "finalization per GB of H",
         k.finalization_s_per_byte * 1e9,
         "s",
-        "commit + baseline update per GB of a producer's share (bench refit)",
+        f"{fit_of(cal.finalization)}: commit + baseline update per GB of a producer's share "
+        "(bench refit)",
     )
 
     def projected(name: str, value: float | str, unit: str, note: str = "") -> None:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,10 @@ class ModelSize:
     how: str
     #: The embedding's bytes (the first tensor in export order) when known.
     first_tensor_bytes: int | None = None
+    #: Bytes per element (the dtype's width) when the source says; None: not known.
+    element_bytes: int | None = None
+    #: The dtype the width comes from, as the source names it.
+    dtype: str | None = None
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -54,9 +59,26 @@ def _json(path: Path) -> dict[str, Any]:
 
 def from_safetensors_index(path: Path) -> ModelSize:
     data = _json(path)
-    total = (data.get("metadata") or {}).get("total_size")
-    if not isinstance(total, int | float) or isinstance(total, bool) or total <= 0:
+    metadata = data.get("metadata")
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
+    if not isinstance(total, int | float) or isinstance(total, bool):
         raise SizingError(f"{path}: no positive metadata.total_size (a safetensors index has one)")
+    try:
+        usable = math.isfinite(total) and total > 0 and total == int(total)
+    except OverflowError:  # an integer beyond a float's range
+        usable = False
+    if not usable:
+        digits = str(total)
+        shown = (
+            f"{total:g}"
+            if isinstance(total, float)
+            else digits
+            if len(digits) <= 20
+            else f"a {len(digits)}-digit number"
+        )
+        raise SizingError(
+            f"{path}: metadata.total_size is {shown}, not a positive, finite whole number of bytes"
+        )
     return ModelSize(int(total), None, True, f"metadata.total_size of {path.name}")
 
 
@@ -110,4 +132,16 @@ def from_hf_config(path: Path) -> ModelSize:
         f"{layers} layers, hidden {hidden}, {f'{experts} experts, ' if experts else ''}"
         f"vocabulary {vocab}{', tied head' if tied else ''}"
     )
-    return ModelSize(params * width, head * width or None, False, how, vocab * hidden * width)
+    try:
+        float(params * width)
+    except OverflowError:
+        raise SizingError(f"{path}: the sizes in it give an impossibly large model") from None
+    return ModelSize(
+        params * width,
+        head * width or None,
+        False,
+        how,
+        vocab * hidden * width,
+        element_bytes=width,
+        dtype=dtype,
+    )

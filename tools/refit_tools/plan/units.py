@@ -9,6 +9,7 @@ refused rather than guessed. Every error is a ValueError whose message says what
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal, InvalidOperation
 
@@ -37,6 +38,10 @@ def parse_size(text: str) -> int:
         ) from exc
     if size <= 0:
         raise ValueError(f"{text!r}: the size must be positive")
+    try:
+        float(size)
+    except OverflowError:
+        raise ValueError(f"{text!r}: the size must be finite (e.g. 60GB, 1.5TiB)") from None
     return size
 
 
@@ -62,6 +67,8 @@ def parse_rate(text: str) -> float:
     unit = match["unit"]
     per_bit = unit in ("b", "bit", "bits", "bps")
     value = float(number * scale / (8 if per_bit else 1))
+    if math.isinf(value):
+        raise ValueError(f"{text!r}: a link rate must be finite ({RATE_EXAMPLES})")
     if not value > 0:
         raise ValueError(f"{text!r}: a link rate must be positive ({RATE_EXAMPLES})")
     return value
