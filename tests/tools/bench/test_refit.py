@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from refit_sidecar.fingerprint import named_tensors_digest
 from refit_tools.bench.refit import union_seconds
+from refit_tools.bench.refit_workload import Workload
+from refit_tools.bench.synthetic import perturb
 
 CLI = [sys.executable, "-m", "refit_protocol.cli", "bench", "refit"]
 ROW_KEYS = {
@@ -136,7 +139,32 @@ def test_tiny_refit_bench_reports_consistent_bit_exact_numbers(tmp_path: Path) -
     for run in work.iterdir():  # each run's directory: logs and configs, no baseline left
         assert (run / "producer.log").exists()
         assert not [p for p in run.iterdir() if p.is_dir()], "baseline files left behind"
+        # Independently of the bench's own verdict: every node's bits after the last transition
+        # are those of a dense computation of the same versions made here.
+        nodes = sorted(run.glob("bench*.digest.json"))
+        assert len(nodes) == 2
+        expected = _final_digest(out)
+        assert {json.loads(n.read_text())["digest"] for n in nodes} == {expected}
     assert len(list(work.iterdir())) == 2
+
+
+def _final_digest(result: dict[str, object]) -> str:
+    """The canonical digest of the last version of a run, recomputed densely from the
+    workload's seed and the bench's change injections (warm-up seeds 10000 + i at 1%, then
+    seed 1 + 100k + r for the r-th repeat of the k-th rate), not read from any process."""
+    settings = result["settings"]
+    assert isinstance(settings, dict)
+    work = Workload(checkpoint_bytes=settings["checkpoint_bytes"], seed=settings["seed"])
+    tensors = list(work.tensors())
+    steps = [(0.01, 10_000 + i) for i in range(settings["warmup"])]
+    steps += [
+        (rate, 1 + 100 * k + r)
+        for k, rate in enumerate(settings["rates"])
+        for r in range(settings["repeats"])
+    ]
+    for rate, seed in steps:
+        tensors, _ = perturb(tensors, rate, seed=seed)
+    return named_tensors_digest(tensors)
 
 
 def test_ctrl_c_cleans_up(tmp_path: Path) -> None:
