@@ -5,6 +5,7 @@ carries every figure docs/performance.md quotes, and a run that delivers nothing
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +15,14 @@ import pytest
 KUBEREFIT = Path(sys.executable).parent / "kuberefit"
 
 
-def run(*args: str) -> dict[str, object]:
+def run(*args: str, env: dict[str, str] | None = None) -> dict[str, object]:
     proc = subprocess.run(
         [str(KUBEREFIT), "bench", *args, "--json"],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -29,6 +31,7 @@ def run(*args: str) -> dict[str, object]:
 
 
 def test_transport_quick_reports_the_relay_tree_figures(tmp_path: Path) -> None:
+    (tmp_path / "tmp").mkdir()
     out = run(
         "transport",
         "--quick",
@@ -40,7 +43,9 @@ def test_transport_quick_reports_the_relay_tree_figures(tmp_path: Path) -> None:
         "10",
         "--results-dir",
         str(tmp_path),
+        env=os.environ | {"TMPDIR": str(tmp_path / "tmp")},
     )
+    assert not list((tmp_path / "tmp").iterdir()), "the bench left its work directory behind"
     assert (out["nodes"], out["payloads"], out["payload_mib"], out["small_payloads"]) == (
         2,
         2,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -143,22 +144,29 @@ def run_relay_bench(
 ) -> dict[str, Any]:
     """Relay-tree delivery to `nodes` processes on loopback, and the bare pyzmq forward of the
     same frames through as many processes (`bare_forward.py`), measured in the same run."""
+    own = workdir is None  # a temporary directory of ours: removed at the end
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kuberefit-bench-"))
     started = datetime.now(UTC)
     say(f"starting {nodes} receiver nodes ...")
-    cluster = _nodes(nodes, workdir)
     try:
-        key = payload_mac_key(cluster.token)
-        big, big_metas = synthetic_payloads("bench-big", payloads, payload_mib * MIB, mac_key=key)
-        volume = sum(p.size for p in big)
-        say(f"relay tree: {payloads} x {payload_mib} MiB to {nodes} nodes ...")
-        t_big = _relay_round(cluster, "bench-big", big, big_metas)
-        tiny, tiny_metas = synthetic_payloads("bench-small", small, 1024, mac_key=key)
-        say(f"relay tree: {small} payloads of 1 KiB ...")
-        t_small = _relay_round(cluster, "bench-small", tiny, tiny_metas)
-        token = cluster.token
+        cluster = _nodes(nodes, workdir)
+        try:
+            key = payload_mac_key(cluster.token)
+            big, big_metas = synthetic_payloads(
+                "bench-big", payloads, payload_mib * MIB, mac_key=key
+            )
+            volume = sum(p.size for p in big)
+            say(f"relay tree: {payloads} x {payload_mib} MiB to {nodes} nodes ...")
+            t_big = _relay_round(cluster, "bench-big", big, big_metas)
+            tiny, tiny_metas = synthetic_payloads("bench-small", small, 1024, mac_key=key)
+            say(f"relay tree: {small} payloads of 1 KiB ...")
+            t_small = _relay_round(cluster, "bench-small", tiny, tiny_metas)
+            token = cluster.token
+        finally:
+            cluster.close()
     finally:
-        cluster.close()
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
     say(f"bare pyzmq forward: the same {payloads} frames through {nodes} processes ...")
     t_bare = run_bare_forward(nodes, _frames(big, token), token)
     unique = volume / t_big / 1e9
