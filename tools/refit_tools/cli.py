@@ -398,12 +398,13 @@ def bench_refit(
 ) -> None:
     """End-to-end refit latency over a shaped link vs. moving the full checkpoint.
 
-    Creates a trainer and a rollout network namespace joined by a tc-tbf link (needs root and
-    iproute2), runs one producer and a ZeroMQ relay tree of receiver processes, and drives real
-    transitions through the coordinator and a SQLite commit store. Per change rate it reports
-    the timed-window latency, V_payload, the full-checkpoint reference measured over the same
-    link, the speedup, the transport share and finalization; every receiver is checked bit for
-    bit after every transition. Definitions: docs/performance.md.
+    Creates a trainer and a rollout network namespace joined by a tc-tbf link, or an unshaped
+    veth with --link-mbit 0 (needs root and iproute2), runs one producer and a ZeroMQ relay tree
+    of receiver processes, and drives real transitions through the coordinator and a SQLite
+    commit store. Per change rate it reports the timed-window latency, V_payload, the
+    full-checkpoint reference measured over the same link, the speedup, the link-bound limit
+    H / V_payload, the transport share and finalization; every receiver is checked bit for bit
+    after every transition. Definitions: docs/performance.md.
     """
     import json
 
