@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -52,8 +53,10 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return int_view(t).numpy()
 
 
-def _make(producers: int, limit: int, export, tmp_path: Path | None, in_memory=False):
-    cfg = BaselineConfig(directory=tmp_path, export_chunk_bytes=limit, in_memory=in_memory)
+def _make(producers: int, limit: int, export, tmp_path: Path | None, in_memory=False, early=True):
+    cfg = BaselineConfig(
+        directory=tmp_path, export_chunk_bytes=limit, in_memory=in_memory, early_update=early
+    )
     baselines = [
         SourceBaseline(producer=p, producers=producers, config=cfg) for p in range(producers)
     ]
@@ -119,13 +122,18 @@ def _all_bits(baselines: list[SourceBaseline], export) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("in_memory", [False, True])
+def _store_bits(b: SourceBaseline, name: str) -> np.ndarray:
+    """What a chunk store holds right now (committed or not): not through `stored_bits`."""
+    return next(s.views[name] for s in b._stores.values() if name in s.views).copy()
+
+
+@pytest.mark.parametrize(("in_memory", "early"), [(False, True), (True, True), (False, False)])
 def test_discard_leaves_bits_and_commit_writes_exactly_the_new_bits(
-    tmp_path: Path, in_memory: bool
+    tmp_path: Path, in_memory: bool, early: bool
 ) -> None:
     v0 = _export()
     v1 = _update(v0, seed=1)
-    baselines = _make(2, 900, v0, tmp_path, in_memory=in_memory)
+    baselines = _make(2, 900, v0, tmp_path, in_memory=in_memory, early=early)
     try:
         files = list(tmp_path.rglob("chunk-*.bin"))
         assert (len(files) > 0) != in_memory
@@ -133,6 +141,12 @@ def test_discard_leaves_bits_and_commit_writes_exactly_the_new_bits(
             for chunk in chunk_export(v1, 900):
                 if b.owns(chunk.index):
                     b.compare_chunk("a1", chunk)
+            b.wait_committed()
+            for name, t in v0:  # pending: the committed bits, whatever the stores hold
+                with contextlib.suppress(KeyError):
+                    assert np.array_equal(b.stored_bits(name), _bits(t)), name
+                    held = _store_bits(b, name)
+                    assert np.array_equal(held, _bits(dict(v1)[name]) if early else _bits(t))
             b.discard("a1")
         for name, t in v0:
             assert np.array_equal(_all_bits(baselines, v0)[name], _bits(t))

@@ -2,13 +2,23 @@
 
 One producer keeps only the chunks it owns, so all producers together hold one copy (H bytes).
 The first export becomes the first baseline (no dense sync at start). For each attempt, compare
-records a pending delta (locations and exact new bits, whatever the wire op); the baseline itself
-changes only on `commit`, after the coordinator's joint commit succeeded, and `discard` drops
-the pending delta. An overwrite retry is rebuilt from the pending delta, without a new export.
+records a pending delta (locations, exact new bits and XOR masks, whatever the wire op). An
+overwrite retry is rebuilt from the pending delta, without a new export.
+
+The committed bits change only through the coordinator's joint commit. By default (`early_update`)
+each compared chunk's new bits are written into its store at once, on the commit threads, while
+its payloads travel: at a few percent of changed elements that scatter touches every cache line
+of the baseline (~80 ms per 600 MiB here), and written at commit it sat on the refit's critical
+path (the paper's t1 includes it). Until the commit those stores hold the candidate; `discard`
+writes the old bits back (new bits XOR mask), `stored_bits` answers with the committed bits, and
+the next compare of a chunk waits for its writes. The baseline's files are private to the
+process and deleted with it, so a crash cannot leave candidate bits behind as a baseline.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import tempfile
 import threading
@@ -69,7 +79,16 @@ class BaselineConfig(BaseModel):
         "256 MiB without staging.reference_checkpoint). Must come out the same on every "
         "producer because ownership depends on it.",
     )
-    commit_workers: int = Field(default=2, ge=1, description="Threads applying a commit.")
+    commit_workers: int = Field(
+        default=2, ge=1, description="Threads writing new bits into the baseline (and undoing)."
+    )
+    early_update: bool = Field(
+        default=True,
+        description="Write each compared chunk's new bits into the baseline while its payloads "
+        "travel, so the commit only waits for writes still running; a discard writes the old "
+        "bits back from the XOR masks. False: write them all at commit (the paper's order; the "
+        "commit then costs a pass over every changed element).",
+    )
     reuse_delta_buffers: bool = Field(
         default=True,
         description="Keep a committed or discarded delta's buffers (about 12 bytes per changed "
@@ -96,11 +115,13 @@ class BaselinePoisonedError(BaselineError):
 
 @dataclass(frozen=True)
 class PendingTensor:
-    """Exact new bits of one tensor's changed elements, kept until commit or discard."""
+    """Exact new bits of one tensor's changed elements (and their XOR with the committed bits,
+    which undoes an early update), kept until commit or discard."""
 
     meta: TensorMeta
     locations: npt.NDArray[np.int64]
     new_bits: npt.NDArray[Any]
+    xor_bits: npt.NDArray[Any]
 
 
 @dataclass(frozen=True)
@@ -234,11 +255,20 @@ class SourceBaseline:
         return owner_of(chunk_index, self.producers) == self.producer
 
     def stored_bits(self, name: str) -> npt.NDArray[Any]:
-        """A read-only view of a tensor's committed stored bits (integer view, no copy)."""
+        """A read-only view of a tensor's committed stored bits (integer view, no copy; a copy
+        with the old bits put back while an early update of the tensor is pending)."""
         self._wait_commits()
-        for store in self._stores.values():
+        for index, store in self._stores.items():
             if name in store.views:
                 view = store.views[name].view()
+                with self._lock:
+                    early = self.config.early_update and self._attempt is not None
+                    written = [p for p in self._pending.get(index, ()) if p.meta.name == name]
+                if early and written:
+                    self._wait_commit(index)
+                    view = view.copy()
+                    for p in written:
+                        view[p.locations] = p.new_bits ^ p.xor_bits
                 view.flags.writeable = False
                 return view
         raise KeyError(f"{name} is not in this producer's baseline")
@@ -294,7 +324,9 @@ class SourceBaseline:
                 item = item_from_diff(meta, diff, choose_op(meta.name, mode, xor_incompatible))
                 if item is not None:
                     items.append(item)
-                    pending.append(PendingTensor(meta, diff.locations, diff.new_bits))
+                    pending.append(
+                        PendingTensor(meta, diff.locations, diff.new_bits, diff.xor_bits)
+                    )
         except BaseException:
             with self._lock:
                 self._in_progress.discard(chunk.index)
@@ -305,6 +337,9 @@ class SourceBaseline:
                 raise PendingStateError(f"attempt {attempt} was discarded during compare")
             self._pending[chunk.index] = tuple(pending)
             self._buffers[chunk.index] = used
+            if pending and self.config.early_update:
+                written = self._pool().submit(self._write, chunk.index, tuple(pending))
+                self._commits[chunk.index] = written
         changed = sum(p.locations.size for p in pending)
         return ChunkDelta(chunk.index, chunk.nbytes, total, changed, tuple(items))
 
@@ -391,23 +426,38 @@ class SourceBaseline:
             self._check_complete(attempt)
             pending, self._pending, self._attempt = self._pending, {}, None
             buffers, self._buffers = self._buffers, {}
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self.config.commit_workers, thread_name_prefix="baseline-commit"
-                )
+            pool = self._pool()
+            early = self.config.early_update
             futures: list[Future[None]] = []
             for i, tensors in pending.items():
                 if tensors:
-                    fut = self._executor.submit(self._apply, i, tensors, buffers.pop(i, {}))
+                    # Early: the chunk's writes were submitted at compare time, so this task
+                    # (queued after them: the pool runs tasks in order) only waits for them.
+                    fut = pool.submit(
+                        self._finish,
+                        i,
+                        self._commits.get(i) if early else None,
+                        () if early else tensors,
+                        buffers.pop(i, {}),
+                    )
                     self._commits[i] = fut
                     futures.append(fut)
             self._spare.update(buffers)  # chunks without changes: nothing reads them
-        log.info("baseline.commit", attempt=attempt, chunks=len(futures))
+        log.info("baseline.commit", attempt=attempt, chunks=len(futures), early=early)
         return _gather(futures)
 
-    def _apply(
-        self, index: int, tensors: Sequence[PendingTensor], buffers: dict[str, DiffBuffers]
-    ) -> None:
+    def _pool(self) -> ThreadPoolExecutor:
+        """The commit threads (call with the lock held)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                self.config.commit_workers,
+                thread_name_prefix="baseline-commit",
+                initializer=_yield_to_the_pipeline,
+            )
+        return self._executor
+
+    def _write(self, index: int, tensors: Sequence[PendingTensor]) -> None:
+        """Put the new bits of a chunk's changed elements into its store."""
         store = self._stores[index]
         try:
             for p in tensors:
@@ -415,7 +465,39 @@ class SourceBaseline:
         except BaseException as exc:
             self._poisoned = exc
             raise
+
+    def _finish(
+        self,
+        index: int,
+        written: Future[None] | None,
+        tensors: Sequence[PendingTensor],
+        buffers: dict[str, DiffBuffers],
+    ) -> None:
+        """Commit one chunk: wait for its early writes, or write now; then free its buffers."""
+        if written is not None:
+            written.result()
+        self._write(index, tensors)
         with self._lock:  # written: the delta's buffers are free for the next compare
+            self._spare[index] = buffers
+
+    def _undo(
+        self,
+        index: int,
+        written: Future[None] | None,
+        tensors: Sequence[PendingTensor],
+        buffers: dict[str, DiffBuffers],
+    ) -> None:
+        """Discard one early-updated chunk: wait for its writes, put the old bits back."""
+        if written is not None:
+            written.result()
+        store = self._stores[index]
+        try:
+            for p in tensors:
+                store.views[p.meta.name][p.locations] = p.new_bits ^ p.xor_bits
+        except BaseException as exc:
+            self._poisoned = exc
+            raise
+        with self._lock:
             self._spare[index] = buffers
 
     def discard(self, attempt: str) -> None:
@@ -427,9 +509,15 @@ class SourceBaseline:
         with self._lock:
             if self._attempt == attempt:
                 self._attempt = None
-                self._pending = {}
-                self._spare.update(self._buffers)
-                self._buffers = {}
+                pending, self._pending = self._pending, {}
+                buffers, self._buffers = self._buffers, {}
+                if self.config.early_update:
+                    for i, tensors in pending.items():
+                        if tensors:  # the next compare of chunk i waits for this
+                            self._commits[i] = self._pool().submit(
+                                self._undo, i, self._commits.get(i), tensors, buffers.pop(i, {})
+                            )
+                self._spare.update(buffers)
 
     def _wait_commit(self, index: int) -> None:
         fut = self._commits.get(index)
@@ -458,6 +546,20 @@ class SourceBaseline:
             self._remove_dir()
             self._remove_dir = None
             self._dir = None
+
+
+#: Niceness of the commit threads: early writes run beside the compare and seal threads and
+#: should take the cores they leave idle while payloads wait on the link, not delay a payload.
+COMMIT_THREAD_NICENESS = 10
+
+
+def _yield_to_the_pipeline() -> None:
+    """Lower this commit thread's CPU priority (Linux: per thread; elsewhere nothing)."""
+    with contextlib.suppress(AttributeError, OSError):
+        tid = threading.get_native_id()
+        os.setpriority(
+            os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMMIT_THREAD_NICENESS
+        )
 
 
 def _gather(futures: list[Future[None]]) -> Future[None]:

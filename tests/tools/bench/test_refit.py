@@ -150,13 +150,14 @@ def test_tiny_refit_bench_reports_consistent_bit_exact_numbers(tmp_path: Path) -
 
 def _final_digest(result: dict[str, object]) -> str:
     """The canonical digest of the last version of a run, recomputed densely from the
-    workload's seed and the bench's change injections (warm-up seeds 10000 + i at 1%, then
-    seed 1 + 100k + r for the r-th repeat of the k-th rate), not read from any process."""
+    workload's seed and the bench's change injections (warm-up seeds 10000 + i at the first
+    rate, then seed 1 + 100k + r for the r-th repeat of the k-th rate), not read from any
+    process."""
     settings = result["settings"]
     assert isinstance(settings, dict)
     work = Workload(checkpoint_bytes=settings["checkpoint_bytes"], seed=settings["seed"])
     tensors = list(work.tensors())
-    steps = [(0.01, 10_000 + i) for i in range(settings["warmup"])]
+    steps = [(settings["rates"][0], 10_000 + i) for i in range(settings["warmup"])]
     steps += [
         (rate, 1 + 100 * k + r)
         for k, rate in enumerate(settings["rates"])

@@ -139,7 +139,10 @@ class RefitBenchConfig(BaseModel):
         default=(0.01, 0.03, 0.05), min_length=1, description="Element change rates measured."
     )
     warmup: int = Field(
-        default=1, ge=0, description="Untimed 1% transitions first (connections, page cache)."
+        default=1,
+        ge=0,
+        description="Untimed transitions first, at the first measured rate (connections, page "
+        "cache, and delta buffers sized for that rate as in steady training).",
     )
     repeats: int = Field(
         default=3, ge=1, description="Timed transitions per rate (means are reported)."
@@ -413,9 +416,12 @@ async def _measure(run: _Run) -> dict[str, Any]:
         driver = _Driver(run, session)
         await driver.setup()
         warm = []
+        first = cfg.rates[0]
         for i in range(cfg.warmup):
-            say(f"[bench refit] warm-up transition {i + 1}/{cfg.warmup} (1%, not reported)")
-            warm.append(await driver.transition(0.01, seed=10_000 + i))
+            say(
+                f"[bench refit] warm-up transition {i + 1}/{cfg.warmup} ({first:.0%}, not reported)"
+            )
+            warm.append(await driver.transition(first, seed=10_000 + i))
         nominal = _nominal(run.workload.nbytes, run.link)
         say(
             f"[bench refit] full-checkpoint reference: {run.workload.nbytes / MIB:.1f} MiB to "
