@@ -1067,8 +1067,8 @@ def fit(results_dir: Path, *, exclude: Iterable[str] = ()) -> Calibration:
             rms_error=_rms(rows, ys, (f0, f_byte), ys),
             sources=names(points),
             how="finalization (every completion ACK to t1: the compare-and-set commit and the "
-            "baseline update) = fixed + H x this (one producer), non-negative least squares of "
-            "relative residuals over every quiet refit rate",
+            "wait for the baseline writes still running) = fixed + H x this (one producer), "
+            "non-negative least squares of relative residuals over every quiet refit rate",
         ),
         relay_hop=hop_figure,
         relay_hop_payload_s=hop_payload_figure,

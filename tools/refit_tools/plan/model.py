@@ -6,14 +6,17 @@ uploaded to S3), is forwarded down the rollout cluster's binary relay tree (or d
 every node), and every node applies it through its loader. Stages overlap, so the stream of
 payloads moves at the pace of its slowest stage; the first payload has to be constructed before
 anything is sent (start-up), the last one still has to travel down the tree and be applied after
-the last send (drain), and the commit and baseline update follow (finalization). Hence
+the last send (drain), and the commit follows (finalization; each producer writes its baseline
+update while the payloads travel, `baseline.early_update`, so only a wait for writes still
+running is left of it). Hence
 
     latency = startup + stream + drain + finalization
     startup = fixed start-up + construction of the first payload's region
     stream  = max over stages of (stage time - the part already counted in start-up / drain)
     drain   = fixed (flush barriers) + (tree depth - 1) relay hops of the last payload
               + the last payload's region at the drain's rate x its CPU share
-    finalization = fixed + per-byte baseline update of each producer's share of H
+    finalization = fixed + per byte of each producer's share of H (fitted; ~0 since the
+                   baseline update moved into the stream)
 
 with the stage times (whole attempt)
 

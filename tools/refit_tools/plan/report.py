@@ -282,8 +282,8 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
         "finalization per GB of H",
         k.finalization_s_per_byte * 1e9,
         "s",
-        f"{fit_of(cal.finalization)}: commit + baseline update per GB of a producer's share "
-        "(bench refit)",
+        f"{fit_of(cal.finalization)}: commit + the rest of the baseline update per GB of a "
+        "producer's share (bench refit)",
     )
 
     def projected(name: str, value: float | str, unit: str, note: str = "") -> None:
@@ -297,7 +297,7 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
     projected("start-up", b.startup_s, "s", "fixed + first payload's construction")
     projected("stream", b.stream_s, "s", f"bounded by {b.bound}")
     projected("drain", b.drain_s, "s", "flush barriers + the last payload's relay hops and apply")
-    projected("finalization", b.finalization_s, "s", "commit + baseline update")
+    projected("finalization", b.finalization_s, "s", "commit + waiting for baseline writes")
     projected("refit latency", b.latency_s, "s", "start-up + stream + drain + finalization")
     projected(
         "full-checkpoint transfer",
