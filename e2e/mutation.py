@@ -63,6 +63,10 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
+#: mutmut's per-mutant CPU limit is (the tests' estimated time + 1 s) x 2 x this.
+TIMEOUT_MULTIPLIER = 2.0
+
+
 def scratch_copy(root: Path) -> None:
     """The packages at the top of `root`, with the tests and the pytest settings."""
     for name, path in PACKAGES.items():
@@ -75,6 +79,9 @@ def write_config(root: Path, modules: list[str], tests: list[str]) -> None:
     lines = ["[mutmut]", "source_paths="]
     lines += [f"    {name}/" for name in PACKAGES]
     lines += ["only_mutate="] + [f"    {m}" for m in modules]
+    # A mutant that makes a loop run forever is stopped after (estimate + 1 s) x 2 x this CPU
+    # seconds; mutmut's default multiplier (15) spent ~30 s of a 2-core machine on each one.
+    lines += [f"timeout_multiplier={TIMEOUT_MULTIPLIER}"]
     lines += ["pytest_add_cli_args_test_selection="] + [f"    {t}" for t in tests]
     (root / "setup.cfg").write_text("\n".join(lines) + "\n")
 

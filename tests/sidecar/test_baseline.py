@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from refit_sidecar.baseline import (
     BaselineConfig,
+    BaselinePoisonedError,
     ExportChunk,
     ExportMismatchError,
     PendingStateError,
@@ -289,6 +291,70 @@ def test_chunks_must_match_the_first_export(tmp_path: Path) -> None:
     fresh = SourceBaseline(producer=0, producers=1, config=cfg)
     with pytest.raises(ExportMismatchError):  # chunked with another limit than configured
         fresh.load_initial(chunk_export(v0, 10**9))
+
+
+def test_stored_bits_are_the_committed_bits_while_early_writes_and_undos_run() -> None:
+    """A reader asking for a tensor while an attempt is pending (its chunks being compared and
+    early-written, then discarded and undone) always gets the committed bits, never a store
+    caught mid-write. Reads start only while the attempt is pending, and the reader stops
+    before the next attempt, so a live view handed out after the undo stays valid."""
+    gen = torch.Generator().manual_seed(7)
+    v0 = [(f"big.{i}", torch.randn(1 << 19, generator=gen, dtype=torch.bfloat16)) for i in range(4)]
+    v1 = _update(v0, seed=8, rate=0.3)
+    limit = 1 << 20
+    cfg = BaselineConfig(in_memory=True, export_chunk_bytes=limit, commit_workers=1)
+    b = SourceBaseline(producer=0, producers=1, config=cfg)
+    b.load_initial(chunk_export(v0, limit))
+    want = {name: _bits(t).copy() for name, t in v0}
+    wrong: list[str] = []
+    reads = 0
+    try:
+        for k in range(12):
+            stop = threading.Event()
+
+            def reader(stop: threading.Event) -> None:
+                nonlocal reads
+                while not stop.is_set():
+                    for name, bits in want.items():
+                        if b.pending_attempt is None:
+                            continue
+                        reads += 1
+                        if not np.array_equal(b.stored_bits(name), bits):
+                            wrong.append(name)
+
+            thread = threading.Thread(target=reader, args=(stop,))
+            thread.start()
+            for chunk in chunk_export(v1, limit):
+                b.compare_chunk(f"a{k}", chunk)
+            b.discard(f"a{k}")
+            b.wait_committed()
+            stop.set()
+            thread.join()
+        assert reads > 0
+        assert wrong == []
+    finally:
+        b.close()
+
+
+def test_a_failed_early_write_fails_the_attempt_before_its_commit() -> None:
+    """A store that refuses the write (here a read-only mapping) poisons the baseline: the next
+    compare of the attempt fails instead of the failure waiting for the commit."""
+    v0 = _export()
+    v1 = _update(v0, seed=4)
+    [b] = _make(1, 800, v0, None, in_memory=True)
+    chunks = list(chunk_export(v1, 800))
+    try:
+        first = chunks[0].tensors[0][0]
+        b._stores[0].views[first].flags.writeable = False  # the fault: a read-only store
+        b.compare_chunk("a1", chunks[0])
+        with pytest.raises(ValueError, match="read-only"):
+            b.wait_committed()  # the write's own error
+        with pytest.raises(BaselinePoisonedError):
+            b.compare_chunk("a1", chunks[1])
+    finally:
+        b._stores[0].views[first].flags.writeable = True
+        b.close()
+    b.discard("a1")  # after close: nothing left to undo, no error
 
 
 def test_the_next_compare_waits_for_an_inflight_commit() -> None:

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,7 +169,10 @@ class SourceBaseline:
         self._buffers: dict[int, dict[str, DiffBuffers]] = {}
         self._spare: dict[int, dict[str, DiffBuffers]] = {}
         self._in_progress: set[int] = set()
+        #: The last write, commit or undo submitted for each chunk (the next compare waits for
+        #: it), and how many were submitted (`stored_bits` checks its snapshot against it).
         self._commits: dict[int, Future[None]] = {}
+        self._epoch: dict[int, int] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._poisoned: BaseException | None = None
 
@@ -255,23 +258,38 @@ class SourceBaseline:
         return owner_of(chunk_index, self.producers) == self.producer
 
     def stored_bits(self, name: str) -> npt.NDArray[Any]:
-        """A read-only view of a tensor's committed stored bits (integer view, no copy; a copy
-        with the old bits put back while an early update of the tensor is pending)."""
-        self._wait_commits()
-        for index, store in self._stores.items():
-            if name in store.views:
-                view = store.views[name].view()
-                with self._lock:
-                    early = self.config.early_update and self._attempt is not None
-                    written = [p for p in self._pending.get(index, ()) if p.meta.name == name]
-                if early and written:
-                    self._wait_commit(index)
-                    view = view.copy()
-                    for p in written:
-                        view[p.locations] = p.new_bits ^ p.xor_bits
-                view.flags.writeable = False
-                return view
-        raise KeyError(f"{name} is not in this producer's baseline")
+        """A tensor's committed stored bits, read-only (integer view).
+
+        While no attempt is pending (or without early update) this is the store itself, no
+        copy: it stays the committed bits until an attempt compares the chunk, so copy it to
+        keep it longer. While an attempt is pending with early update, it is a snapshot with the
+        old bits put back where the attempt wrote new ones.
+        """
+        index = next((i for i, st in self._stores.items() if name in st.views), None)
+        if index is None:
+            raise KeyError(f"{name} is not in this producer's baseline")
+        view = self._stores[index].views[name]
+        while True:
+            with self._lock:
+                epoch = self._epoch.get(index, 0)
+                last = self._commits.get(index)
+                live = not self.config.early_update or (
+                    self._attempt is None and index not in self._in_progress
+                )
+                written = [p for p in self._pending.get(index, ()) if p.meta.name == name]
+            if last is not None:
+                last.result()  # the chunk's writes so far are in the store
+            if live:
+                out = view.view()
+                break
+            out = view.copy()
+            with self._lock:  # nothing was written or undone meanwhile: the snapshot holds
+                if self._epoch.get(index, 0) == epoch:
+                    break
+        for p in written:
+            out[p.locations] = p.new_bits ^ p.xor_bits
+        out.flags.writeable = False
+        return out
 
     def _require_plan(self) -> list[tuple[TensorMeta, ...]]:
         if self._plan is None:
@@ -335,11 +353,12 @@ class SourceBaseline:
             self._in_progress.discard(chunk.index)
             if self._attempt != attempt:
                 raise PendingStateError(f"attempt {attempt} was discarded during compare")
+            if self._poisoned is not None:  # an earlier early write failed
+                raise BaselinePoisonedError("a baseline write failed") from self._poisoned
             self._pending[chunk.index] = tuple(pending)
             self._buffers[chunk.index] = used
             if pending and self.config.early_update:
-                written = self._pool().submit(self._write, chunk.index, tuple(pending))
-                self._commits[chunk.index] = written
+                self._submit(chunk.index, self._write, chunk.index, tuple(pending))
         changed = sum(p.locations.size for p in pending)
         return ChunkDelta(chunk.index, chunk.nbytes, total, changed, tuple(items))
 
@@ -426,21 +445,20 @@ class SourceBaseline:
             self._check_complete(attempt)
             pending, self._pending, self._attempt = self._pending, {}, None
             buffers, self._buffers = self._buffers, {}
-            pool = self._pool()
             early = self.config.early_update
             futures: list[Future[None]] = []
             for i, tensors in pending.items():
                 if tensors:
                     # Early: the chunk's writes were submitted at compare time, so this task
                     # (queued after them: the pool runs tasks in order) only waits for them.
-                    fut = pool.submit(
+                    fut = self._submit(
+                        i,
                         self._finish,
                         i,
                         self._commits.get(i) if early else None,
                         () if early else tensors,
                         buffers.pop(i, {}),
                     )
-                    self._commits[i] = fut
                     futures.append(fut)
             self._spare.update(buffers)  # chunks without changes: nothing reads them
         log.info("baseline.commit", attempt=attempt, chunks=len(futures), early=early)
@@ -455,6 +473,13 @@ class SourceBaseline:
                 initializer=_yield_to_the_pipeline,
             )
         return self._executor
+
+    def _submit(self, index: int, fn: Callable[..., None], *args: Any) -> Future[None]:
+        """Queue a write, commit or undo of chunk `index` (call with the lock held)."""
+        fut = self._pool().submit(fn, *args)
+        self._commits[index] = fut
+        self._epoch[index] = self._epoch.get(index, 0) + 1
+        return fut
 
     def _write(self, index: int, tensors: Sequence[PendingTensor]) -> None:
         """Put the new bits of a chunk's changed elements into its store."""
@@ -514,9 +539,8 @@ class SourceBaseline:
                 if self.config.early_update:
                     for i, tensors in pending.items():
                         if tensors:  # the next compare of chunk i waits for this
-                            self._commits[i] = self._pool().submit(
-                                self._undo, i, self._commits.get(i), tensors, buffers.pop(i, {})
-                            )
+                            last = self._commits.get(i)
+                            self._submit(i, self._undo, i, last, tensors, buffers.pop(i, {}))
                 self._spare.update(buffers)
 
     def _wait_commit(self, index: int) -> None:
@@ -537,6 +561,10 @@ class SourceBaseline:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        with self._lock:  # nothing is pending any more: a later discard has nothing to undo
+            self._attempt = None
+            self._pending = {}
+            self._commits = {}
         for store in self._stores.values():
             store.close()
         self._stores.clear()

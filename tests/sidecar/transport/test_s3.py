@@ -36,7 +36,9 @@ from tests.sidecar.receiver.models import (
 NUMEL = 3 * MIB  # two float32 tensors of 12 MiB: one payload goes multipart (5 MiB parts)
 
 
-@pytest.fixture(scope="module")
+# A bucket and two receiver nodes per test (a few seconds): no test depends on what another
+# left in the bucket or on the version the nodes reached.
+@pytest.fixture
 def bucket(s3: S3Server) -> str:
     name = "kuberefit-" + secrets.token_hex(4)
     s3.client().create_bucket(Bucket=name)
@@ -57,10 +59,8 @@ def s3_config(s3: S3Server, bucket: str) -> S3Config:
     )
 
 
-@pytest.fixture(scope="module")
-def cluster(
-    s3: S3Server, bucket: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Cluster]:
+@pytest.fixture
+def cluster(s3: S3Server, bucket: str, tmp_path: Path) -> Iterator[Cluster]:
     def applier(i: int, log: Path) -> dict[str, Any]:
         return {
             "kind": "factory",
@@ -70,7 +70,7 @@ def cluster(
 
     cfg = s3_config(s3, bucket).model_dump(mode="json")
     cfg["access_key_id"], cfg["secret_access_key"] = s3.access_key, s3.secret_key
-    c = start_cluster(tmp_path_factory.mktemp("s3nodes"), 2, applier=applier, relay=False, s3=cfg)
+    c = start_cluster(tmp_path, 2, applier=applier, relay=False, s3=cfg)
     try:
         c.each(lambda n: n.ctl.prewarm(metas(canonical(0, tensors=2, numel=NUMEL))))
         yield c
@@ -135,7 +135,7 @@ def test_corrupted_object_is_rejected_and_leftovers_are_swept(
     old = canonical(0, tensors=2, numel=NUMEL)
     p = payloads("s2", 0, old, perturb(old, 3, fraction=0.001))[0]
     req = PrepareRequest(
-        attempt="s2", from_version=1, target_version=2, mode="overwrite", producers=[0]
+        attempt="s2", from_version=0, target_version=1, mode="overwrite", producers=[0]
     )
     assert all(a.accepted for a in cluster.each(lambda n: n.ctl.prepare(req)))
     cfg = s3_config(s3, bucket)

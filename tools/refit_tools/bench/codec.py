@@ -194,6 +194,7 @@ def _one_rate(
         attempt = f"bench-{rate}-{runs}"
         metrics = ProducerPipeline(baseline, sink, cfg).run(attempt, chunks)
         baseline.discard(attempt)
+        baseline.wait_committed()  # the early writes undone: `olds` are the baseline again
         if metrics.changed_elements != changed:
             raise AssertionError(f"found {metrics.changed_elements} changes, made {changed}")
         return sink
