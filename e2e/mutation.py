@@ -34,7 +34,11 @@ PACKAGES = {
 GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "codec-locations": (
         ["refit_sidecar/codec/locations.py"],
-        ["tests/sidecar/test_codec_locations.py", "tests/sidecar/test_codec_roundtrip.py"],
+        [
+            "tests/sidecar/test_codec_locations.py",
+            "tests/sidecar/test_codec_roundtrip.py",
+            "tests/sidecar/test_codec_wire.py",
+        ],
     ),
     "codec-wire": (
         ["refit_sidecar/codec/wire.py"],
@@ -46,7 +50,12 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
     ),
     "apply-hook": (
         ["refit_sidecar/apply/hook.py"],
-        ["tests/sidecar/apply/test_context.py", "tests/sidecar/apply/test_hook_paths.py"],
+        [
+            "tests/sidecar/apply/test_context.py",
+            "tests/sidecar/apply/test_hook_paths.py",
+            "tests/sidecar/apply/test_placeholders.py",
+            "tests/sidecar/apply/test_audit.py",
+        ],
     ),
     "commit-rules": (
         ["refit_operator/commit_store/rules.py"],
@@ -63,8 +72,10 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
-#: mutmut's per-mutant CPU limit is (the tests' estimated time + 1 s) x 2 x this.
+#: mutmut stops a mutant after (the tests' estimated time + CONSTANT) x MULTIPLIER seconds of
+#: wall time (twice that of CPU time).
 TIMEOUT_MULTIPLIER = 2.0
+TIMEOUT_CONSTANT = 4.0
 
 
 def scratch_copy(root: Path) -> None:
@@ -79,9 +90,14 @@ def write_config(root: Path, modules: list[str], tests: list[str]) -> None:
     lines = ["[mutmut]", "source_paths="]
     lines += [f"    {name}/" for name in PACKAGES]
     lines += ["only_mutate="] + [f"    {m}" for m in modules]
-    # A mutant that makes a loop run forever is stopped after (estimate + 1 s) x 2 x this CPU
-    # seconds; mutmut's default multiplier (15) spent ~30 s of a 2-core machine on each one.
-    lines += [f"timeout_multiplier={TIMEOUT_MULTIPLIER}"]
+    # A mutant that makes a loop run forever is stopped after (estimate + constant) x this
+    # seconds of wall time; mutmut's defaults (1 s, x15) spent ~30 s of a 2-core machine on
+    # each one, and a smaller constant stopped mutants still importing and compiling numba.
+    lines += [f"timeout_multiplier={TIMEOUT_MULTIPLIER}", f"timeout_constant={TIMEOUT_CONSTANT}"]
+    # Children forked from mutmut's own process (the default) inherit a process that already
+    # ran the tests, with numba's and torch's threads started: a child that compiles a kernel
+    # could hang until the timeout. A fork server that only imported the tests has no threads.
+    lines += ["process_isolation=forkserver", "forkserver_warmup=collect"]
     lines += ["pytest_add_cli_args_test_selection="] + [f"    {t}" for t in tests]
     (root / "setup.cfg").write_text("\n".join(lines) + "\n")
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from tests.harness.kube import KubeCluster, start_kube
 from tests.harness.s3 import S3Server, start_s3
@@ -30,13 +30,16 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 # Mutation testing (`make mutation`) runs the property tests once per mutant: fewer examples,
-# the same ones every run, so a mutant's verdict does not depend on the draw.
+# the same ones every run, so a mutant's verdict does not depend on the draw, and no shrinking:
+# the first failing example kills the mutant (shrinking it ran into the per-mutant time limit,
+# so caught mutants were reported as timeouts).
 settings.register_profile(
     "mutation",
     derandomize=True,
     database=None,
     max_examples=25,
     deadline=None,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
     suppress_health_check=[HealthCheck.too_slow],
 )
 if os.environ.get("KUBEREFIT_MUTATION"):

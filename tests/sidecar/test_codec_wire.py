@@ -452,3 +452,95 @@ def test_concurrent_encodes_each_get_their_own_raw_body() -> None:
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(encode_and_check, list(range(16)) * 4))
+
+
+def _header(**change: object) -> PayloadHeader:
+    fields: dict[str, object] = {
+        "codec_version": 1,
+        "attempt": "a",
+        "producer": 0,
+        "payload_id": 0,
+        "order": 0,
+    }
+    return PayloadHeader(**(fields | change))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "largest", "message"),
+    [
+        ("producer", 2**32 - 1, "producer must fit in 32 bits"),
+        ("payload_id", 2**64 - 1, "payload_id and order must fit in 64 bits"),
+        ("order", 2**64 - 1, "payload_id and order must fit in 64 bits"),
+        ("codec_version", 2**16 - 1, "codec_version must fit in 16 bits"),
+    ],
+)
+def test_header_fields_take_exactly_their_wire_width(
+    field: str, largest: int, message: str
+) -> None:
+    """Every header field is accepted up to the largest value its wire width holds and refused
+    one above it or below zero, with the field named."""
+    assert getattr(_header(**{field: largest}), field) == largest
+    assert getattr(_header(**{field: 0}), field) == 0
+    for bad in (largest + 1, -1):
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            _header(**{field: bad})
+
+
+def test_attempt_ids_up_to_the_limit_in_utf8_bytes() -> None:
+    from refit_sidecar.codec.wire import MAX_ATTEMPT_BYTES
+
+    assert _header(attempt="a" * MAX_ATTEMPT_BYTES).attempt == "a" * MAX_ATTEMPT_BYTES
+    with pytest.raises(ValueError, match=f"^attempt id longer than {MAX_ATTEMPT_BYTES} bytes$"):
+        _header(attempt="a" * (MAX_ATTEMPT_BYTES + 1))
+    with pytest.raises(ValueError, match=r"^attempt id longer than"):  # counted in bytes
+        _header(attempt="é" * (MAX_ATTEMPT_BYTES // 2 + 1))
+
+
+def _preamble(
+    *, magic: bytes = b"KRFP", version: int | None = None, flags: int = 0, attempt: bytes = b"a"
+) -> bytes:
+    """A hand-built preamble (no MAC), as `read_preamble` parses it."""
+    from refit_sidecar.codec.wire import CODEC_VERSION, PRE_ID, PRE_REST
+
+    v = CODEC_VERSION if version is None else version
+    rest = PRE_REST.pack(flags, 3, 4, 5, 0, 0, bytes(16), len(attempt))
+    return PRE_ID.pack(magic, v) + rest + attempt
+
+
+def test_preamble_refusals_say_what_is_wrong() -> None:
+    """Each refusal of a hand-built preamble is the right typed error with a message naming
+    the field and the offending value (these messages reach logs and the attempt's errors)."""
+    from refit_sidecar.codec.errors import (
+        BadMagic,
+        SchemaError,
+        SizeLimitExceeded,
+        TruncatedPayload,
+        UnsupportedVersion,
+    )
+    from refit_sidecar.codec.wire import CODEC_VERSION, MAX_ATTEMPT_BYTES, peek_header
+
+    good = peek_header(_preamble(attempt=b"a" * MAX_ATTEMPT_BYTES))  # the longest id: accepted
+    assert (good.attempt, good.producer, good.payload_id, good.order) == (
+        "a" * MAX_ATTEMPT_BYTES,
+        3,
+        4,
+        5,
+    )
+    with pytest.raises(BadMagic, match=r"^not a KubeRefit payload \(magic b'XXXX'\)$"):
+        peek_header(_preamble(magic=b"XXXX"))
+    with pytest.raises(
+        UnsupportedVersion, match=rf"^codec version 999; this decoder reads {CODEC_VERSION}$"
+    ):
+        peek_header(_preamble(version=999))
+    with pytest.raises(SchemaError, match=r"^unknown preamble flags 0x8$"):
+        peek_header(_preamble(flags=0x8))
+    too_long = MAX_ATTEMPT_BYTES + 1
+    with pytest.raises(SizeLimitExceeded, match=rf"^attempt id of {too_long} bytes$"):
+        peek_header(_preamble(attempt=b"a" * too_long))
+    with pytest.raises(SchemaError, match=r"^attempt id is not valid UTF-8$"):
+        peek_header(_preamble(attempt=b"\xff\xfe"))
+    whole = _preamble(attempt=b"abcd")
+    with pytest.raises(
+        TruncatedPayload, match=r"^preamble: needs 4 bytes at offset 62, only 2 left$"
+    ):
+        peek_header(whole[:-2])

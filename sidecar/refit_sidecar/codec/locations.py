@@ -160,15 +160,6 @@ def decode_gaps(start: int, gaps: npt.NDArray[Any], numel: int) -> npt.NDArray[n
     return out
 
 
-def shuffle(buf: npt.NDArray[np.generic]) -> npt.NDArray[np.uint8]:
-    """Byte planes of a 1-D array: plane j holds byte j of every element (little-endian)."""
-    w = buf.dtype.itemsize
-    raw = np.ascontiguousarray(buf).view(np.uint8)
-    if w == 1:
-        return raw
-    return np.ascontiguousarray(raw.reshape(-1, w).T).reshape(-1)
-
-
 def unshuffle(
     planes: npt.NDArray[np.uint8], dtype: np.dtype[np.generic]
 ) -> npt.NDArray[np.generic]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import zstandard
 
@@ -24,7 +25,6 @@ from refit_sidecar.baseline import BaselineConfig, SourceBaseline, chunk_export
 from refit_sidecar.bitdiff import NO_BUFFERS, DiffBuffers, diff_bits
 from refit_sidecar.bits import bits_numpy
 from refit_sidecar.codec import EncodedPayload, apply_item_, decode_payload
-from refit_sidecar.codec.locations import shuffle
 from refit_sidecar.codec.wire import CodecConfig
 from refit_sidecar.pipeline import PipelineConfig, ProducerPipeline
 from refit_sidecar.transport.base import TransportSummary
@@ -41,6 +41,16 @@ AMPLITUDES = (1e-4, 1e-3, 1e-2)
 RATES = (0.01, 0.03, 0.05)
 TABLE2_N = 20_000_000
 MIB = 1 << 20
+
+
+def shuffle(buf: npt.NDArray[np.generic]) -> npt.NDArray[np.uint8]:
+    """Byte planes of a 1-D array: plane j holds byte j of every element (little-endian); the
+    table of what the codec's byte shuffle buys, beside unshuffled values."""
+    w = buf.dtype.itemsize
+    raw = np.ascontiguousarray(buf).view(np.uint8)
+    if w == 1:
+        return raw
+    return np.ascontiguousarray(raw.reshape(-1, w).T).reshape(-1)
 
 
 class CountingSink:
