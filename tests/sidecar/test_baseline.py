@@ -336,6 +336,29 @@ def test_stored_bits_are_the_committed_bits_while_early_writes_and_undos_run() -
         b.close()
 
 
+@pytest.mark.parametrize("early", [True, False])
+def test_stored_bits_never_write_to_the_store(early: bool) -> None:
+    """Answering with the committed bits while an attempt is pending reads the stores and
+    never writes them (read-only stores would refuse a write)."""
+    v0 = _export()
+    v1 = _update(v0, seed=5)
+    [b] = _make(1, 800, v0, None, in_memory=True, early=early)
+    try:
+        for chunk in chunk_export(v1, 800):
+            b.compare_chunk("a1", chunk)
+        b.wait_committed()
+        for store in b._stores.values():
+            for view in store.views.values():
+                view.flags.writeable = False
+        for name, t in v0:
+            assert np.array_equal(b.stored_bits(name), _bits(t)), name
+    finally:
+        for store in b._stores.values():
+            for view in store.views.values():
+                view.flags.writeable = True
+        b.close()
+
+
 def test_a_failed_early_write_fails_the_attempt_before_its_commit() -> None:
     """A store that refuses the write (here a read-only mapping) poisons the baseline: the next
     compare of the attempt fails instead of the failure waiting for the commit."""

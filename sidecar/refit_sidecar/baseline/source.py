@@ -279,9 +279,10 @@ class SourceBaseline:
                 written = [p for p in self._pending.get(index, ()) if p.meta.name == name]
             if last is not None:
                 last.result()  # the chunk's writes so far are in the store
-            if live:
+            if live:  # the store holds the committed bits
                 out = view.view()
-                break
+                out.flags.writeable = False
+                return out
             out = view.copy()
             with self._lock:  # nothing was written or undone meanwhile: the snapshot holds
                 if self._epoch.get(index, 0) == epoch:
