@@ -8,6 +8,7 @@ import pytest
 
 from refit_protocol.receiver_api import PrepareRequest
 from refit_sidecar.receiver.admission import (
+    Refusal,
     attempt_refusal,
     gate_refusal,
     offer_refusal,
@@ -67,26 +68,53 @@ def test_prepare_admits_a_clean_node_on_the_base_version() -> None:
 @pytest.mark.parametrize(
     ("req", "state", "reason"),
     [
-        ({}, {"prewarmed": False}, "not prewarmed"),
-        ({"producers": []}, {}, "non-empty list of distinct"),
-        ({"producers": [1, 1]}, {}, "non-empty list of distinct"),
+        (
+            {},
+            {"prewarmed": False},
+            "not prewarmed: call /v1/prewarm with the canonical metadata first",
+        ),
+        ({"producers": []}, {}, "producers must be a non-empty list of distinct ids"),
+        ({"producers": [1, 1]}, {}, "producers must be a non-empty list of distinct ids"),
         ({"producers": [-1]}, {}, "producer ids must be >= 0"),
-        ({"target_version": 3}, {}, "is not after"),
-        ({}, {"held_version": None}, "holds no known version"),
-        ({}, {"held_version": 2}, "holds v2"),
-        ({"mode": "overwrite"}, {"held_version": 2}, "holds v2"),
-        ({}, {"dirty": True}, "only an overwrite attempt"),
-        ({"relay_tree": ["tcp://x:1"]}, {"relay_endpoint": "tcp://me:1"}, "not in relay_tree"),
+        ({"target_version": 3}, {}, "target v3 is not after v3"),
+        ({}, {"held_version": None}, "holds no known version (a dense restore is needed)"),
+        (
+            {},
+            {"held_version": 2},
+            "holds v2, the mixed attempt starts from v3 (a dense restore is needed)",
+        ),
+        (
+            {"mode": "overwrite"},
+            {"held_version": 2},
+            "holds v2, the overwrite attempt starts from v3 (a dense restore is needed)",
+        ),
+        (
+            {},
+            {"dirty": True},
+            "partial writes since v3: only an overwrite attempt is admissible",
+        ),
+        (
+            {"relay_tree": ["tcp://x:1"]},
+            {"relay_endpoint": "tcp://me:1"},
+            "this node's relay tcp://me:1 is not in relay_tree",
+        ),
     ],
 )
 def test_prepare_refusals(req: dict[str, object], state: dict[str, object], reason: str) -> None:
-    assert reason in admit(request(**req), **state)
+    """The whole message: it is what the coordinator reports for the node."""
+    assert admit(request(**req), **state) == reason
+
+
+def test_a_relay_tree_matters_only_with_a_relay_endpoint() -> None:
+    assert admit(request(relay_tree=["tcp://x:1"]), relay_endpoint=None) == ""  # S3 nodes
+    assert admit(request(), relay_endpoint="tcp://me:1") == ""  # no tree given
+    assert admit(request(relay_tree=["tcp://me:1"]), relay_endpoint="tcp://me:1") == ""
 
 
 def test_an_obsolete_attempt_is_never_admitted_again() -> None:
     obsolete = ObsoleteSet()
     obsolete.add("a1")
-    assert "obsolete" in admit(request(), obsolete=obsolete)
+    assert admit(request(), obsolete=obsolete) == "attempt a1 is obsolete on this node"
 
 
 # -- payload offers -------------------------------------------------------------------------
@@ -95,51 +123,44 @@ def test_a_new_payload_of_the_live_attempt_is_taken() -> None:
 
 
 def test_unknown_obsolete_failed_and_stopped_attempts() -> None:
-    unknown = attempt_refusal(None, ObsoleteSet(), "a1", "n0")
-    assert unknown is not None
-    assert (unknown.status, unknown.outcome, unknown.fails_attempt) == (
-        AckStatus.UNKNOWN_ATTEMPT,
-        "unknown_attempt",
-        False,
+    # Whole verdicts, messages included: they are what the producer and the logs are told.
+    assert attempt_refusal(None, ObsoleteSet(), "a1", "n0") == Refusal(
+        AckStatus.UNKNOWN_ATTEMPT, "attempt a1 is not prepared here", outcome="unknown_attempt"
     )
     obsolete = ObsoleteSet()
     obsolete.add("a0")
-    old = attempt_refusal(attempt(), obsolete, "a0", "n0")
-    assert old is not None
-    assert (old.status, old.drop) == (AckStatus.OBSOLETE, "obsolete")
+    assert attempt_refusal(attempt(), obsolete, "a0", "n0") == Refusal(
+        AckStatus.OBSOLETE, "attempt a0 was replaced by a later prepare", drop="obsolete"
+    )
     failed = attempt()
-    failed.failed, failed.errors = True, ["digest mismatch"]
-    refusal = offer(failed, ident())
-    assert refusal is not None
-    assert refusal.status is AckStatus.REJECTED
-    assert "digest mismatch" in refusal.reason
-    assert not refusal.fails_attempt  # already failed: nothing more to do
+    failed.failed, failed.errors = True, ["digest mismatch", "later"]
+    assert offer(failed, ident()) == Refusal(  # already failed: nothing more to do
+        AckStatus.REJECTED, "attempt failed on n0: digest mismatch", outcome="rejected"
+    )
     stopped = attempt()
     stopped.stopping = True
-    refusal = offer(stopped, ident())
-    assert refusal is not None
-    assert (refusal.status, refusal.drop) == (AckStatus.OBSOLETE, "stopped")
+    assert offer(stopped, ident()) == Refusal(
+        AckStatus.OBSOLETE, "attempt a1 was stopped", drop="stopped"
+    )
 
 
 def test_a_duplicate_is_acknowledged_again_without_harm() -> None:
     st = attempt()
     st.register(ident(), 0)
-    refusal = offer(st, ident())
-    assert refusal is not None
-    assert (refusal.status, refusal.outcome, refusal.fails_attempt) == (
-        AckStatus.DUPLICATE,
-        "duplicate",
-        False,
-    )
+    assert offer(st, ident()) == Refusal(AckStatus.DUPLICATE, "", outcome="duplicate")
 
 
 @pytest.mark.parametrize(
     ("registered", "offered", "reason"),
     [
         (None, ident(producer=7), "producer 7 is not part of the attempt"),
-        (ident(), ident(digest=bytes(16)), "reused with other bytes"),
-        (ident(), ident(order=1), "reused with other bytes"),
-        (ident(payload_id=0, order=0), ident(payload_id=1, order=0), "order already taken"),
+        (ident(), ident(digest=bytes(16)), "payload 0/0 (order 0) reused with other bytes"),
+        (ident(), ident(order=1), "payload 0/0 (order 1) reused with other bytes"),
+        (
+            ident(payload_id=0, order=0),
+            ident(payload_id=1, order=0),
+            "payload 0/1 (order 0): order already taken by another payload",
+        ),
     ],
 )
 def test_offers_that_fail_the_attempt(
@@ -148,20 +169,20 @@ def test_offers_that_fail_the_attempt(
     st = attempt()
     if registered is not None:
         st.register(registered, 0)
-    refusal = offer(st, offered)
-    assert refusal is not None
-    assert refusal.status is AckStatus.REJECTED
-    assert refusal.fails_attempt
-    assert reason in refusal.reason
+    assert offer(st, offered) == Refusal(
+        AckStatus.REJECTED, reason, outcome="rejected", fails_attempt=True
+    )
 
 
 def test_an_order_beyond_the_announced_total_fails_the_attempt() -> None:
     st = attempt()
     assert st.set_total(0, 2) is None
-    refusal = offer(st, ident(payload_id=5, order=2))
-    assert refusal is not None
-    assert refusal.fails_attempt
-    assert "beyond the producer's total 2" in refusal.reason
+    assert offer(st, ident(payload_id=5, order=2)) == Refusal(
+        AckStatus.REJECTED,
+        "payload 0/5 (order 2) beyond the producer's total 2",
+        outcome="rejected",
+        fails_attempt=True,
+    )
     assert offer(st, ident(payload_id=5, order=1)) is None
 
 
@@ -169,10 +190,12 @@ def test_async_staging_beyond_its_byte_cap_fails_the_attempt() -> None:
     st = attempt(sync=False)
     st.compressed_bytes = 900
     assert offer(st, ident(size=100), cap=1000) is None
-    refusal = offer(st, ident(size=101), cap=1000)
-    assert refusal is not None
-    assert refusal.fails_attempt
-    assert "async staging would exceed 1000 bytes" in refusal.reason
+    assert offer(st, ident(size=101), cap=1000) == Refusal(
+        AckStatus.REJECTED,
+        "async staging would exceed 1000 bytes (raise async_staging_max_bytes or use sync mode)",
+        outcome="rejected",
+        fails_attempt=True,
+    )
     assert offer(attempt(sync=True), ident(size=10**9), cap=1000) is None  # sync: not staged
 
 
@@ -180,12 +203,8 @@ def test_a_full_quota_waits_except_for_the_lowest_unreleased_order() -> None:
     st = attempt(quota=2)
     st.register(ident(payload_id=1, order=1), 0)
     st.register(ident(payload_id=2, order=2), 0)
-    refusal = offer(st, ident(payload_id=3, order=3))
-    assert refusal is not None
-    assert (refusal.status, refusal.outcome, refusal.fails_attempt) == (
-        AckStatus.WAIT,
-        "wait",
-        False,
+    assert offer(st, ident(payload_id=3, order=3)) == Refusal(
+        AckStatus.WAIT, "queue full", outcome="wait"
     )
     assert offer(st, ident(payload_id=0, order=0)) is None  # the reserved slot: no deadlock
 
@@ -201,12 +220,14 @@ def test_gate_requests() -> None:
         "obsolete",
         "attempt a0 is obsolete on this node",
     )
-    refused = gate_refusal(st, obsolete, "a2", closed=True)
-    assert refused is not None
-    assert refused[0] == "unknown_attempt"
+    assert gate_refusal(st, obsolete, "a2", closed=True) == (
+        "unknown_attempt",
+        "attempt a2 is not this node's attempt",
+    )
     st.opened = True
-    refused = gate_refusal(st, obsolete, "a1", closed=False)
-    assert refused is not None
-    assert refused[0] == "conflict"
+    assert gate_refusal(st, obsolete, "a1", closed=False) == (
+        "conflict",
+        "attempt a1 is applying: the gate stays closed until it is flushed or stopped",
+    )
     st.phase = Phase.FLUSHED
     assert gate_refusal(st, obsolete, "a1", closed=False) is None  # flushed: may reopen
