@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -454,7 +455,7 @@ class SourceBaseline:
                     # (queued after them: the pool runs tasks in order) only waits for them.
                     fut = self._submit(
                         i,
-                        self._finish,
+                        self._settle,
                         i,
                         self._commits.get(i) if early else None,
                         () if early else tensors,
@@ -482,48 +483,33 @@ class SourceBaseline:
         self._epoch[index] = self._epoch.get(index, 0) + 1
         return fut
 
-    def _write(self, index: int, tensors: Sequence[PendingTensor]) -> None:
-        """Put the new bits of a chunk's changed elements into its store."""
+    def _write(self, index: int, tensors: Sequence[PendingTensor], *, old: bool = False) -> None:
+        """Put the new bits of a chunk's changed elements into its store (`old`: put the
+        committed bits back, new bits XOR mask)."""
         store = self._stores[index]
         try:
             for p in tensors:
-                store.views[p.meta.name][p.locations] = p.new_bits
+                bits = p.new_bits ^ p.xor_bits if old else p.new_bits
+                store.views[p.meta.name][p.locations] = bits
         except BaseException as exc:
             self._poisoned = exc
             raise
 
-    def _finish(
+    def _settle(
         self,
         index: int,
         written: Future[None] | None,
         tensors: Sequence[PendingTensor],
         buffers: dict[str, DiffBuffers],
+        *,
+        undo: bool = False,
     ) -> None:
-        """Commit one chunk: wait for its early writes, or write now; then free its buffers."""
+        """Commit (or, `undo`, discard) one chunk: wait for its early writes, write what is
+        left (new bits; old bits when undoing), then free its buffers."""
         if written is not None:
             written.result()
-        self._write(index, tensors)
+        self._write(index, tensors, old=undo)
         with self._lock:  # written: the delta's buffers are free for the next compare
-            self._spare[index] = buffers
-
-    def _undo(
-        self,
-        index: int,
-        written: Future[None] | None,
-        tensors: Sequence[PendingTensor],
-        buffers: dict[str, DiffBuffers],
-    ) -> None:
-        """Discard one early-updated chunk: wait for its writes, put the old bits back."""
-        if written is not None:
-            written.result()
-        store = self._stores[index]
-        try:
-            for p in tensors:
-                store.views[p.meta.name][p.locations] = p.new_bits ^ p.xor_bits
-        except BaseException as exc:
-            self._poisoned = exc
-            raise
-        with self._lock:
             self._spare[index] = buffers
 
     def discard(self, attempt: str) -> None:
@@ -541,7 +527,8 @@ class SourceBaseline:
                     for i, tensors in pending.items():
                         if tensors:  # the next compare of chunk i waits for this
                             last = self._commits.get(i)
-                            self._submit(i, self._undo, i, last, tensors, buffers.pop(i, {}))
+                            buf = buffers.pop(i, {})
+                            self._submit(i, partial(self._settle, undo=True), i, last, tensors, buf)
                 self._spare.update(buffers)
 
     def _wait_commit(self, index: int) -> None:
