@@ -351,7 +351,7 @@ def _links(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
     type=click.IntRange(0, None),
     default=1,
     show_default=True,
-    help="Untimed 1% transitions before measuring.",
+    help="Untimed transitions at the first measured rate before measuring.",
 )
 @click.option(
     "--bucket-mib",
