@@ -9,8 +9,16 @@ back into the BF16 parameters). Megatron's own optimizer class and pipeline sche
 on CUDA unconditionally (`device="cuda"`) in megatron-core 0.16, so they cannot run here; the
 pipeline (PP=2) is a one-microbatch forward/backward with gloo send/recv instead.
 
-Writes `<out>/rank<r>.json` (publish results, elements changed on this rank) and, on rank 0,
-`<out>/v1/model.safetensors`: a full dense export of v1 for the dense-load reference.
+After the publish, every rank (in the same order: the exports run the bridge's TP/PP
+collectives) also checks `MegatronBridgeSource` over the real bridge with owned chunking
+(`bridge_checks`): for producer 0 and 1 of 2, the kept tensors are complete, disjoint, the
+owner's own copies and bit for bit the dense export, and the whole export runs on every rank
+although each keeps only its own chunks; so does `Publisher.participate` (a rank without a
+sidecar).
+
+Writes `<out>/rank<r>.json` (publish results, elements changed on this rank, the facts of
+`bridge_checks`) and, on rank 0, `<out>/v1/model.safetensors`: a full dense export of v1 for the
+dense-load reference.
 """
 
 from __future__ import annotations
@@ -19,10 +27,104 @@ import argparse
 import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 SEQ, BATCH = 32, 2
+CHECK_CHUNK_BYTES = 16 << 10  # many chunks for the tiny Qwen3: both producers own several
+
+
+class CountingBridge:
+    """Wraps the real Megatron Bridge (not a fake): `export_hf_weights` passes the call to it
+    unchanged and yields what it yields, only counting the tensors, recording the keyword
+    arguments and the storage address of each yielded tensor."""
+
+    def __init__(self, bridge: Any) -> None:
+        self._bridge = bridge
+        self.yielded = 0
+        self.kwargs: dict[str, Any] = {}
+        self.storage: dict[str, int] = {}
+
+    def reset(self) -> None:
+        self.yielded, self.kwargs, self.storage = 0, {}, {}
+
+    def export_hf_weights(self, model: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
+        self.kwargs = dict(kwargs)
+        for name, tensor in self._bridge.export_hf_weights(model, **kwargs):
+            self.yielded += 1
+            self.storage[name] = tensor.untyped_storage().data_ptr()
+            yield name, tensor
+
+
+def bridge_checks(bridge: Any, model: list[Any], dense: dict[str, Any]) -> dict[str, Any]:
+    """`MegatronBridgeSource` over the real bridge, chunked and owned by producer 0 and 1 of 2,
+    then `Publisher.participate`: three more exports, each run to the end on every rank. Returns
+    the facts (the test asserts them too) after asserting them here."""
+    import torch
+
+    from refit_sidecar.bits import int_view
+    from refit_sidecar.trainer import MegatronBridgeSource, Publisher
+    from refit_sidecar.trainer.export import plan_owned
+
+    counting = CountingBridge(bridge)
+    source = MegatronBridgeSource(counting, model)
+    kept: dict[str, torch.Tensor] = {}
+    kept_per_producer, owned_chunks, yields, kwargs = [], [], [], []
+    overlapping, shared, mismatched, chunks = [], [], [], 0
+    for producer in (0, 1):
+        counting.reset()
+        mine: dict[str, torch.Tensor] = {}
+        owned = 0
+        chunks = 0
+        for planned in plan_owned(source.entries(), CHECK_CHUNK_BYTES, producer, 2):
+            chunks += 1
+            if planned.chunk is not None:
+                owned += 1
+                mine.update(planned.chunk.tensors)
+        yields.append(counting.yielded)
+        kwargs.append(counting.kwargs)
+        for name, t in mine.items():
+            if t.untyped_storage().data_ptr() == counting.storage[name]:
+                shared.append(name)  # not the owner's own copy of what the bridge yielded
+        overlapping += sorted(set(mine) & set(kept))
+        kept.update(mine)
+        kept_per_producer.append(len(mine))
+        owned_chunks.append(owned)
+    for name, t in kept.items():
+        want = dense.get(name)
+        if (
+            want is None
+            or t.dtype != want.dtype
+            or t.shape != want.shape
+            or not torch.equal(int_view(t), int_view(want))
+        ):
+            mismatched.append(name)
+    counting.reset()
+    Publisher.participate(source)  # a rank without a sidecar still runs the whole export
+    yields.append(counting.yielded)
+    kwargs.append(counting.kwargs)
+
+    facts = {
+        "dense_tensors": len(dense),
+        "chunks": chunks,
+        "owned_chunks": owned_chunks,
+        "kept_per_producer": kept_per_producer,
+        "kept_names_equal_dense": set(kept) == set(dense),
+        "overlapping": overlapping,
+        "not_bit_equal": mismatched,
+        "shared_with_bridge": shared,
+        "yields": yields,  # producer 0, producer 1, participate
+        "export_kwargs": kwargs,
+    }
+    assert facts["kept_names_equal_dense"], sorted(set(kept) ^ set(dense))
+    assert all(owned_chunks), facts
+    assert not overlapping, overlapping
+    assert not mismatched, mismatched
+    assert not shared, shared
+    assert yields == [len(dense)] * 3, facts
+    assert kwargs == [{"cpu": True, "show_progress": False}] * 3, kwargs
+    return facts
 
 
 def train_step(model: list[Any], lr: float, hidden: int) -> tuple[int, int]:
@@ -127,12 +229,14 @@ def main() -> None:
     if rank == 0:
         (out / "v1").mkdir(parents=True, exist_ok=True)
         save_file(dense, str(out / "v1" / "model.safetensors"))
+    checks = bridge_checks(bridge, model, dense)  # same calls in the same order on every rank
     result = {
         "rank": rank,
         "initialize": dataclasses.asdict(first),
         "publish": dataclasses.asdict(second),
         "param_elements_changed": changed,
         "param_elements": total,
+        "bridge_checks": checks,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result, default=str))
     dist.barrier()

