@@ -51,6 +51,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "apply-hook": (
         ["refit_sidecar/apply/hook.py"],
         [
+            "tests/sidecar/apply/test_hook.py",
             "tests/sidecar/apply/test_context.py",
             "tests/sidecar/apply/test_hook_paths.py",
             "tests/sidecar/apply/test_placeholders.py",
@@ -105,6 +106,10 @@ def write_config(root: Path, modules: list[str], tests: list[str]) -> None:
 def mutmut(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).parent / "mutmut"
     env = os.environ | {"KUBEREFIT_MUTATION": "1"}  # tests/conftest.py: a fixed example set
+    # One torch/OpenMP thread per child: the children already fill the cores, and OpenMP's
+    # spinning threads on a busy machine burn the CPU-time limit (SIGXCPU) of mutants that
+    # would finish in seconds.
+    env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     return subprocess.run(
         [str(exe), *args], cwd=root, env=env, capture_output=True, text=True, check=False
     )

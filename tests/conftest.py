@@ -19,6 +19,22 @@ from tests.harness.s3 import S3Server, start_s3
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def _warm_up_dispatch_modes() -> None:
+    """`make mutation` runs each mutant's tests in a child forked from a server that only
+    collected them. A process's first `TorchDispatchMode` costs ~2.5 s of CPU (lazy imports),
+    which every child would pay against its CPU-time limit: pay it once, in the server."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Passthrough(TorchDispatchMode):  # type: ignore[no-untyped-call]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    with _Passthrough():
+        torch.zeros(1).copy_(torch.ones(1))
+
+
 # Property tests in CI ($CI set): the same seeded examples every run (derandomize), no example
 # database, no per-example deadline (CI machines are loaded; tests bound their own time).
 settings.register_profile(
@@ -44,6 +60,7 @@ settings.register_profile(
 )
 if os.environ.get("KUBEREFIT_MUTATION"):
     settings.load_profile("mutation")
+    _warm_up_dispatch_modes()
 elif os.environ.get("CI"):
     settings.load_profile("ci")
 
