@@ -1,6 +1,9 @@
 """Producer pipeline: bit-exact end to end, bucket coalescing, overlap, backpressure, cancellation.
 
-Transports here are in-memory fakes, named as such; real ZeroMQ/S3 transports have their own tests.
+Payloads travel over the real S3 transport to a real receiver node (`tests.harness.s3_payloads`)
+and are read back from the bucket. The in-memory `...TransportFake`s only inject a fault a real
+transport cannot be made to produce on cue: a saturated link, a failing send, a lost payload, a
+hung connection.
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ from refit_sidecar.codec import (
 )
 from refit_sidecar.pipeline import Bucketer, PipelineConfig, PipelineError, ProducerPipeline
 from refit_sidecar.transport import Transport, TransportSummary
+from tests.harness.s3_payloads import S3Delivery, s3_delivery
 
 LIMIT = 4096
 
 
-class FakeMemoryTransport:
-    """Keeps every payload in memory, in send order."""
+class _InMemoryFake:
+    """Base of the fault fakes: keeps every payload in memory, in send order."""
 
     def __init__(self) -> None:
         self.sent: list[EncodedPayload] = []
@@ -57,8 +61,8 @@ class FakeMemoryTransport:
         self.sent.clear()
 
 
-class FakeSlowTransport(FakeMemoryTransport):
-    """Takes `delay` seconds per payload, like a saturated link."""
+class SlowTransportFake(_InMemoryFake):
+    """Fault: takes `delay` seconds per payload, like a saturated link."""
 
     def __init__(self, delay: float) -> None:
         super().__init__()
@@ -69,8 +73,8 @@ class FakeSlowTransport(FakeMemoryTransport):
         time.sleep(self.delay)
 
 
-class FakeFailingTransport(FakeMemoryTransport):
-    """Raises on the `fail_at`-th send (0-based)."""
+class FailingTransportFake(_InMemoryFake):
+    """Fault: raises on the `fail_at`-th send (0-based), a link that goes down."""
 
     def __init__(self, fail_at: int) -> None:
         super().__init__()
@@ -82,8 +86,8 @@ class FakeFailingTransport(FakeMemoryTransport):
         super().send(attempt, payload)
 
 
-class FakeLossyTransport(FakeMemoryTransport):
-    """Accepts every payload but loses the ones in `lose` (a receiver never applies them)."""
+class LossyTransportFake(_InMemoryFake):
+    """Fault: accepts every payload but loses the ones in `lose` (a receiver never applies them)."""
 
     def __init__(self, lose: set[int]) -> None:
         super().__init__()
@@ -96,8 +100,8 @@ class FakeLossyTransport(FakeMemoryTransport):
             self.delivered.append(payload)
 
 
-class FakeBlockingTransport(FakeMemoryTransport):
-    """Blocks every send until `release` is set (a hung connection)."""
+class BlockingTransportFake(_InMemoryFake):
+    """Fault: blocks every send until `release` is set (a hung connection)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -106,6 +110,11 @@ class FakeBlockingTransport(FakeMemoryTransport):
     def send(self, attempt: str, payload: EncodedPayload) -> None:
         self.release.wait(10)
         super().send(attempt, payload)
+
+
+@pytest.fixture
+def delivery() -> Iterator[S3Delivery]:
+    yield from s3_delivery()
 
 
 def _export(n: int = 24, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -151,23 +160,41 @@ def _assert_bits_equal(state: dict[str, torch.Tensor], expected) -> None:
 
 
 def test_transport_fakes_satisfy_the_protocol() -> None:
-    assert isinstance(FakeMemoryTransport(), Transport)
+    fakes = [
+        SlowTransportFake(0),
+        FailingTransportFake(0),
+        LossyTransportFake(set()),
+        BlockingTransportFake(),
+    ]
+    assert all(isinstance(f, Transport) for f in fakes)
+
+
+def _delivered(transport: Transport, attempt: str) -> TransportSummary:
+    """Wait for the attempt's last acknowledgments: every payload reached the receiver."""
+    summary = transport.stop_and_wait(attempt)
+    assert summary.errors == ()
+    assert summary.payloads_acknowledged == summary.payloads_sent
+    return summary
 
 
 @pytest.mark.parametrize(("producers", "bucket"), [(1, 1), (2, 6000), (3, 10**9)])
-def test_pipeline_is_bit_exact_across_producers(producers: int, bucket: int) -> None:
-    v0, v1 = _export(), None
+def test_pipeline_is_bit_exact_across_producers(
+    delivery: S3Delivery, producers: int, bucket: int
+) -> None:
+    v0 = _export()
     v1 = _update(v0)
     baselines = _baselines(v0, producers)
-    transports = [FakeMemoryTransport() for _ in baselines]
     total_changed = 0
-    for b, tr in zip(baselines, transports, strict=True):
+    for b in baselines:
+        tr = delivery.transport("a1", b)
         cfg = PipelineConfig(compare_workers=2, bucket_bytes=bucket)
         m = ProducerPipeline(b, tr, cfg).run("a1", chunk_export(v1, LIMIT))
-        assert [p.header.payload_id for p in tr.sent] == list(range(len(tr.sent)))
-        assert all(p.header.producer == b.producer and p.header.attempt == "a1" for p in tr.sent)
-        assert m.payloads == len(tr.sent)
-        assert m.payload_bytes == sum(p.size for p in tr.sent)
+        summary = _delivered(tr, "a1")
+        sent = delivery.payloads("a1", b.producer)
+        assert [p.header.payload_id for p in sent] == list(range(len(sent)))
+        assert all(p.header.producer == b.producer and p.header.attempt == "a1" for p in sent)
+        assert m.payloads == summary.payloads_sent == len(sent)
+        assert m.payload_bytes == summary.bytes_sent == sum(p.size for p in sent)
         assert m.chunks_compared == len(b.owned_chunks)
         total_changed += m.changed_elements
     expected = sum(
@@ -176,21 +203,26 @@ def test_pipeline_is_bit_exact_across_producers(producers: int, bucket: int) -> 
     )
     assert total_changed == expected
     state = {n: t.clone() for n, t in v0}
-    _apply_all(state, [p for tr in transports for p in tr.sent], baselines[0].metadata)
+    _apply_all(state, delivery.payloads("a1"), baselines[0].metadata)
     _assert_bits_equal(state, v1)
 
 
-def test_mixed_mode_uses_overwrite_for_declared_names() -> None:
+def test_mixed_mode_uses_overwrite_for_declared_names(delivery: S3Delivery) -> None:
     v0 = _export()
     v1 = _update(v0)
     [b] = _baselines(v0)
-    tr = FakeMemoryTransport()
+    tr = delivery.transport("a1", b)
     ProducerPipeline(b, tr).run(
         "a1", chunk_export(v1, LIMIT), xor_incompatible=frozenset({"m.0.w"})
     )
-    items = [i for p in tr.sent for i in decode_payload(p.body).items]
+    _delivered(tr, "a1")
+    sent = delivery.payloads("a1")
+    items = [i for p in sent for i in decode_payload(p.body, expected_digest=p.digest).items]
     assert {i.op for i in items if i.meta.name == "m.0.w"} == {Op.OVERWRITE}
     assert {i.op for i in items if i.meta.name != "m.0.w"} == {Op.XOR}
+    state = {n: t.clone() for n, t in v0}
+    _apply_all(state, sent, b.metadata)
+    _assert_bits_equal(state, v1)
 
 
 def test_bucketer_packs_whole_chunks() -> None:
@@ -231,7 +263,7 @@ def test_slow_transport_bounds_memory_and_overlaps_sending_with_compare() -> Non
     chunks = list(chunk_export(v1, LIMIT))
     pulled: list[int] = []
     pulled_at: list[float] = []
-    tr = FakeSlowTransport(delay=0.02)
+    tr = SlowTransportFake(delay=0.02)
     sent_chunks_at_send: list[tuple[int, int]] = []
     original_send = tr.send
 
@@ -260,7 +292,7 @@ def test_failing_transport_cancels_the_rest() -> None:
     v1 = _update(v0, rate=0.3)
     [b] = _baselines(v0)
     pulled: list[int] = []
-    tr = FakeFailingTransport(fail_at=1)
+    tr = FailingTransportFake(fail_at=1)
     cfg = PipelineConfig(bucket_bytes=1, max_chunks_in_flight=2, payload_queue=1)
     t0 = time.monotonic()
     with pytest.raises(PipelineError) as info:
@@ -272,7 +304,7 @@ def test_failing_transport_cancels_the_rest() -> None:
     assert len(pulled) < 12  # the export stopped being read
 
 
-def test_failing_compare_cancels_the_rest() -> None:
+def test_failing_compare_cancels_the_rest(delivery: S3Delivery) -> None:
     v0 = _export(n=40)
     v1 = _update(v0)
     [b] = _baselines(v0)
@@ -280,18 +312,19 @@ def test_failing_compare_cancels_the_rest() -> None:
     name, t = chunks[3].tensors[0]
     chunks[3] = ExportChunk(3, ((name, t.to(torch.float64)), *chunks[3].tensors[1:]))
     pulled: list[int] = []
-    tr = FakeMemoryTransport()
+    tr = delivery.transport("a1", b)
     cfg = PipelineConfig(bucket_bytes=1, max_chunks_in_flight=2, payload_queue=1)
     with pytest.raises(PipelineError) as info:
         ProducerPipeline(b, tr, cfg).run("a1", _counting(chunks, pulled))
     assert info.value.stage == "compare"
     assert isinstance(info.value.__cause__, ExportMismatchError)
     assert len(pulled) < 12
-    assert len(tr.sent) <= 3
+    _delivered(tr, "a1")
+    assert len(delivery.payloads("a1")) <= 3
 
 
 def test_failing_export_and_compress_surface_with_their_stage(
-    monkeypatch: pytest.MonkeyPatch,
+    delivery: S3Delivery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     v0 = _export()
     v1 = _update(v0)
@@ -302,7 +335,7 @@ def test_failing_export_and_compress_surface_with_their_stage(
         raise OSError("trainer went away")
 
     with pytest.raises(PipelineError) as info:
-        ProducerPipeline(b, FakeMemoryTransport()).run("a0", broken_export())
+        ProducerPipeline(b, delivery.transport("a0", b)).run("a0", broken_export())
     assert info.value.stage == "intake"
     assert isinstance(info.value.__cause__, OSError)
     b.discard("a0")
@@ -314,7 +347,7 @@ def test_failing_export_and_compress_surface_with_their_stage(
     for workers in (1, 2):  # sealed inline, and on the sealing threads
         cfg = PipelineConfig(compare_workers=workers)
         with pytest.raises(PipelineError) as info:
-            ProducerPipeline(b, FakeMemoryTransport(), cfg).run(
+            ProducerPipeline(b, delivery.transport(f"a{workers}", b), cfg).run(
                 f"a{workers}", chunk_export(v1, LIMIT)
             )
         assert info.value.stage == "compress"
@@ -329,7 +362,7 @@ def test_blocked_send_does_not_hold_up_the_error_beyond_the_grace_period() -> No
     chunks = list(chunk_export(v1, LIMIT))
     name, t = chunks[3].tensors[0]
     chunks[3] = ExportChunk(3, ((name, t.reshape(-1)), *chunks[3].tensors[1:]))
-    tr = FakeBlockingTransport()
+    tr = BlockingTransportFake()
     cfg = PipelineConfig(
         bucket_bytes=1, max_chunks_in_flight=2, payload_queue=1, cancel_grace_s=0.3
     )
@@ -343,39 +376,46 @@ def test_blocked_send_does_not_hold_up_the_error_beyond_the_grace_period() -> No
         tr.release.set()
 
 
-def test_overwrite_retry_repairs_a_partial_delivery_without_a_new_export() -> None:
+def test_overwrite_retry_repairs_a_partial_delivery_without_a_new_export(
+    delivery: S3Delivery,
+) -> None:
     v0 = _export()
     v1 = _update(v0)
     [b] = _baselines(v0)
-    lossy = FakeLossyTransport(lose={1})
+    lossy = LossyTransportFake(lose={1})
     ProducerPipeline(b, lossy, PipelineConfig(bucket_bytes=6000)).run("a1", chunk_export(v1, LIMIT))
     assert len(lossy.sent) >= 3
     receiver = {n: t.clone() for n, t in v0}
     _apply_all(receiver, lossy.delivered, b.metadata)  # XOR payloads applied except payload 1
     # Payload 0 was applied; the retry re-sends everything as overwrites: repeats are safe.
-    retry = FakeMemoryTransport()
+    retry = delivery.transport("a2", b, mode="overwrite")
     m = ProducerPipeline(b, retry, PipelineConfig(bucket_bytes=6000)).run_retry("a1", "a2")
     assert m.mode == str(Mode.OVERWRITE)
-    items = [i for p in retry.sent for i in decode_payload(p.body).items]
+    _delivered(retry, "a2")
+    sent = delivery.payloads("a2")
+    items = [i for p in sent for i in decode_payload(p.body).items]
     assert {i.op for i in items} == {Op.OVERWRITE}
-    _apply_all(receiver, retry.sent, b.metadata)
+    _apply_all(receiver, sent, b.metadata)
     _assert_bits_equal(receiver, v1)
     b.commit("a2").result()
     assert np.array_equal(b.stored_bits("m.0.w"), int_view(v1[0][1]).numpy())
 
 
-def test_retry_after_an_incomplete_compare_needs_a_new_export_in_overwrite_mode() -> None:
+def test_retry_after_an_incomplete_compare_needs_a_new_export_in_overwrite_mode(
+    delivery: S3Delivery,
+) -> None:
     v0 = _export(n=40)
     v1 = _update(v0)
     [b] = _baselines(v0)
     cfg = PipelineConfig(bucket_bytes=1, max_chunks_in_flight=2, payload_queue=1)
     with pytest.raises(PipelineError):
-        ProducerPipeline(b, FakeFailingTransport(fail_at=0), cfg).run("a1", chunk_export(v1, LIMIT))
+        ProducerPipeline(b, FailingTransportFake(fail_at=0), cfg).run("a1", chunk_export(v1, LIMIT))
+    tr = delivery.transport("a2", b, mode="overwrite")
     with pytest.raises(PendingStateError):
-        ProducerPipeline(b, FakeMemoryTransport()).run_retry("a1", "a2")
+        ProducerPipeline(b, tr).run_retry("a1", "a2")
     b.discard("a1")
-    tr = FakeMemoryTransport()
     ProducerPipeline(b, tr).run("a2", chunk_export(v1, LIMIT), mode=Mode.OVERWRITE)
+    _delivered(tr, "a2")
     receiver = {n: t.clone() for n, t in v0}
-    _apply_all(receiver, tr.sent, b.metadata)
+    _apply_all(receiver, delivery.payloads("a2"), b.metadata)
     _assert_bits_equal(receiver, v1)

@@ -1,9 +1,10 @@
 """The producer's HTTP control plane on a real socket: the coordinator's client drives an
-attempt end to end; a missing or wrong token is refused."""
+attempt end to end (payloads over the real S3 transport to a real receiver node); a missing or
+wrong token is refused."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -18,18 +19,26 @@ from refit_sidecar.baseline.chunks import chunk_export
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
-from tests.sidecar.producer.test_service import RecordingTransportFake, bump, state
+from tests.harness.s3_payloads import S3Delivery, s3_delivery
+from tests.sidecar.producer.test_service import bump, replay, same, state
 
 TOKEN = "s3cret-token"
 
 
 @pytest.fixture
-async def served(tmp_path: Path) -> AsyncIterator[tuple[str, ProducerService]]:
+def delivery() -> Iterator[S3Delivery]:
+    yield from s3_delivery()
+
+
+@pytest.fixture
+async def served(
+    tmp_path: Path, delivery: S3Delivery
+) -> AsyncIterator[tuple[str, ProducerService]]:
     baseline = SourceBaseline(
         producer=0, producers=1, config=BaselineConfig(directory=tmp_path, export_chunk_bytes=20000)
     )
     baseline.load_initial(chunk_export(state(0).items(), 20000))
-    service = ProducerService(baseline, RecordingTransportFake())
+    service = ProducerService(baseline, delivery.factory(baseline))
     runner = web.AppRunner(create_producer_app(service, token=TOKEN))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -40,7 +49,7 @@ async def served(tmp_path: Path) -> AsyncIterator[tuple[str, ProducerService]]:
     baseline.close()
 
 
-async def test_attempt_over_http(served) -> None:  # type: ignore[no-untyped-def]
+async def test_attempt_over_http(served, delivery: S3Delivery) -> None:  # type: ignore[no-untyped-def]
     url, service = served
     v1 = bump(state(0), 1)
     service.stage_candidate(1, lambda: list(chunk_export(v1.items(), 20000)))
@@ -56,8 +65,11 @@ async def test_attempt_over_http(served) -> None:  # type: ignore[no-untyped-def
         )
         await client.start(plan)
         sent = await client.wait_sent("a1")
-        assert sent.payloads > 0
+        payloads = delivery.payloads("a1")
+        assert sent.payloads == len(payloads) > 0
+        assert sent.wire_bytes == sum(p.size for p in payloads)
         assert sent.changed_elements > 0
+        assert same(replay(state(0), payloads), v1)
         await client.update_baseline("a1", CommitRecord(1, "g1"))
         status = await client.status()
         assert (status.committed_version, status.committed_baseline) == (1, "g1")
@@ -77,7 +89,7 @@ async def test_token_required(served, token: str | None) -> None:  # type: ignor
 
 
 async def test_committed_record_learned_only_without_a_baseline(  # type: ignore[no-untyped-def]
-    served, tmp_path: Path
+    served, tmp_path: Path, delivery: S3Delivery
 ) -> None:
     url, _ = served
     async with aiohttp.ClientSession() as session:
@@ -91,14 +103,16 @@ async def test_committed_record_learned_only_without_a_baseline(  # type: ignore
     fresh = SourceBaseline(
         producer=0, producers=1, config=BaselineConfig(directory=tmp_path / "b2")
     )
-    restarted = ProducerService(fresh, RecordingTransportFake())
+    restarted = ProducerService(fresh, delivery.factory(fresh))
     assert not restarted.baseline_ready
     restarted.learn_committed(CommitRecord(7, "g-7"))
     assert restarted.committed == CommitRecord(7, "g-7")
     fresh.close()
 
 
-async def test_producers_that_chunk_differently_stop_the_coordinator(tmp_path: Path) -> None:
+async def test_producers_that_chunk_differently_stop_the_coordinator(
+    tmp_path: Path, delivery: S3Delivery
+) -> None:
     """Two sidecars of one policy, one sized `auto` without a reference checkpoint (256 MiB),
     one with 20000-byte chunks: ownership would overlap, so the coordinator's readiness check
     refuses with both sizes named instead of starting a transition."""
@@ -107,7 +121,7 @@ async def test_producers_that_chunk_differently_stop_the_coordinator(tmp_path: P
     for p, size in ((0, 20000), (1, "auto")):
         cfg = BaselineConfig(directory=tmp_path / str(p), export_chunk_bytes=size)
         baseline = SourceBaseline(producer=p, producers=2, config=cfg)
-        service = ProducerService(baseline, RecordingTransportFake())
+        service = ProducerService(baseline, delivery.factory(baseline))
         runner = web.AppRunner(create_producer_app(service, token=TOKEN))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

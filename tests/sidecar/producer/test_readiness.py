@@ -1,11 +1,12 @@
 """The producer's HTTP surface (issue 19): `/readyz` names a missing inbox, a missing reference
-checkpoint refuses the start with one line, `/metrics` counts what an attempt did, and every
-refusal carries the one error body (`ErrorBody`)."""
+checkpoint refuses the start with one line, `/metrics` counts what an attempt did (its payloads
+over the real S3 transport to a real receiver node), and every refusal carries the one error
+body (`ErrorBody`)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -28,7 +29,8 @@ from refit_sidecar.producer.main import ProducerProcessConfig, build, serve
 from refit_sidecar.producer.service import ProducerService
 from tests.harness.procs import free_port
 from tests.harness.readyz import readyz_becomes
-from tests.sidecar.producer.test_service import RecordingTransportFake, bump, state
+from tests.harness.s3_payloads import S3Delivery, s3_delivery
+from tests.sidecar.producer.test_service import bump, state
 
 TOKEN = "producer-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -104,12 +106,19 @@ async def test_a_missing_reference_checkpoint_refuses_the_start(tmp_path: Path) 
 
 
 @pytest.fixture
-async def served(tmp_path: Path) -> AsyncIterator[tuple[str, ProducerService]]:
+def delivery() -> Iterator[S3Delivery]:
+    yield from s3_delivery()
+
+
+@pytest.fixture
+async def served(
+    tmp_path: Path, delivery: S3Delivery
+) -> AsyncIterator[tuple[str, ProducerService]]:
     baseline = SourceBaseline(
         producer=0, producers=1, config=BaselineConfig(directory=tmp_path, export_chunk_bytes=20000)
     )
     baseline.load_initial(chunk_export(state(0).items(), 20000))
-    service = ProducerService(baseline, RecordingTransportFake())
+    service = ProducerService(baseline, delivery.factory(baseline))
     runner, url = await serve_app(create_producer_app(service, token=TOKEN))
     yield url, service
     await runner.cleanup()
@@ -117,7 +126,7 @@ async def served(tmp_path: Path) -> AsyncIterator[tuple[str, ProducerService]]:
 
 
 async def test_metrics_count_an_attempt(
-    served: tuple[str, ProducerService], session: aiohttp.ClientSession
+    served: tuple[str, ProducerService], session: aiohttp.ClientSession, delivery: S3Delivery
 ) -> None:
     url, service = served
     v1 = bump(state(0), 1)
@@ -143,8 +152,10 @@ async def test_metrics_count_an_attempt(
 
     assert value("kuberefit_producer_attempts_total", mode="mixed", outcome="sent") == 1
     assert value("kuberefit_producer_attempts_total", mode="overwrite", outcome="sent") == 0
+    payloads = delivery.payloads("a1")
     assert value("kuberefit_producer_wire_bytes_total") == sent.wire_bytes > 0
-    assert value("kuberefit_producer_payloads_total") == sent.payloads
+    assert sent.wire_bytes == sum(p.size for p in payloads)
+    assert value("kuberefit_producer_payloads_total") == sent.payloads == len(payloads)
     assert 0 < value("kuberefit_producer_last_changed_fraction") <= 1
     compare = families["kuberefit_producer_stage_seconds"]
     counts = [

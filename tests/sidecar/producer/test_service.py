@@ -1,10 +1,12 @@
-"""The producer service end to end on the real pipeline and baseline: a mixed attempt, a
-retry rebuilt from the pending delta without a new export, and the baseline update."""
+"""The producer service end to end on the real pipeline, baseline and S3 transport (payloads
+reach a real receiver node and are read back from the bucket): a mixed attempt, a retry rebuilt
+from the pending delta without a new export, and the baseline update. A link that goes down is
+the one fault injected (`LinkDownTransportFake`)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -18,30 +20,36 @@ from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.bits import int_view
 from refit_sidecar.codec import EncodedPayload, Op, apply_item_, decode_payload
 from refit_sidecar.producer.service import ProducerService
-from refit_sidecar.transport.base import TransportSummary
+from refit_sidecar.transport.base import Transport, TransportSummary
+from tests.harness.s3_payloads import S3Delivery, s3_delivery
 
 
-class RecordingTransportFake:
-    """Keeps payloads in memory; can be told to fail a send (a fault to inject)."""
-
-    def __init__(self) -> None:
-        self.sent: dict[str, list[EncodedPayload]] = {}
-        self.fail_after: int | None = None
-        self.lock = threading.Lock()
+class LinkDownTransportFake:
+    """Fault injection: every send fails, as over a link that went down."""
 
     def send(self, attempt: str, payload: EncodedPayload) -> None:
-        with self.lock:
-            got = self.sent.setdefault(attempt, [])
-            if self.fail_after is not None and len(got) >= self.fail_after:
-                raise ConnectionError("link down")
-            got.append(payload)
+        raise ConnectionError("link down")
 
     def stop_and_wait(self, attempt: str) -> TransportSummary:
-        n = len(self.sent.get(attempt, []))
-        return TransportSummary(attempt, n, 0, n)
+        return TransportSummary(attempt, 0, 0, 0)
 
     def cleanup(self, attempt: str) -> None:
-        self.sent.pop(attempt, None)
+        pass
+
+
+@dataclass
+class Links:
+    """The service's transport factory: the real S3 delivery, except for the attempts whose
+    link is `down` (a fault injected per attempt)."""
+
+    delivery: S3Delivery
+    baseline: SourceBaseline
+    down: set[str] = field(default_factory=set)
+
+    def __call__(self, plan: AttemptPlan) -> Transport:
+        if plan.attempt in self.down:
+            return LinkDownTransportFake()
+        return self.delivery.factory(self.baseline)(plan)
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:
@@ -74,13 +82,18 @@ def plan(attempt: str, mode: str) -> AttemptPlan:
 
 
 @pytest.fixture
-def service(tmp_path: Path) -> Iterator[tuple[ProducerService, RecordingTransportFake]]:
-    transport = RecordingTransportFake()
+def delivery() -> Iterator[S3Delivery]:
+    yield from s3_delivery()
+
+
+@pytest.fixture
+def service(tmp_path: Path, delivery: S3Delivery) -> Iterator[tuple[ProducerService, Links]]:
     baseline = SourceBaseline(
         producer=0, producers=1, config=BaselineConfig(directory=tmp_path, export_chunk_bytes=20000)
     )
     baseline.load_initial(chunk_export(state(0).items(), 20000))
-    yield ProducerService(baseline, transport), transport
+    links = Links(delivery, baseline)
+    yield ProducerService(baseline, links), links
     baseline.close()
 
 
@@ -97,7 +110,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 async def test_mixed_attempt_then_baseline_update(service) -> None:  # type: ignore[no-untyped-def]
-    svc, transport = service
+    svc, links = service
     v0, v1 = state(0), bump(state(0), 1)
     exports = []
 
@@ -108,9 +121,11 @@ async def test_mixed_attempt_then_baseline_update(service) -> None:  # type: ign
     svc.stage_candidate(1, export)
     await svc.start(plan("a1", "mixed"))
     sent = await svc.wait_sent("a1")
-    assert sent.payloads == len(transport.sent["a1"]) > 0
+    payloads = links.delivery.payloads("a1")
+    assert sent.payloads == len(payloads) > 0
+    assert sent.wire_bytes == sum(p.size for p in payloads)
     assert 0 < sent.changed_elements < sent.total_elements == 8 * 64 * 64
-    assert same(replay(v0, transport.sent["a1"]), v1)
+    assert same(replay(v0, payloads), v1)
     await svc.update_baseline("a1", CommitRecord(1, "g1"))
     await svc.update_baseline("a1", CommitRecord(1, "g1"))  # idempotent
     assert all(
@@ -125,7 +140,7 @@ async def test_mixed_attempt_then_baseline_update(service) -> None:  # type: ign
 
 
 async def test_retry_is_overwrite_from_pending_delta(service) -> None:  # type: ignore[no-untyped-def]
-    svc, transport = service
+    svc, links = service
     v0, v1 = state(0), bump(state(0), 2)
     exports = []
 
@@ -138,21 +153,23 @@ async def test_retry_is_overwrite_from_pending_delta(service) -> None:  # type: 
     await svc.wait_sent("a1")
     await svc.stop_and_wait("a1")
     await svc.cleanup("a1")
+    assert links.delivery.payloads("a1") == []  # the transport's cleanup emptied the prefix
     await svc.start(plan("a2", "overwrite"))
     await svc.wait_sent("a2")
-    items = [i for p in transport.sent["a2"] for i in decode_payload(p.body).items]
+    payloads = links.delivery.payloads("a2")
+    items = [i for p in payloads for i in decode_payload(p.body).items]
     assert items
     assert all(i.op is Op.OVERWRITE for i in items)
     assert exports == [1]  # no second export for the retry
     # Overwrites repair a receiver that holds any mixture of v0 and v1 bits.
-    assert same(replay(v0, transport.sent["a2"]), v1)
+    assert same(replay(v0, payloads), v1)
     await svc.update_baseline("a2", CommitRecord(1, "g2"))
 
 
 async def test_transport_failure_surfaces(service) -> None:  # type: ignore[no-untyped-def]
-    svc, transport = service
+    svc, links = service
     svc.stage_candidate(1, lambda: list(chunk_export(bump(state(0), 3).items(), 20000)))
-    transport.fail_after = 0
+    links.down.add("a1")
     await svc.start(plan("a1", "mixed"))
     with pytest.raises(EndpointError, match="link down"):
         await svc.wait_sent("a1")
@@ -170,7 +187,7 @@ async def test_a_retry_whose_send_fails_reports_the_send_failure_and_can_retry_a
     """The link fails during an overwrite retry rebuilt from a complete pending delta: the
     attempt fails with the link's error (not a compare error of a needless re-export), and the
     next retry still sends every overwrite from the same delta."""
-    svc, transport = service
+    svc, links = service
     v0, v1 = state(0), bump(state(0), 4)
     exports = []
 
@@ -181,15 +198,14 @@ async def test_a_retry_whose_send_fails_reports_the_send_failure_and_can_retry_a
     svc.stage_candidate(1, export)
     await svc.start(plan("a1", "mixed"))
     await svc.wait_sent("a1")
-    transport.fail_after = 0
+    links.down.add("a2")
     await svc.start(plan("a2", "overwrite"))
     with pytest.raises(EndpointError, match="link down"):
         await svc.wait_sent("a2")
-    transport.fail_after = None
     await svc.start(plan("a3", "overwrite"))
     await svc.wait_sent("a3")
     assert exports == [1]  # both retries rebuilt from the pending delta
-    assert same(replay(v0, transport.sent["a3"]), v1)
+    assert same(replay(v0, links.delivery.payloads("a3")), v1)
     await svc.update_baseline("a3", CommitRecord(1, "g3"))
 
 
@@ -209,17 +225,18 @@ class RecordingObserver:
         self.calls.append(("baseline_updated", attempt, record))
 
 
-async def test_observer_sees_the_calls_that_bound_a_transition(tmp_path: Path) -> None:
+async def test_observer_sees_the_calls_that_bound_a_transition(
+    tmp_path: Path, delivery: S3Delivery
+) -> None:
     """The hook the refit bench times the paper's window with: start, sent, baseline update,
     each once (a repeated baseline update is not reported again)."""
-    transport = RecordingTransportFake()
     observer = RecordingObserver()
     baseline = SourceBaseline(
         producer=0, producers=1, config=BaselineConfig(directory=tmp_path, export_chunk_bytes=20000)
     )
     baseline.load_initial(chunk_export(state(0).items(), 20000))
     try:
-        svc = ProducerService(baseline, transport, observer=observer)
+        svc = ProducerService(baseline, delivery.factory(baseline), observer=observer)
         svc.stage_candidate(1, lambda: list(chunk_export(bump(state(0), 4).items(), 20000)))
         await svc.start(plan("a1", "mixed"))
         report = await svc.wait_sent("a1")
@@ -227,7 +244,7 @@ async def test_observer_sees_the_calls_that_bound_a_transition(tmp_path: Path) -
         await svc.update_baseline("a1", CommitRecord(1, "g1"))
     finally:
         baseline.close()
-    assert report.payloads > 0
+    assert report.payloads == len(delivery.payloads("a1")) > 0
     assert observer.calls == [
         ("started", "a1", 1),
         ("sent", "a1", report.payloads),

@@ -1,5 +1,6 @@
 """Real trainer sidecars for tests: producer services on real sockets, each with a shared-memory
-inbox, and a stand-in coordinator that drives a transition once every producer staged it."""
+inbox, sending over the real S3 transport to a real receiver node (`tests.harness.s3_payloads`),
+and a stand-in coordinator that drives a transition once every producer staged it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.producer.staging import StagingConfig
 from refit_sidecar.trainer.publisher import PublisherConfig
-from tests.sidecar.producer.test_service import RecordingTransportFake
+from tests.harness.s3_payloads import S3Delivery, shared_s3
 
 TOKEN = "trainer-test-token"
 
@@ -30,7 +31,7 @@ TOKEN = "trainer-test-token"
 class Sidecar:
     url: str
     service: ProducerService
-    transport: RecordingTransportFake
+    delivery: S3Delivery
     inbox: Path
 
     def publisher_config(self, **overrides: object) -> PublisherConfig:
@@ -45,7 +46,8 @@ class Sidecar:
         return PublisherConfig.model_validate(fields)
 
     def payloads(self, attempt: str) -> list[EncodedPayload]:
-        return list(self.transport.sent.get(attempt, []))
+        """What this producer delivered for `attempt`, read back from the bucket."""
+        return self.delivery.payloads(attempt, self.service.producer)
 
 
 def shm_root() -> Path:
@@ -69,6 +71,7 @@ async def serve_sidecars(
     root = shm_root()
     runners: list[web.AppRunner] = []
     sidecars: list[Sidecar] = []
+    delivery = S3Delivery(shared_s3())
     try:
         for p in range(producers):
             baseline = SourceBaseline(
@@ -78,14 +81,16 @@ async def serve_sidecars(
                     directory=tmp / f"baseline{p}", export_chunk_bytes=chunk_bytes
                 ),
             )
-            transport = RecordingTransportFake()
             staging = StagingConfig(
                 inbox=root / f"p{p}",
                 candidate_dir=tmp / f"candidate{p}",
                 reference_checkpoint=reference,
             )
             service = ProducerService(
-                baseline, transport, committed=committed or CommitRecord(0, "g0"), staging=staging
+                baseline,
+                delivery.factory(baseline),
+                committed=committed or CommitRecord(0, "g0"),
+                staging=staging,
             )
             runner = web.AppRunner(create_producer_app(service, token=TOKEN))
             await runner.setup()
@@ -93,7 +98,7 @@ async def serve_sidecars(
             await site.start()
             runners.append(runner)
             port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            sidecars.append(Sidecar(f"http://127.0.0.1:{port}", service, transport, root / f"p{p}"))
+            sidecars.append(Sidecar(f"http://127.0.0.1:{port}", service, delivery, root / f"p{p}"))
         yield sidecars
     finally:
         for runner in runners:
@@ -101,6 +106,7 @@ async def serve_sidecars(
         for s in sidecars:
             s.service.baseline.close()
             s.service.close_staging()
+        delivery.close()
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -1,0 +1,245 @@
+"""Payload delivery through the real parts, for tests that inspect what a producer emitted.
+
+`S3Delivery` gives producers the real `S3Transport`: each payload is uploaded to a real SeaweedFS
+and announced to a real receiver node (`ReceiverNode`, in this process, on its own event-loop
+thread), which downloads it and checks its digest before the send completes.
+The node takes the attempt in async mode (`sync=False`): it holds the verified bytes and applies
+nothing, so a test needs no gate, apply or flush. The test then reads the attempt's objects back
+(`payloads`) and applies them itself, as a receiver would.
+
+One receiver node per attempt, holding the attempt's `from_version`: every attempt is admitted
+however the test sequences them (retries from the same version, transitions one after another).
+
+The SeaweedFS server is one per test process (`shared_s3`), started on first use and stopped at
+exit: helpers outside fixtures (`tests/sidecar/trainer/sidecars.py`) need it too. It has one
+payload bucket; each `S3Delivery` works below a fresh key prefix of it, which `close` empties (a
+fresh bucket per test would cost SeaweedFS a volume allocation, about a second, on first write).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import SecretStr
+
+from refit_protocol.commit import AttemptMode
+from refit_protocol.producer_api import AttemptPlan
+from refit_protocol.receiver_api import PrepareRequest
+from refit_protocol.tensors import TensorMetaModel
+from refit_sidecar.baseline.source import SourceBaseline
+from refit_sidecar.codec.dtypes import dtype_name
+from refit_sidecar.codec.records import TensorMeta
+from refit_sidecar.codec.wire import EncodedPayload, read_preamble
+from refit_sidecar.receiver.appliers.inprocess import InProcessApplier
+from refit_sidecar.receiver.config import ReceiverConfig
+from refit_sidecar.receiver.node import ReceiverNode
+from refit_sidecar.transport.base import Transport
+from refit_sidecar.transport.s3 import (
+    S3Config,
+    S3Transport,
+    S3TransportConfig,
+    attempt_prefix,
+    delete_prefix,
+    make_client,
+    object_key,
+)
+from tests.harness.receivers import Ctl
+from tests.harness.s3 import S3Server, start_s3
+from tests.sidecar.receiver.models import TinyModel
+
+BUCKET = "kuberefit-payloads"
+
+_server: S3Server | None = None
+_server_lock = threading.Lock()
+
+
+def shared_s3() -> S3Server:
+    """This process's SeaweedFS with the bucket `BUCKET` (logs below $KUBEREFIT_ARTIFACTS when
+    set), started on first use."""
+    global _server
+    with _server_lock:
+        if _server is None or not _server.process.alive():
+            artifacts = os.environ.get("KUBEREFIT_ARTIFACTS")
+            root = Path(artifacts) if artifacts else Path(tempfile.mkdtemp(prefix="kuberefit-"))
+            server = start_s3(root / f"s3-payloads-{os.getpid()}")
+            atexit.register(_stop, server, None if artifacts else root)
+            server.client().create_bucket(Bucket=BUCKET)
+            _server = server
+        return _server
+
+
+def _stop(server: S3Server, remove: Path | None) -> None:
+    server.process.stop(grace=5)
+    if remove is not None:
+        shutil.rmtree(remove, ignore_errors=True)
+
+
+def s3_delivery() -> Iterator[S3Delivery]:
+    """Body of a `delivery` fixture: a fresh key prefix (and receivers) per test."""
+    delivery = S3Delivery(shared_s3())
+    try:
+        yield delivery
+    finally:
+        delivery.close()
+
+
+class S3Delivery:
+    """Real S3 transports below a fresh key prefix, with one real receiver node per attempt."""
+
+    def __init__(self, server: S3Server) -> None:
+        self.config = S3Config(
+            bucket=BUCKET,
+            prefix="payloads-" + secrets.token_hex(6),
+            endpoint_url=server.endpoint_url,
+            access_key_id=SecretStr(server.access_key),
+            secret_access_key=SecretStr(server.secret_key),
+            addressing_style="path",
+        )
+        self.client: Any = make_client(self.config)
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._nodes: dict[str, ReceiverNode] = {}
+        self._transports: dict[tuple[str, int], S3Transport] = {}
+
+    # -- producers' side ------------------------------------------------------------------------
+    def transport(
+        self,
+        attempt: str,
+        baseline: SourceBaseline,
+        *,
+        mode: AttemptMode = "mixed",
+        from_version: int = 0,
+        target_version: int = 1,
+    ) -> S3Transport:
+        """The S3 transport of `baseline`'s producer for `attempt`, whose receiver node is
+        prewarmed with the baseline's tensors and prepared for all its producers."""
+        with self._lock:
+            if attempt not in self._nodes:
+                self._nodes[attempt] = self._receiver(
+                    attempt,
+                    baseline.metadata,
+                    mode=mode,
+                    producers=list(range(baseline.producers)),
+                    from_version=from_version,
+                    target_version=target_version,
+                )
+            key = (attempt, baseline.producer)
+            if key not in self._transports:
+                node = self._nodes[attempt]
+                self._transports[key] = S3Transport(
+                    S3TransportConfig(
+                        s3=self.config,
+                        receivers=[f"http://127.0.0.1:{node.port}"],
+                        producer=baseline.producer,
+                    ),
+                    client=self.client,
+                )
+            return self._transports[key]
+
+    def factory(self, baseline: SourceBaseline) -> Callable[[AttemptPlan], Transport]:
+        """`ProducerService`'s transport factory: each plan's attempt through `transport`."""
+
+        def transport_for(plan: AttemptPlan) -> Transport:
+            return self.transport(
+                plan.attempt,
+                baseline,
+                mode=plan.mode,
+                from_version=plan.from_version,
+                target_version=plan.target_version,
+            )
+
+        return transport_for
+
+    # -- what arrived ---------------------------------------------------------------------------
+    def payloads(self, attempt: str, producer: int | None = None) -> list[EncodedPayload]:
+        """The attempt's payload objects in the bucket (of one producer, or all), by producer
+        and payload id. Each object's key must name the identity and digest its bytes carry."""
+        prefix = attempt_prefix(self.config, attempt)
+        if producer is not None:
+            prefix += f"p{producer}/"
+        out = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.config.bucket, Prefix=prefix
+        ):
+            for obj in page.get("Contents", []):
+                body = self.client.get_object(Bucket=self.config.bucket, Key=obj["Key"])
+                data: bytes = body["Body"].read()
+                pre = read_preamble(memoryview(data))
+                h = pre.header
+                expected = object_key(
+                    self.config, attempt, h.producer, h.payload_id, pre.digest.hex()
+                )
+                assert (h.attempt, obj["Key"]) == (attempt, expected), (h, obj["Key"])
+                out.append(EncodedPayload(h, data, pre.digest))
+        return sorted(out, key=lambda p: (p.header.producer, p.header.payload_id))
+
+    # -- receivers ------------------------------------------------------------------------------
+    def _receiver(
+        self,
+        attempt: str,
+        metas: Mapping[str, TensorMeta],
+        *,
+        mode: AttemptMode,
+        producers: list[int],
+        from_version: int,
+        target_version: int,
+    ) -> ReceiverNode:
+        loop = self._event_loop()
+        model = TinyModel({m.name: torch.zeros(m.shape, dtype=m.dtype) for m in metas.values()})
+        node = ReceiverNode(
+            ReceiverConfig(node=f"r-{attempt}", port=0, held_version=from_version, s3=self.config),
+            InProcessApplier(model),
+        )
+        asyncio.run_coroutine_threadsafe(node.start(), loop).result(30)
+        ctl = Ctl(f"http://127.0.0.1:{node.port}", None)
+        ctl.prewarm(
+            [
+                TensorMetaModel(name=m.name, shape=m.shape, dtype=dtype_name(m.dtype))
+                for m in metas.values()
+            ]
+        )
+        prepared = ctl.prepare(
+            PrepareRequest(
+                attempt=attempt,
+                from_version=from_version,
+                target_version=target_version,
+                mode=mode,
+                sync=False,  # hold the verified bytes; the test applies what it reads back
+                producers=producers,
+            )
+        )
+        assert prepared.accepted, prepared.reason
+        return node
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(
+                target=loop.run_forever, name="s3-delivery-receivers", daemon=True
+            )
+            self._thread.start()
+            self._loop = loop
+        return self._loop
+
+    def close(self) -> None:
+        for t in self._transports.values():
+            t.close()
+        if self._loop is not None:
+            for node in self._nodes.values():
+                asyncio.run_coroutine_threadsafe(node.close(), self._loop).result(30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            assert self._thread is not None
+            self._thread.join(10)
+            self._loop.close()
+        delete_prefix(self.client, self.config.bucket, self.config.prefix + "/")
