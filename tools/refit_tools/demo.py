@@ -38,6 +38,11 @@ class DemoError(RuntimeError):
 
 @dataclass
 class TransitionRow:
+    """One version's transition. `node_fingerprints` is raw evidence, not a verdict: each live
+    node's own `refit_fingerprint` (one per rank) once the version is done (a restarted node
+    after its restore), so callers can check the nodes against a dense load of their own
+    rather than trust `bit_exact` (the demo's comparison with its reference server)."""
+
     version: int
     outcome: str
     attempts: int
@@ -48,6 +53,7 @@ class TransitionRow:
     latency_s: float
     bit_exact: bool
     retired: list[str] = field(default_factory=list)
+    node_fingerprints: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -338,6 +344,11 @@ async def _run(
                         f"[demo]   verify v{version}: {audit.nodes} node(s) {verdict} "
                         f"({audit.seconds:.2f}s)" + "".join(f"; {p}" for p in audit.problems)
                     )
+                row.node_fingerprints = {
+                    n.name: [str(fp) for fp in n.rpc("refit_fingerprint")]
+                    for n in nodes
+                    if n.alive()
+                }
     finally:
         if transports is not None:
             transports.close()
