@@ -13,12 +13,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 #: Same-width integer dtype by element size: bits are read as integers, never as floats.
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _EXPECTED = "EXPECTED-FINGERPRINTS "
+#: The demo's run and the test's own cold start: the test's pytest limit is their sum.
+DEMO_TIMEOUT_S, COLD_START_TIMEOUT_S = 1200, 600
 
 
 def _bits_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -57,11 +60,13 @@ def _cold_start_digests(checkpoint: Path) -> list[str]:
     engine that loads the checkpoint at startup with vLLM's own loader (none of KubeRefit's
     apply, restore or dense-load code), digested per rank by `_model_digest`. It runs in a child
     process with the engine in-process there (the digest runs on the model itself, nothing is
-    pickled), in the nodes' layout (the unpacked CPU weights the demo's servers use)."""
+    pickled), in the nodes' layout (the unpacked CPU weights the demo's servers use). That layout
+    switch is KubeRefit's own patch of vLLM's CPU weight packing: both sides share it."""
     from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
 
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     env[ENV_SWITCH] = "1"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     code = "import sys, tests.test_local_mode as t; t._print_cold_start_digests(sys.argv[1])"
     out = subprocess.run(
@@ -70,7 +75,7 @@ def _cold_start_digests(checkpoint: Path) -> list[str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=COLD_START_TIMEOUT_S,
         check=False,
     )
     assert out.returncode == 0, out.stderr[-4000:]
@@ -103,6 +108,7 @@ def _check_against_own_dense_load(summary: dict[str, Any], workdir: Path, nodes:
     _check_nodes_hold(rows, _cold_start_digests(checkpoint), nodes)
 
 
+@pytest.mark.timeout(DEMO_TIMEOUT_S + COLD_START_TIMEOUT_S + 60)
 def test_demo_recovers_from_killed_nodes_bit_exactly(tmp_path: Path) -> None:
     out = subprocess.run(
         [
@@ -124,7 +130,7 @@ def test_demo_recovers_from_killed_nodes_bit_exactly(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=DEMO_TIMEOUT_S,
         check=False,
     )
     assert out.returncode == 0, out.stderr[-4000:]
@@ -148,6 +154,7 @@ def test_demo_recovers_from_killed_nodes_bit_exactly(tmp_path: Path) -> None:
     _check_against_own_dense_load(summary, tmp_path, nodes=2)
 
 
+@pytest.mark.timeout(DEMO_TIMEOUT_S + COLD_START_TIMEOUT_S + 60)
 def test_demo_over_s3_in_async_mode(tmp_path: Path) -> None:
     """The same local deployment with payloads through a real SeaweedFS S3 server, async RL
     (staged while the engines serve), and one node SIGKILLed mid-refit."""
@@ -172,7 +179,7 @@ def test_demo_over_s3_in_async_mode(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=DEMO_TIMEOUT_S,
         check=False,
     )
     assert out.returncode == 0, out.stderr[-4000:]

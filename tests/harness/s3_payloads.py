@@ -1,11 +1,12 @@
 """Payload delivery through the real parts, for tests that inspect what a producer emitted.
 
 `S3Delivery` gives producers the real `S3Transport`: each payload is uploaded to a real SeaweedFS
-and announced to a real receiver node (`ReceiverNode`, in this process, on its own event-loop
-thread), which downloads it and checks its digest before the send completes.
-The node takes the attempt in async mode (`sync=False`): it holds the verified bytes and applies
-nothing, so a test needs no gate, apply or flush. The test then reads the attempt's objects back
-(`payloads`) and applies them itself, as a receiver would.
+and its manifest entry announced to a real receiver node (`ReceiverNode`, in this process, on its
+own event-loop thread), which stages it and then downloads it and checks its digest in the
+background. The node takes the attempt in async mode (`sync=False`): it holds the verified bytes
+and applies nothing, so a test needs no gate, apply or flush. The test then reads the attempt's
+objects back (`payloads`, which first waits, against a deadline, until the node has verified
+every one of them without an error) and applies them itself, as a receiver would.
 
 One receiver node per attempt, holding the attempt's `from_version`: every attempt is admitted
 however the test sequences them (retries from the same version, transitions one after another).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import os
 import secrets
 import shutil
@@ -53,6 +55,7 @@ from refit_sidecar.transport.s3 import (
     make_client,
     object_key,
 )
+from tests.harness.operator_env import wait_for
 from tests.harness.receivers import Ctl
 from tests.harness.s3 import S3Server, start_s3
 from tests.sidecar.receiver.models import TinyModel
@@ -126,7 +129,7 @@ class S3Delivery:
         prewarmed with the baseline's tensors and prepared for all its producers."""
         with self._lock:
             if attempt not in self._nodes:
-                self._nodes[attempt] = self._receiver(
+                self._receiver(
                     attempt,
                     baseline.metadata,
                     mode=mode,
@@ -182,7 +185,20 @@ class S3Delivery:
                 )
                 assert (h.attempt, obj["Key"]) == (attempt, expected), (h, obj["Key"])
                 out.append(EncodedPayload(h, data, pre.digest))
+        if producer is None and out and attempt in self._nodes:  # (none left after a cleanup)
+            self._wait_verified(attempt, len(out))
         return sorted(out, key=lambda p: (p.header.producer, p.header.payload_id))
+
+    def _wait_verified(self, attempt: str, n: int) -> None:
+        """The attempt's receiver has downloaded and checked all `n` payloads, refusing none."""
+        ctl = Ctl(f"http://127.0.0.1:{self._nodes[attempt].port}", None)
+
+        def verified() -> bool:
+            status = ctl.status()
+            assert status.errors == [], status.errors
+            return status.staged == n
+
+        wait_for(f"the receiver of {attempt} verified {n} payloads", verified, timeout=60)
 
     # -- receivers ------------------------------------------------------------------------------
     def _receiver(
@@ -194,7 +210,7 @@ class S3Delivery:
         producers: list[int],
         from_version: int,
         target_version: int,
-    ) -> ReceiverNode:
+    ) -> None:
         loop = self._event_loop()
         model = TinyModel({m.name: torch.zeros(m.shape, dtype=m.dtype) for m in metas.values()})
         node = ReceiverNode(
@@ -202,6 +218,7 @@ class S3Delivery:
             InProcessApplier(model),
         )
         asyncio.run_coroutine_threadsafe(node.start(), loop).result(30)
+        self._nodes[attempt] = node  # closed by `close` even if prewarm or prepare fails
         ctl = Ctl(f"http://127.0.0.1:{node.port}", None)
         ctl.prewarm(
             [
@@ -220,7 +237,6 @@ class S3Delivery:
             )
         )
         assert prepared.accepted, prepared.reason
-        return node
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -233,13 +249,23 @@ class S3Delivery:
         return self._loop
 
     def close(self) -> None:
-        for t in self._transports.values():
-            t.close()
-        if self._loop is not None:
-            for node in self._nodes.values():
-                asyncio.run_coroutine_threadsafe(node.close(), self._loop).result(30)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            assert self._thread is not None
-            self._thread.join(10)
-            self._loop.close()
-        delete_prefix(self.client, self.config.bucket, self.config.prefix + "/")
+        """Transports, nodes, the loop and the key prefix: each released even if one fails."""
+        with contextlib.ExitStack() as stack:
+            stack.callback(delete_prefix, self.client, self.config.bucket, self.config.prefix + "/")
+            if self._loop is not None:
+                stack.callback(self._stop_loop, self._loop)
+                for node in self._nodes.values():
+                    stack.callback(self._close_node, node, self._loop)
+            for t in self._transports.values():
+                stack.callback(t.close)
+
+    @staticmethod
+    def _close_node(node: ReceiverNode, loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.run_coroutine_threadsafe(node.close(), loop).result(30)
+
+    def _stop_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.call_soon_threadsafe(loop.stop)
+        assert self._thread is not None
+        self._thread.join(30)
+        if not self._thread.is_alive():
+            loop.close()

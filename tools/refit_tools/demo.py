@@ -41,7 +41,8 @@ class TransitionRow:
     """One version's transition. `node_fingerprints` is raw evidence, not a verdict: each live
     node's own `refit_fingerprint` (one per rank) once the version is done (a restarted node
     after its restore), so callers can check the nodes against a dense load of their own
-    rather than trust `bit_exact` (the demo's comparison with its reference server)."""
+    rather than trust `bit_exact` (the demo's comparison with its reference server). Empty for
+    a version that was not committed."""
 
     version: int
     outcome: str
