@@ -534,21 +534,25 @@ def _start_producer(
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C, so namespaces and processes are cleaned up either way."""
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGINT raise KeyboardInterrupt at once, so namespaces and processes are
+    cleaned up either way. SIGINT too: left to `asyncio.run`, the first Ctrl-C only cancels the
+    main task, and a cancellation lost in a race (Python 3.11's `wait_for`) let the bench run on
+    to the end and exit 0 (found by the suite under load)."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     except ValueError:  # not the main thread: leave signals alone
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print) -> dict[str, Any]:
@@ -568,7 +572,7 @@ def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print)
     link: Link | None = None
     nodes: BenchNodes | None = None
     try:
-        with _sigterm_interrupts():
+        with _signals_interrupt():
             link = create_link(cfg.link_mbit, trainer_control=True)
             say(
                 f"[bench refit] H = {workload.nbytes / MIB:.1f} MiB ({len(workload.layout())} "
