@@ -36,6 +36,7 @@ import pytest
 
 from refit_protocol.producer_api import PRODUCER_PREFIX
 from refit_protocol.receiver_api import API_PREFIX
+from refit_protocol.service_http import Readiness
 from refit_tools.local.nodes import LocalNode
 from refit_tools.local.procs import ManagedProcess, free_ports
 from refit_tools.local.trainer_pod import LocalTrainerPod
@@ -242,6 +243,15 @@ def _status(url: str, body: bytes, token: str | None) -> int:
         return int(exc.code)
 
 
+def _readiness(base: str) -> Readiness:
+    """A sidecar's `/readyz` answer, ready (200) or not (503, its body says why)."""
+    try:
+        with urllib.request.urlopen(base + "/readyz", timeout=30) as resp:
+            return Readiness.model_validate_json(resp.read())
+    except urllib.error.HTTPError as exc:
+        return Readiness.model_validate_json(exc.read())
+
+
 def _get_json(url: str, token: str) -> dict[str, Any]:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=10) as resp:
@@ -298,6 +308,12 @@ def test_operator_journey(world: World) -> None:
     other = json.dumps({"method": "load_model", "args": []}).encode()
     assert _status(server + "/kuberefit/v1/rpc", other, env.token) == 403
     assert _status(server + "/kuberefit/v1/rpc", rpc, env.token) == 200
+    # The receiver's /readyz against that real server: vLLM answers and runs the refit
+    # extension (the failing cases are injected in tests/sidecar/receiver/test_readiness.py).
+    ready = _readiness(alpha.rollouts[0].url)
+    assert ready.ready, ready
+    assert ready.checks["vllm"].detail.endswith(": engine healthy"), ready
+    assert ready.checks["refit_extension"].detail.endswith(" loaded"), ready
 
     # v2: the operator is SIGKILLed while the attempt streams; its restart takes it over.
     worker = _worker(alpha.rollouts[1])

@@ -11,24 +11,19 @@ every one of them without an error) and applies them itself, as a receiver would
 One receiver node per attempt, holding the attempt's `from_version`: every attempt is admitted
 however the test sequences them (retries from the same version, transitions one after another).
 
-The SeaweedFS server is one per test process (`shared_s3`), started on first use and stopped at
-exit: helpers outside fixtures (`tests/sidecar/trainer/sidecars.py`) need it too. It has one
-payload bucket; each `S3Delivery` works below a fresh key prefix of it, which `close` empties (a
-fresh bucket per test would cost SeaweedFS a volume allocation, about a second, on first write).
+The SeaweedFS server is the session's `s3` fixture, with one payload bucket (`BUCKET`, made by the
+`payload_s3` fixture of `tests/sidecar/conftest.py`). Each `S3Delivery` works below a fresh key
+prefix of it, which `close` empties (a fresh bucket per test would cost SeaweedFS a volume
+allocation, about a second, on first write).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
-import os
 import secrets
-import shutil
-import tempfile
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -57,49 +52,17 @@ from refit_sidecar.transport.s3 import (
 )
 from tests.harness.operator_env import wait_for
 from tests.harness.receivers import Ctl
-from tests.harness.s3 import S3Server, start_s3
+from tests.harness.s3 import S3Server
 from tests.sidecar.receiver.models import TinyModel
 
 BUCKET = "kuberefit-payloads"
-
-_server: S3Server | None = None
-_server_lock = threading.Lock()
-
-
-def shared_s3() -> S3Server:
-    """This process's SeaweedFS with the bucket `BUCKET` (logs below $KUBEREFIT_ARTIFACTS when
-    set), started on first use."""
-    global _server
-    with _server_lock:
-        if _server is None or not _server.process.alive():
-            artifacts = os.environ.get("KUBEREFIT_ARTIFACTS")
-            root = Path(artifacts) if artifacts else Path(tempfile.mkdtemp(prefix="kuberefit-"))
-            server = start_s3(root / f"s3-payloads-{os.getpid()}")
-            atexit.register(_stop, server, None if artifacts else root)
-            server.client().create_bucket(Bucket=BUCKET)
-            _server = server
-        return _server
-
-
-def _stop(server: S3Server, remove: Path | None) -> None:
-    server.process.stop(grace=5)
-    if remove is not None:
-        shutil.rmtree(remove, ignore_errors=True)
-
-
-def s3_delivery() -> Iterator[S3Delivery]:
-    """Body of a `delivery` fixture: a fresh key prefix (and receivers) per test."""
-    delivery = S3Delivery(shared_s3())
-    try:
-        yield delivery
-    finally:
-        delivery.close()
 
 
 class S3Delivery:
     """Real S3 transports below a fresh key prefix, with one real receiver node per attempt."""
 
     def __init__(self, server: S3Server) -> None:
+        """`server` must hold the bucket `BUCKET` (the `payload_s3` fixture's does)."""
         self.config = S3Config(
             bucket=BUCKET,
             prefix="payloads-" + secrets.token_hex(6),

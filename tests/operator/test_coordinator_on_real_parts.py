@@ -5,7 +5,8 @@ itself against a dense load of the target it builds, never against a label or a 
 
 One receiver runs `PartialApplyFault`: on one version's first attempt it raises after applying
 part of the payloads, leaving partial writes. The overwrite retry must end at the dense target's
-bits on every node."""
+bits on every node. Version 1 is the coordinator's happy path: one mixed attempt through every
+phase, each node serving the committed version afterwards."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from refit_operator.commit_store.sqlite import SqliteCommitStore
-from refit_operator.coordinator import Coordinator, CoordinatorConfig, TransitionProgress
+from refit_operator.coordinator import Coordinator, CoordinatorConfig
 from refit_operator.http_membership import HttpMembership, NodeEndpoint
 from refit_protocol.commit import CommitRecord
 from refit_protocol.keys import payload_mac_key
@@ -36,6 +37,7 @@ from refit_sidecar.transport.relay.transport import RelayTransportConfig
 from refit_sidecar.transport.selector import TransportSelector
 from tests.harness.operator_env import REPO
 from tests.harness.receivers import Cluster, start_cluster
+from tests.operator.fakes import RecordingSink
 from tests.sidecar.receiver.models import (
     RecordingApplier,
     TinyModel,
@@ -48,6 +50,7 @@ from tests.sidecar.receiver.models import (
 
 SEED, TENSORS, NUMEL = 0, 8, 4096
 FAULTY_VERSION = 2  # the version whose first attempt fails part-way on node 1
+HAPPY_PHASES = ("Preparing", "Streaming", "Committing", "Finalizing", "Committed")
 
 
 class PartialApplyFault(RecordingApplier):
@@ -89,11 +92,6 @@ def applier(i: int, log: Path) -> dict[str, Any]:
         "factory": "tests.sidecar.receiver.models:recording_applier",
         "options": {"log_path": str(log), "seed": SEED, "tensors": TENSORS, "numel": NUMEL},
     }
-
-
-class _Progress:
-    async def update(self, progress: TransitionProgress) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +136,7 @@ async def test_overwrite_retry_ends_at_the_dense_targets_bits(
     producer = _producer(tmp_path, cluster.token, states[0])
     store = SqliteCommitStore(tmp_path / "store.sqlite", "real")
     await store.initialize(CommitRecord(0, "g-initial"))
+    sink = RecordingSink()
     try:
         async with aiohttp.ClientSession() as session:
             membership = HttpMembership(
@@ -151,7 +150,7 @@ async def test_overwrite_retry_ends_at_the_dense_targets_bits(
                 store,
                 [producer],
                 membership,
-                _Progress(),
+                sink,
                 CoordinatorConfig(control_timeout_s=30.0, flush_timeout_s=60.0),
             )
             await coordinator.start()
@@ -159,11 +158,24 @@ async def test_overwrite_retry_ends_at_the_dense_targets_bits(
             for v in range(1, 4):
                 state = states[v]
                 producer.stage_candidate(v, lambda s=state: chunk_export(s.items(), 8 * NUMEL))
+                seen = len(sink.phases)
                 results.append(await coordinator.run_transition())
+                phases = sink.phases[seen:]  # this transition's
+                assert (results[-1].outcome, results[-1].version) == ("committed", v)
+                assert (await store.read()).record.version == v
+                assert phases.count("Preparing") == results[-1].attempts, phases
+                assert phases[-2:] == ["Finalizing", "Committed"], phases
                 dense = fingerprint(state)  # the test's own dense load of the target
                 for node in cluster.nodes:
                     got = _last_fingerprint(node.applied_log, f"-v{v}-")
                     assert got == dense, f"{node.name} at v{v}: not the dense target's bits"
+                    status = node.ctl.status()  # told of the commit, serving again
+                    assert (status.held_version, status.gate_closed) == (v, False), status
+                    assert status.errors == [], status.errors
+                if v == 1:  # the happy path: one mixed attempt through every phase
+                    assert phases == [*HAPPY_PHASES], phases
+                    assert results[-1].attempts == 1
+                assert producer.committed == (await store.read()).record
         assert [r.outcome for r in results] == ["committed"] * 3
         assert results[0].modes == ["mixed"]
         # v2: node 1 wrote part of the payloads and failed; the retry repaired it in overwrite.

@@ -37,7 +37,7 @@ from refit_sidecar.codec import (
 )
 from refit_sidecar.pipeline import Bucketer, PipelineConfig, PipelineError, ProducerPipeline
 from refit_sidecar.transport import Transport, TransportSummary
-from tests.harness.s3_payloads import S3Delivery, s3_delivery
+from tests.harness.s3_payloads import S3Delivery
 
 LIMIT = 4096
 
@@ -110,11 +110,6 @@ class BlockingTransportFake(_InMemoryFake):
     def send(self, attempt: str, payload: EncodedPayload) -> None:
         self.release.wait(10)
         super().send(attempt, payload)
-
-
-@pytest.fixture
-def delivery() -> Iterator[S3Delivery]:
-    yield from s3_delivery()
 
 
 def _export(n: int = 24, seed: int = 0) -> list[tuple[str, torch.Tensor]]:

@@ -17,8 +17,6 @@ from refit_protocol.keys import payload_mac_key
 from refit_sidecar.baseline import BaselineConfig, SourceBaseline, chunk_export
 from refit_sidecar.codec import (
     AuthenticationError,
-    DecodedPayload,
-    EncodedPayload,
     Item,
     Op,
     TensorMeta,
@@ -29,54 +27,39 @@ from refit_sidecar.codec import (
 from refit_sidecar.pipeline import ProducerPipeline
 from refit_sidecar.producer.main import ProducerProcessConfig, build
 from refit_sidecar.receiver.appliers.base import StagedPayload
+from refit_sidecar.receiver.appliers.inprocess import InProcessApplier
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode
 from refit_sidecar.receiver.state import PayloadIdent
 from refit_sidecar.receiver.validate import decode_and_stage
-from refit_sidecar.transport import TransportSummary
+from tests.harness.s3_payloads import S3Delivery
 from tests.sidecar.codec.craft import HEADER, KEY, OTHER_KEY
+from tests.sidecar.receiver.models import TinyModel
 
 TOKEN = "policy-token"
 META = TensorMeta("w", (64,), torch.float32)
 
 
-class _Sink:
-    """An in-memory transport: keeps what is sent."""
-
-    def __init__(self) -> None:
-        self.sent: list[EncodedPayload] = []
-
-    def send(self, attempt: str, payload: EncodedPayload) -> None:
-        self.sent.append(payload)
-
-    def stop_and_wait(self, attempt: str) -> TransportSummary:
-        return TransportSummary(attempt, len(self.sent), sum(p.size for p in self.sent), 0)
-
-    def cleanup(self, attempt: str) -> None:
-        self.sent.clear()
+def _applier() -> InProcessApplier:
+    """The real in-process applier over a one-tensor model holding `META`."""
+    return InProcessApplier(TinyModel({META.name: torch.zeros(META.shape, dtype=META.dtype)}))
 
 
-class _Applier:
-    """Stages what it is given; nothing else is called here."""
-
-    def stage(self, decoded: DecodedPayload) -> StagedPayload:
-        return StagedPayload(decoded.header, 0, decoded.items)
-
-    def close(self) -> None:
-        pass
-
-
-def test_a_keyed_pipeline_seals_every_payload() -> None:
+def test_a_keyed_pipeline_seals_every_payload(delivery: S3Delivery) -> None:
     v0 = [(f"t{i}", torch.randn(16, 16)) for i in range(6)]
     v1 = [(n, t + 1) for n, t in v0]
     baseline = SourceBaseline(
         producer=0, producers=1, config=BaselineConfig(export_chunk_bytes=2048, in_memory=True)
     )
     baseline.load_initial(chunk_export(v0, 2048))
-    sink = _Sink()
-    ProducerPipeline(baseline, sink, mac_key=KEY).run("a1", chunk_export(v1, 2048))
-    assert sink.sent
-    for p in sink.sent:
+    transport = delivery.transport("a1", baseline)  # the real S3 transport
+    ProducerPipeline(baseline, transport, mac_key=KEY).run("a1", chunk_export(v1, 2048))
+    summary = transport.stop_and_wait("a1")
+    assert summary.errors == ()
+    sent = delivery.payloads("a1")  # read back from the bucket
+    assert sent
+    assert len(sent) == summary.payloads_sent
+    for p in sent:
         verify_mac(p.body, KEY)
         assert decode_payload(p.body, mac_key=KEY, known=baseline.metadata).items
         with pytest.raises(AuthenticationError):
@@ -99,8 +82,8 @@ def test_a_producer_process_with_a_token_seals_with_its_key(tmp_path: Path) -> N
 
 
 def test_a_receiver_node_with_a_token_requires_its_key() -> None:
-    keyed = ReceiverNode(ReceiverConfig(node="n", token=SecretStr(TOKEN)), _Applier())  # type: ignore[arg-type]
-    plain = ReceiverNode(ReceiverConfig(node="n"), _Applier())  # type: ignore[arg-type]
+    keyed = ReceiverNode(ReceiverConfig(node="n", token=SecretStr(TOKEN)), _applier())
+    plain = ReceiverNode(ReceiverConfig(node="n"), _applier())
     try:
         assert keyed.core.intake.mac_keys() == [payload_mac_key(TOKEN)]
         assert plain.core.intake.mac_keys() == []
@@ -119,7 +102,7 @@ def _stage(body: bytes, digest: bytes, key: bytes | None) -> StagedPayload:
         metas={"w": META},
         xor_incompatible=frozenset(),
         unsupported={},
-        applier=_Applier(),  # type: ignore[arg-type]
+        applier=_applier(),
         mac_key=key,
     )
 

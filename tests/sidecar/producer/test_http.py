@@ -4,12 +4,10 @@ wrong token is refused."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from refit_operator.producer_client import HttpProducerClient, all_staged
 from refit_protocol.commit import CommitRecord
@@ -19,34 +17,9 @@ from refit_sidecar.baseline.chunks import chunk_export
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
-from tests.harness.s3_payloads import S3Delivery, s3_delivery
+from tests.harness.s3_payloads import S3Delivery
+from tests.sidecar.producer.http_app import TOKEN, serve_app
 from tests.sidecar.producer.test_service import bump, replay, same, state
-
-TOKEN = "s3cret-token"
-
-
-@pytest.fixture
-def delivery() -> Iterator[S3Delivery]:
-    yield from s3_delivery()
-
-
-@pytest.fixture
-async def served(
-    tmp_path: Path, delivery: S3Delivery
-) -> AsyncIterator[tuple[str, ProducerService]]:
-    baseline = SourceBaseline(
-        producer=0, producers=1, config=BaselineConfig(directory=tmp_path, export_chunk_bytes=20000)
-    )
-    baseline.load_initial(chunk_export(state(0).items(), 20000))
-    service = ProducerService(baseline, delivery.factory(baseline))
-    runner = web.AppRunner(create_producer_app(service, token=TOKEN))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}", service
-    await runner.cleanup()
-    baseline.close()
 
 
 async def test_attempt_over_http(served, delivery: S3Delivery) -> None:  # type: ignore[no-untyped-def]
@@ -122,14 +95,10 @@ async def test_producers_that_chunk_differently_stop_the_coordinator(
         cfg = BaselineConfig(directory=tmp_path / str(p), export_chunk_bytes=size)
         baseline = SourceBaseline(producer=p, producers=2, config=cfg)
         service = ProducerService(baseline, delivery.factory(baseline))
-        runner = web.AppRunner(create_producer_app(service, token=TOKEN))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, url = await serve_app(create_producer_app(service, token=TOKEN))
         runners.append(runner)
         services.append(service)
-        urls.append(f"http://127.0.0.1:{port}")
+        urls.append(url)
     try:
         async with aiohttp.ClientSession() as session:
             clients = [

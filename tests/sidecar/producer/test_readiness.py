@@ -6,12 +6,11 @@ body (`ErrorBody`)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 from pydantic import SecretStr
 from safetensors.torch import save_file
 
@@ -23,26 +22,14 @@ from refit_protocol.metrics import parse_exposition
 from refit_protocol.producer_api import AttemptPlan
 from refit_protocol.service_http import Readiness
 from refit_sidecar.baseline.chunks import chunk_export
-from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.main import ProducerProcessConfig, build, serve
 from refit_sidecar.producer.service import ProducerService
 from tests.harness.procs import free_port
 from tests.harness.readyz import readyz_becomes
-from tests.harness.s3_payloads import S3Delivery, s3_delivery
+from tests.harness.s3_payloads import S3Delivery
+from tests.sidecar.producer.http_app import AUTH, TOKEN, serve_app
 from tests.sidecar.producer.test_service import bump, state
-
-TOKEN = "producer-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
 
 
 def config(tmp_path: Path, reference: Path | None = None) -> ProducerProcessConfig:
@@ -103,26 +90,6 @@ async def test_a_missing_reference_checkpoint_refuses_the_start(tmp_path: Path) 
     missing.mkdir(parents=True)  # a directory without safetensors files
     with pytest.raises(ValueError, match=r"holds no \*\.safetensors files"):
         await serve(config(tmp_path, missing))
-
-
-@pytest.fixture
-def delivery() -> Iterator[S3Delivery]:
-    yield from s3_delivery()
-
-
-@pytest.fixture
-async def served(
-    tmp_path: Path, delivery: S3Delivery
-) -> AsyncIterator[tuple[str, ProducerService]]:
-    baseline = SourceBaseline(
-        producer=0, producers=1, config=BaselineConfig(directory=tmp_path, export_chunk_bytes=20000)
-    )
-    baseline.load_initial(chunk_export(state(0).items(), 20000))
-    service = ProducerService(baseline, delivery.factory(baseline))
-    runner, url = await serve_app(create_producer_app(service, token=TOKEN))
-    yield url, service
-    await runner.cleanup()
-    baseline.close()
 
 
 async def test_metrics_count_an_attempt(

@@ -21,7 +21,7 @@ from refit_sidecar.bits import int_view
 from refit_sidecar.codec import EncodedPayload, Op, apply_item_, decode_payload
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.transport.base import Transport, TransportSummary
-from tests.harness.s3_payloads import S3Delivery, s3_delivery
+from tests.harness.s3_payloads import S3Delivery
 
 
 class LinkDownTransportFake:
@@ -79,11 +79,6 @@ def plan(attempt: str, mode: str) -> AttemptPlan:
         mode=mode,  # type: ignore[arg-type]
         receivers=("r0",),
     )
-
-
-@pytest.fixture
-def delivery() -> Iterator[S3Delivery]:
-    yield from s3_delivery()
 
 
 @pytest.fixture

@@ -75,8 +75,12 @@ async def test_readyz_of_an_in_process_node(
     assert body["checks"]["applier"]["ok"] is True
 
 
-class FakeVllm:
-    """A vLLM server as the receiver sees it: `answer` is what POST .../status returns."""
+class VllmStatusFake:
+    """Fault injection: a vLLM server's answer to POST .../status, set per case (`answer`):
+    servers started without the refit middleware or worker extension, with another token, or
+    whose engine died (states a real server reaches only misconfigured or crashed), and, for
+    contrast, two servers the receiver takes as ready. `tests/test_operator_e2e.py` checks the
+    ready answer of a real vLLM server."""
 
     def __init__(self) -> None:
         self.answer: tuple[int, dict[str, Any]] = (404, {"detail": "Not Found"})
@@ -93,8 +97,8 @@ class FakeVllm:
 
 
 @pytest.fixture
-async def fake_vllm() -> AsyncIterator[FakeVllm]:
-    fake = FakeVllm()
+async def vllm_status() -> AsyncIterator[VllmStatusFake]:
+    fake = VllmStatusFake()
     runner = web.AppRunner(fake.app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -154,15 +158,15 @@ async def fake_vllm() -> AsyncIterator[FakeVllm]:
     ],
 )
 async def test_readiness_says_what_vllm_lacks(
-    fake_vllm: FakeVllm,
+    vllm_status: VllmStatusFake,
     tmp_path: Path,
     answer: tuple[int, dict[str, Any]],
     ready: bool,
     says: str,
 ) -> None:
-    fake_vllm.answer = answer
+    vllm_status.answer = answer
     applier = VllmHttpApplier(
-        ApplierConfig(kind="vllm", vllm_url=fake_vllm.url, shm_dir=tmp_path / "shm")
+        ApplierConfig(kind="vllm", vllm_url=vllm_status.url, shm_dir=tmp_path / "shm")
     )
     try:
         checks = await asyncio.to_thread(applier.readiness_checks)
@@ -171,7 +175,7 @@ async def test_readiness_says_what_vllm_lacks(
     result = Readiness.of(checks)
     assert result.ready is ready, result
     assert any(says in c.detail for c in result.checks.values()), result
-    assert all(fake_vllm.url in c.detail for c in result.checks.values() if not c.ok), result
+    assert all(vllm_status.url in c.detail for c in result.checks.values() if not c.ok), result
 
 
 def _asgi_status(mw: RefitControlMiddleware, app: Any) -> tuple[int, dict[str, Any]]:
@@ -202,7 +206,11 @@ class CombinedExtension(RefitWorkerExtension):
     def my_method(self) -> None: ...
 
 
-class FakeEngine:
+class EngineClientFake:
+    """Fault injection: the engine client the control path's status reads, with a chosen worker
+    extension setting (missing, foreign, not importable here) and, for one case, an engine core
+    that died (a real one dies only by crashing)."""
+
     def __init__(self, extension: str, dead: bool = False) -> None:
         self.dead = dead
         self.vllm_config = SimpleNamespace(
@@ -217,15 +225,15 @@ class FakeEngine:
 @pytest.mark.parametrize(
     ("engine", "healthy", "refit"),
     [
-        (FakeEngine(VLLM_WORKER_EXTENSION), True, True),
-        (FakeEngine(""), True, False),
-        (FakeEngine("collections.OrderedDict"), True, False),  # imports, no refit methods
-        (FakeEngine(f"{__name__}.CombinedExtension"), True, True),  # a user's, with ours
-        (FakeEngine("other.module.Ext"), True, None),  # cannot import it here: cannot tell
-        (FakeEngine(VLLM_WORKER_EXTENSION, dead=True), False, True),
+        (EngineClientFake(VLLM_WORKER_EXTENSION), True, True),
+        (EngineClientFake(""), True, False),
+        (EngineClientFake("collections.OrderedDict"), True, False),  # imports, no refit methods
+        (EngineClientFake(f"{__name__}.CombinedExtension"), True, True),  # a user's, with ours
+        (EngineClientFake("other.module.Ext"), True, None),  # cannot import it here: cannot tell
+        (EngineClientFake(VLLM_WORKER_EXTENSION, dead=True), False, True),
     ],
 )
-def test_control_path_status(engine: FakeEngine, healthy: bool, refit: bool | None) -> None:
+def test_control_path_status(engine: EngineClientFake, healthy: bool, refit: bool | None) -> None:
     async def never(*_: Any) -> None:
         raise AssertionError("the status must not reach vLLM's routes")
 

@@ -22,7 +22,8 @@ from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.producer.staging import StagingConfig
 from refit_sidecar.trainer.publisher import PublisherConfig
-from tests.harness.s3_payloads import S3Delivery, shared_s3
+from tests.harness.s3 import S3Server
+from tests.harness.s3_payloads import S3Delivery
 
 TOKEN = "trainer-test-token"
 
@@ -62,16 +63,18 @@ def shm_root() -> Path:
 async def serve_sidecars(
     tmp: Path,
     producers: int,
+    s3: S3Server,
     *,
     chunk_bytes: int,
     committed: CommitRecord | None = None,
     reference: Path | None = None,
 ) -> AsyncIterator[list[Sidecar]]:
-    """`producers` producer services with uninitialized baselines, served over HTTP."""
+    """`producers` producer services with uninitialized baselines, served over HTTP, sending
+    to `s3` (which holds the payload bucket: the `payload_s3` fixture)."""
     root = shm_root()
     runners: list[web.AppRunner] = []
     sidecars: list[Sidecar] = []
-    delivery = S3Delivery(shared_s3())
+    delivery = S3Delivery(s3)
     try:
         for p in range(producers):
             baseline = SourceBaseline(

@@ -33,6 +33,7 @@ from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
 from refit_sidecar.vllm.rpc_args import metas_to_wire
 from refit_tools.vllm_engine import shutdown_llm, start_llm
 from tests.harness.bridge import run_ranks
+from tests.harness.s3 import S3Server
 from tests.sidecar.trainer.sidecars import TOKEN, Sidecar, run_transition, serve_sidecars
 
 SCRIPT = Path(__file__).with_name("megatron_publish.py")
@@ -79,6 +80,7 @@ async def test_adamw_step_delta_equals_dense_load(
     tiny_models: dict[str, Path],
     engine: Any,
     artifacts_dir: Path,
+    payload_s3: S3Server,
     tmp_path: Path,
 ) -> None:
     hf_dir = tiny_models["qwen3"]
@@ -92,7 +94,7 @@ async def test_adamw_step_delta_equals_dense_load(
 
     out = tmp_path / "megatron"
     async with serve_sidecars(
-        tmp_path, world, chunk_bytes=CHUNK_BYTES, reference=hf_dir
+        tmp_path, world, payload_s3, chunk_bytes=CHUNK_BYTES, reference=hf_dir
     ) as sidecars:
         transition = asyncio.create_task(
             run_transition(sidecars, 1, xor_incompatible=incompatible, timeout=600)

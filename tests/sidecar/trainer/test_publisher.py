@@ -41,6 +41,7 @@ from refit_sidecar.trainer.state_dict import StateDictSource
 from refit_sidecar.trainer.synthetic import SyntheticTrainer
 from tests.harness.operator_env import REPO, wait_for
 from tests.harness.procs import ManagedProcess, free_port, http_ok
+from tests.harness.s3 import S3Server
 from tests.sidecar.trainer.sidecars import (
     TOKEN,
     Sidecar,
@@ -102,9 +103,9 @@ async def publish_all(pubs: list[Publisher], version: int, state: dict, **kw: ob
     )
 
 
-async def test_first_export_then_sync_publish(tmp_path: Path) -> None:
+async def test_first_export_then_sync_publish(tmp_path: Path, payload_s3: S3Server) -> None:
     v0 = weights()
-    async with serve_sidecars(tmp_path, 2, chunk_bytes=CHUNK) as sidecars:
+    async with serve_sidecars(tmp_path, 2, payload_s3, chunk_bytes=CHUNK) as sidecars:
         pubs = [Publisher(s.publisher_config()) for s in sidecars]
         init = await asyncio.gather(
             *(asyncio.to_thread(p.initialize, StateDictSource(v0)) for p in pubs)
@@ -135,10 +136,10 @@ async def test_first_export_then_sync_publish(tmp_path: Path) -> None:
         assert all(inbox_files(s) == [] for s in sidecars)
 
 
-async def test_async_publish_returns_once_staged(tmp_path: Path) -> None:
+async def test_async_publish_returns_once_staged(tmp_path: Path, payload_s3: S3Server) -> None:
     trainer = SyntheticTrainer(weights(), relative_step=1e-3, seed=2)
     v0 = weights()
-    async with serve_sidecars(tmp_path, 1, chunk_bytes=CHUNK) as sidecars:
+    async with serve_sidecars(tmp_path, 1, payload_s3, chunk_bytes=CHUNK) as sidecars:
         pub = Publisher(sidecars[0].publisher_config())
         await asyncio.to_thread(pub.initialize, StateDictSource(v0))
         v1, v2 = trainer.step(), trainer.step()
@@ -159,9 +160,9 @@ async def test_async_publish_returns_once_staged(tmp_path: Path) -> None:
         assert_bits_equal(replay(replay(v0, sidecars, attempt1), sidecars, attempt2), v2)
 
 
-async def test_wrong_versions_are_refused(tmp_path: Path) -> None:
+async def test_wrong_versions_are_refused(tmp_path: Path, payload_s3: S3Server) -> None:
     v0 = weights()
-    async with serve_sidecars(tmp_path, 1, chunk_bytes=CHUNK) as sidecars:
+    async with serve_sidecars(tmp_path, 1, payload_s3, chunk_bytes=CHUNK) as sidecars:
         pub = Publisher(sidecars[0].publisher_config())
         with pytest.raises(StagingStateError, match="initialize"):
             await asyncio.to_thread(pub.publish, 1, StateDictSource(v0))
@@ -194,7 +195,9 @@ async def test_wrong_versions_are_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("producers", [1, 2])
 @pytest.mark.parametrize("change", ["shape", "dtype", "missing", "extra"])
-async def test_layout_mismatch_is_refused(tmp_path: Path, producers: int, change: str) -> None:
+async def test_layout_mismatch_is_refused(
+    tmp_path: Path, payload_s3: S3Server, producers: int, change: str
+) -> None:
     v0 = weights()
     bad = dict(v0)
     name = "model.layers.3.mlp.down_proj.weight"
@@ -206,7 +209,7 @@ async def test_layout_mismatch_is_refused(tmp_path: Path, producers: int, change
         del bad[name]
     else:
         bad["model.layers.3.mlp.extra.weight"] = v0[name].clone()
-    async with serve_sidecars(tmp_path, producers, chunk_bytes=CHUNK) as sidecars:
+    async with serve_sidecars(tmp_path, producers, payload_s3, chunk_bytes=CHUNK) as sidecars:
         pubs = [Publisher(s.publisher_config()) for s in sidecars]
         await asyncio.gather(*(asyncio.to_thread(p.initialize, StateDictSource(v0)) for p in pubs))
         outcomes = await asyncio.gather(
@@ -244,17 +247,21 @@ async def test_unreachable_sidecar(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 10
 
 
-async def test_wrong_token(tmp_path: Path) -> None:
-    async with serve_sidecars(tmp_path, 1, chunk_bytes=CHUNK) as sidecars:
+async def test_wrong_token(tmp_path: Path, payload_s3: S3Server) -> None:
+    async with serve_sidecars(tmp_path, 1, payload_s3, chunk_bytes=CHUNK) as sidecars:
         pub = Publisher(sidecars[0].publisher_config(token="not-the-token"))
         with pytest.raises(StagingError, match="bearer token"):
             await asyncio.to_thread(pub.initialize, StateDictSource(weights()))
 
 
 @pytest.mark.parametrize("limit", [1, 3])
-async def test_chunk_files_in_flight_are_bounded(tmp_path: Path, limit: int) -> None:
+async def test_chunk_files_in_flight_are_bounded(
+    tmp_path: Path, payload_s3: S3Server, limit: int
+) -> None:
     v0 = weights()
-    async with serve_sidecars(tmp_path, 1, chunk_bytes=9000) as sidecars:  # a chunk per tensor
+    async with serve_sidecars(
+        tmp_path, 1, payload_s3, chunk_bytes=9000
+    ) as sidecars:  # a chunk per tensor
         side = sidecars[0]
         original = side.service.ingest_chunk
 
@@ -286,7 +293,9 @@ async def test_chunk_files_in_flight_are_bounded(tmp_path: Path, limit: int) -> 
         assert inbox_files(side) == []
 
 
-async def test_fresh_start_must_match_the_rollout_checkpoint(tmp_path: Path) -> None:
+async def test_fresh_start_must_match_the_rollout_checkpoint(
+    tmp_path: Path, payload_s3: S3Server
+) -> None:
     v0 = weights()
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.mkdir()
@@ -299,7 +308,9 @@ async def test_fresh_start_must_match_the_rollout_checkpoint(tmp_path: Path) -> 
     flipped[name] = bits.view(torch.bfloat16)
     save_file(flipped, str(bad / "model.safetensors"))
 
-    async with serve_sidecars(tmp_path / "a", 2, chunk_bytes=CHUNK, reference=good) as sidecars:
+    async with serve_sidecars(
+        tmp_path / "a", 2, payload_s3, chunk_bytes=CHUNK, reference=good
+    ) as sidecars:
         pubs = [Publisher(s.publisher_config()) for s in sidecars]
         results = await asyncio.gather(
             *(asyncio.to_thread(p.initialize, StateDictSource(v0)) for p in pubs)
@@ -307,7 +318,9 @@ async def test_fresh_start_must_match_the_rollout_checkpoint(tmp_path: Path) -> 
         assert all(r.fingerprint for r in results)
         assert all(s.service.baseline_ready for s in sidecars)
 
-    async with serve_sidecars(tmp_path / "b", 2, chunk_bytes=CHUNK, reference=bad) as sidecars:
+    async with serve_sidecars(
+        tmp_path / "b", 2, payload_s3, chunk_bytes=CHUNK, reference=bad
+    ) as sidecars:
         pubs = [Publisher(s.publisher_config()) for s in sidecars]
         outcomes = await asyncio.gather(
             *(asyncio.to_thread(p.initialize, StateDictSource(v0)) for p in pubs),
@@ -322,11 +335,13 @@ async def test_fresh_start_must_match_the_rollout_checkpoint(tmp_path: Path) -> 
         assert inbox_files(sidecars[owner]) == []
 
 
-async def test_trainer_restart_against_a_surviving_sidecar(tmp_path: Path) -> None:
+async def test_trainer_restart_against_a_surviving_sidecar(
+    tmp_path: Path, payload_s3: S3Server
+) -> None:
     v0 = weights()
     trainer = SyntheticTrainer(v0, relative_step=1e-3, seed=4)
     v1 = trainer.step()
-    async with serve_sidecars(tmp_path, 1, chunk_bytes=CHUNK) as sidecars:
+    async with serve_sidecars(tmp_path, 1, payload_s3, chunk_bytes=CHUNK) as sidecars:
         pub = Publisher(sidecars[0].publisher_config())
         first = await asyncio.to_thread(pub.initialize, StateDictSource(v0))
         coordinator = asyncio.create_task(run_transition(sidecars, 1))
@@ -347,9 +362,11 @@ async def test_trainer_restart_against_a_surviving_sidecar(tmp_path: Path) -> No
         assert_bits_equal(replay(v1, sidecars, attempt), v2)
 
 
-async def test_incomplete_or_foreign_chunks_are_refused(tmp_path: Path) -> None:
+async def test_incomplete_or_foreign_chunks_are_refused(
+    tmp_path: Path, payload_s3: S3Server
+) -> None:
     v0 = weights()
-    async with serve_sidecars(tmp_path, 2, chunk_bytes=CHUNK) as sidecars:
+    async with serve_sidecars(tmp_path, 2, payload_s3, chunk_bytes=CHUNK) as sidecars:
         pubs = [Publisher(s.publisher_config()) for s in sidecars]
         await asyncio.gather(*(asyncio.to_thread(p.initialize, StateDictSource(v0)) for p in pubs))
         side, pub = sidecars[0], pubs[0]
@@ -375,11 +392,13 @@ async def test_incomplete_or_foreign_chunks_are_refused(tmp_path: Path) -> None:
         assert side.service.candidate_version is None
 
 
-async def test_a_wait_that_outlasts_its_deadline_says_so(tmp_path: Path) -> None:
+async def test_a_wait_that_outlasts_its_deadline_says_so(
+    tmp_path: Path, payload_s3: S3Server
+) -> None:
     """publish(wait=True) with no coordinator running: TransitionTimeoutError naming what it
     waited for; the staged candidate stays for the coordinator to pick up."""
     v0 = weights()
-    async with serve_sidecars(tmp_path, 1, chunk_bytes=CHUNK) as sidecars:
+    async with serve_sidecars(tmp_path, 1, payload_s3, chunk_bytes=CHUNK) as sidecars:
         pub = Publisher(sidecars[0].publisher_config(commit_timeout_s=1, poll_interval_s=0.05))
         await asyncio.to_thread(pub.initialize, StateDictSource(v0))
         v1 = SyntheticTrainer(v0, relative_step=1e-3, seed=5).step()
