@@ -153,13 +153,30 @@ class RecordingApplier(InProcessApplier):
 
 
 class SlowFakeApplier(RecordingApplier):
-    """Fault injection: a device that needs `delay_s` per payload (backpressure tests)."""
+    """Fault injection: a device that needs `delay_s` per payload (backpressure tests). With
+    `hold_path`, the first apply also stalls until that file exists (at most `HOLD_MAX_S`): the
+    test releases it once it has seen what a full queue does, however fast this machine is."""
 
-    def __init__(self, model: TinyModel, log_path: str, delay_s: float, **kw: Any) -> None:
+    HOLD_MAX_S = 180.0
+
+    def __init__(
+        self,
+        model: TinyModel,
+        log_path: str,
+        delay_s: float,
+        hold_path: str | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(model, log_path, **kw)
         self.delay_s = delay_s
+        self.hold = Path(hold_path) if hold_path else None
 
     def apply(self, batch: Sequence[StagedPayload], check_samples: int) -> ApplyReport:
+        if self.hold is not None:
+            deadline = time.monotonic() + self.HOLD_MAX_S
+            while not self.hold.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.hold = None
         time.sleep(self.delay_s * len(batch))
         return super().apply(batch, check_samples)
 
@@ -171,10 +188,15 @@ def recording_applier(
 
 
 def slow_applier(
-    log_path: str, delay_s: float, seed: int = 0, tensors: int = 1, numel: int = 4096
+    log_path: str,
+    delay_s: float,
+    seed: int = 0,
+    tensors: int = 1,
+    numel: int = 4096,
+    hold_path: str | None = None,
 ) -> SlowFakeApplier:
     model = TinyModel(canonical(seed, tensors, numel))
-    return SlowFakeApplier(model, log_path, delay_s, with_fingerprint=False)
+    return SlowFakeApplier(model, log_path, delay_s, hold_path, with_fingerprint=False)
 
 
 def read_applied(path: Path) -> list[dict[str, Any]]:
