@@ -40,15 +40,16 @@ async def test_one_holder_expiry_and_restart(api: KubeApi, namespace: str) -> No
     while time.monotonic() - t0 < 4:
         assert await a.acquire_or_renew()
         assert not await b.acquire_or_renew()
+        last_seen = time.monotonic()  # op-b has just seen op-a's renewal (no await since)
         await asyncio.sleep(0.5)
     # op-a stops renewing (frozen): it stops holding after 2/3 of the duration on its own
-    # clock, before op-b may take over (a whole unchanged duration on op-b's clock).
-    t0 = time.monotonic()
+    # clock, before op-b may take over: a whole unchanged duration on op-b's clock after it
+    # last saw a renewal, however late the loop's sleeps and polls run on a loaded machine.
     while await b.acquire_or_renew() is False:
         await asyncio.sleep(0.2)
-    taken_after = time.monotonic() - t0
+    taken_after = time.monotonic() - last_seen
     assert not a.held
-    assert 2.5 < taken_after < 5, taken_after
+    assert 3 - 0.05 < taken_after < 3 + 15, taken_after
     # A restarted op-b (new process, same identity) takes its Lease back at once.
     again = PolicyLease(api, namespace, "p", "op-b", duration_s=3)
     assert await again.acquire_or_renew()

@@ -7,19 +7,38 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from refit_protocol import service_http
 from refit_protocol.service_http import ReadinessProbe, json_errors
 
 
-async def test_one_check_at_a_time_on_its_own_thread_and_cached() -> None:
+class _TtlClock:
+    """The probe's answer-reuse clock, advanced by the test; its deadline stays real time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def ttl_clock(monkeypatch: pytest.MonkeyPatch) -> _TtlClock:
+    clock = _TtlClock()
+    monkeypatch.setattr(service_http, "time", clock)
+    return clock
+
+
+async def test_one_check_at_a_time_on_its_own_thread_with_a_deadline(ttl_clock: _TtlClock) -> None:
     calls: list[str] = []
     release = threading.Event()
 
     def slow_checks() -> list[tuple[str, bool, str]]:
         calls.append(threading.current_thread().name)
-        release.wait(5)
+        release.wait(30)
         return [("vllm", True, "answers")]
 
     probe = ReadinessProbe(slow_checks, timeout_s=0.2, ttl_s=0.5, blocking=True)
@@ -29,15 +48,32 @@ async def test_one_check_at_a_time_on_its_own_thread_and_cached() -> None:
         assert "took over 0.2s" in answers[0].missing()[0]
         assert len(calls) == 1  # one check for twenty callers
         assert calls[0].startswith("readyz")  # on its own thread
-        release.set()
-        await asyncio.sleep(0.6)  # the cached "not ready" expires: a fresh check
-        assert (await probe()).ready
-        assert len(calls) == 2
-        for _ in range(5):  # within the TTL: the same answer, no new check
-            assert (await probe()).ready
-        assert len(calls) == 2
+        assert not (await probe()).ready  # the "not ready" is reused within the TTL
+        assert len(calls) == 1
     finally:
         release.set()
+        probe.close()
+
+
+async def test_an_answer_is_reused_for_its_ttl(ttl_clock: _TtlClock) -> None:
+    calls: list[str] = []
+
+    def checks() -> list[tuple[str, bool, str]]:
+        calls.append(threading.current_thread().name)
+        return [("vllm", True, "answers")]
+
+    probe = ReadinessProbe(checks, timeout_s=60, ttl_s=0.5, blocking=True)
+    try:
+        assert (await probe()).ready
+        assert len(calls) == 1
+        for _ in range(5):  # within the TTL: the same answer, no new check
+            ttl_clock.now += 0.09
+            assert (await probe()).ready
+        assert len(calls) == 1
+        ttl_clock.now += 0.06  # 0.51 s after the check: a fresh one
+        assert (await probe()).ready
+        assert len(calls) == 2
+    finally:
         probe.close()
 
 

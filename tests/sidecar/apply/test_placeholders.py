@@ -56,9 +56,9 @@ def test_one_byte(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.int16, torch.uint16, torch.bfloat16, torch.float16])
 def test_two_bytes(dtype: torch.dtype) -> None:
     every = every_pattern(2)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time (torch's threads too), not the loaded machine's wall
     assert _absent_pattern(dtype, every) is None  # all 65,536 patterns used
-    assert time.perf_counter() - t0 < 5.0  # one pass, not one pass per candidate
+    assert time.process_time() - t0 < 5.0  # one pass, not one pass per candidate
     for missing in (-1, -2, 0, 12345, -32768):
         values = every[every != missing]
         assert assert_absent(values, _absent_pattern(dtype, values)) == missing
@@ -88,9 +88,9 @@ def test_four_and_eight_bytes(dtype: torch.dtype, view: torch.dtype) -> None:
     g = torch.Generator().manual_seed(3)
     big = torch.randint(-(1 << 30), 1 << 30, (1_000_000,), generator=g, dtype=torch.int64)
     big = torch.cat([big, torch.arange(-100_000, 0)]).to(view)  # one pass each, before
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     found = assert_absent(big, _absent_pattern(dtype, big))
-    assert time.perf_counter() - t0 < 5.0
+    assert time.process_time() - t0 < 5.0
     assert found < -100_000
 
 

@@ -139,10 +139,10 @@ def test_a_frame_of_22m_empty_blocks_is_refused_well_under_a_second() -> None:
     blocks = 22_000_000
     comp = frame_header(64 * MIB) + bytes(3 * blocks) + raw_block(b"", last=True)
     data = payload(comp, 64 * MIB)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # CPU time of this thread: what the refusal costs, under any load
     with pytest.raises(DecompressionError, match="blocks"):
         decode_payload(data)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.thread_time() - t0
     assert elapsed < 3.0, f"{elapsed:.2f} s"  # incl. hashing 66 MB; the block walk took 6.5 s
 
 

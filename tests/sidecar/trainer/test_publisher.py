@@ -265,8 +265,13 @@ async def test_chunk_files_in_flight_are_bounded(
         side = sidecars[0]
         original = side.service.ingest_chunk
 
+        stalled = [True]
+
         def slow_ingest(req: CandidateChunkRequest) -> CandidateChunkAck:
-            time.sleep(0.05)  # a slow sidecar: the trainer must not run ahead of it
+            if stalled[0]:  # a sidecar stalled at its first chunk: the trainer fills its window
+                stalled[0] = False
+                wait_for(f"{limit} chunk files handed over", lambda: peak >= limit, timeout=60)
+            time.sleep(0.05)  # then a slow one: the trainer must not run ahead of it
             return original(req)
 
         side.service.ingest_chunk = slow_ingest  # type: ignore[method-assign]

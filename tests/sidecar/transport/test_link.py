@@ -1,6 +1,8 @@
 """Trainer and rollout "clusters" in separate network namespaces joined by a rate-limited veth
 (tc tbf): one producer streams to a 3-node relay tree in the rollout namespace. Each payload
-crosses the link once, so delivery takes about V_payload / link rate, and no longer.
+crosses the link once: delivery takes at least V_payload / link rate, and the link carries about
+V_payload, not a multiple of it. (How little time the tree adds beyond the link is a figure for
+`kuberefit bench refit --link-mbit`, not a bound a test on a loaded machine can hold.)
 
 An on-path observer captures every frame on the link meanwhile (`tests.harness.wire_capture`):
 it must find neither the token nor any payload bytes (CurveZMQ encrypts every relay link), and
@@ -142,14 +144,16 @@ def test_delivery_time_follows_payload_volume_over_link_rate(tmp_path: Path) -> 
             f"ideal {ideal:.2f}s, producer acked {sent['t_acked'] - sent['t_start']:.2f}s, "
             f"delivered to 3 nodes {delivery:.2f}s ({delivery / ideal:.2f}x)"
         )
-        assert delivery >= 0.9 * ideal  # the link really limits (each payload crosses once)
-        assert delivery <= 1.5 * ideal + 2.0  # and the tree adds little beyond it
+        assert delivery >= 0.9 * ideal  # the link really limits
 
         # -- what an on-path observer got ----------------------------------------------------
         observer.terminate()
         observer.wait(10)
         seen = pcap.read_bytes()
         assert len(seen) > sent["bytes"], "the capture missed the transition's traffic"
+        # Every frame both ways, with headers and control traffic: well under two crossings.
+        print(f"captured {len(seen) / sent['bytes']:.2f}x V_payload on the link")
+        assert len(seen) < 1.5 * sent["bytes"], "payloads crossed the link more than once"
         assert cluster.token.encode() not in seen
         for p in link_payloads("l1", 1, TENSORS, NUMEL):
             body = p.body
