@@ -105,7 +105,8 @@ class ReadinessProbe:
     """`/readyz` behind an open door: one check at a time, its answer reused for `ttl_s`, and
     a deadline, so callers without a token cannot make a service hammer its dependencies or
     tie up the threads its real work runs on. Blocking checks run on this probe's own thread
-    (`blocking=True`); async ones on the event loop."""
+    (`blocking=True`); async ones on the event loop. `clock` times the answer's reuse (the
+    deadline runs on the event loop's own clock)."""
 
     def __init__(
         self,
@@ -114,14 +115,16 @@ class ReadinessProbe:
         timeout_s: float,
         ttl_s: float = 1.0,
         blocking: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._checks, self.timeout_s, self.ttl_s = checks, timeout_s, ttl_s
+        self._clock = clock
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="readyz") if blocking else None
         self._running: asyncio.Future[Iterable[Check]] | None = None
         self._last: tuple[float, Readiness] | None = None
 
     async def __call__(self) -> Readiness:
-        if self._last is not None and time.monotonic() - self._last[0] < self.ttl_s:
+        if self._last is not None and self._clock() - self._last[0] < self.ttl_s:
             return self._last[1]
         if self._running is None or self._running.done():
             self._running = asyncio.ensure_future(self._run())
@@ -130,7 +133,7 @@ class ReadinessProbe:
         except TimeoutError:
             found = [("readiness", False, f"the checks took over {self.timeout_s:g}s")]
         answer = Readiness.of(found)
-        self._last = (time.monotonic(), answer)
+        self._last = (self._clock(), answer)
         return answer
 
     async def _run(self) -> Iterable[Check]:

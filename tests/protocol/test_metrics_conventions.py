@@ -12,7 +12,6 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
@@ -39,6 +38,7 @@ from refit_sidecar.producer.main import ProducerProcessConfig, build
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode
 from tests.harness.procs import free_port
+from tests.harness.web import serve_app
 from tests.sidecar.receiver.models import RecordingApplier, TinyModel, canonical
 
 TOKEN = "metrics-token"
@@ -144,13 +144,9 @@ async def test_producer_metrics(tmp_path: Path, session: aiohttp.ClientSession) 
         staging={"inbox": str(tmp_path / "inbox"), "candidate_dir": str(tmp_path / "cand")},
     )
     process = await asyncio.to_thread(build, config)
-    runner = web.AppRunner(create_producer_app(process.service, token=process.tokens))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await serve_app(create_producer_app(process.service, token=process.tokens))
     try:
-        text = await scrape(session, f"http://127.0.0.1:{port}")
+        text = await scrape(session, url)
     finally:
         await runner.cleanup()
         process.close()

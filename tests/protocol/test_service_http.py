@@ -11,7 +11,6 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from refit_protocol import service_http
 from refit_protocol.service_http import ReadinessProbe, json_errors
 
 
@@ -21,15 +20,13 @@ class _TtlClock:
     def __init__(self) -> None:
         self.now = 1000.0
 
-    def monotonic(self) -> float:
+    def __call__(self) -> float:
         return self.now
 
 
 @pytest.fixture
-def ttl_clock(monkeypatch: pytest.MonkeyPatch) -> _TtlClock:
-    clock = _TtlClock()
-    monkeypatch.setattr(service_http, "time", clock)
-    return clock
+def ttl_clock() -> _TtlClock:
+    return _TtlClock()
 
 
 async def test_one_check_at_a_time_on_its_own_thread_with_a_deadline(ttl_clock: _TtlClock) -> None:
@@ -41,7 +38,7 @@ async def test_one_check_at_a_time_on_its_own_thread_with_a_deadline(ttl_clock: 
         release.wait(30)
         return [("vllm", True, "answers")]
 
-    probe = ReadinessProbe(slow_checks, timeout_s=0.2, ttl_s=0.5, blocking=True)
+    probe = ReadinessProbe(slow_checks, timeout_s=0.2, ttl_s=0.5, blocking=True, clock=ttl_clock)
     try:
         answers = await asyncio.gather(*(probe() for _ in range(20)))
         assert all(not a.ready for a in answers)  # past the deadline: not ready, says why
@@ -62,7 +59,7 @@ async def test_an_answer_is_reused_for_its_ttl(ttl_clock: _TtlClock) -> None:
         calls.append(threading.current_thread().name)
         return [("vllm", True, "answers")]
 
-    probe = ReadinessProbe(checks, timeout_s=60, ttl_s=0.5, blocking=True)
+    probe = ReadinessProbe(checks, timeout_s=60, ttl_s=0.5, blocking=True, clock=ttl_clock)
     try:
         assert (await probe()).ready
         assert len(calls) == 1

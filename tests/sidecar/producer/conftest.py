@@ -12,8 +12,9 @@ from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
 from tests.harness.s3_payloads import S3Delivery
-from tests.sidecar.producer.http_app import TOKEN, serve_app
-from tests.sidecar.producer.test_service import state
+from tests.harness.web import serve_app
+from tests.sidecar.producer.http_app import TOKEN
+from tests.sidecar.producer.states import state
 
 
 @pytest.fixture

@@ -1,18 +1,6 @@
-"""A producer service's HTTP app on a real 127.0.0.1 socket, for the producer's HTTP tests."""
+"""The bearer token of the producer services that the producer's HTTP tests serve."""
 
 from __future__ import annotations
 
-from aiohttp import web
-
 TOKEN = "producer-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
-    """`app` served on a free port; the caller cleans the runner up."""
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"

@@ -18,8 +18,9 @@ from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
 from tests.harness.s3_payloads import S3Delivery
-from tests.sidecar.producer.http_app import TOKEN, serve_app
-from tests.sidecar.producer.test_service import bump, replay, same, state
+from tests.harness.web import serve_app
+from tests.sidecar.producer.http_app import TOKEN
+from tests.sidecar.producer.states import bump, replay, same, state
 
 
 async def test_attempt_over_http(served, delivery: S3Delivery) -> None:  # type: ignore[no-untyped-def]

@@ -28,8 +28,9 @@ from refit_sidecar.producer.service import ProducerService
 from tests.harness.procs import free_port
 from tests.harness.readyz import readyz_becomes
 from tests.harness.s3_payloads import S3Delivery
-from tests.sidecar.producer.http_app import AUTH, TOKEN, serve_app
-from tests.sidecar.producer.test_service import bump, state
+from tests.harness.web import serve_app
+from tests.sidecar.producer.http_app import AUTH, TOKEN
+from tests.sidecar.producer.states import bump, state
 
 
 def config(tmp_path: Path, reference: Path | None = None) -> ProducerProcessConfig:

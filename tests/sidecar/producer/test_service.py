@@ -18,10 +18,11 @@ from refit_protocol.producer_api import AttemptPlan, SentReport
 from refit_sidecar.baseline.chunks import ExportChunk, chunk_export
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.bits import int_view
-from refit_sidecar.codec import EncodedPayload, Op, apply_item_, decode_payload
+from refit_sidecar.codec import EncodedPayload, Op, decode_payload
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.transport.base import Transport, TransportSummary
 from tests.harness.s3_payloads import S3Delivery
+from tests.sidecar.producer.states import bump, replay, same, state
 
 
 class LinkDownTransportFake:
@@ -52,24 +53,6 @@ class Links:
         return self.delivery.factory(self.baseline)(plan)
 
 
-def state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        f"layer{i}.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16) for i in range(8)
-    }
-
-
-def bump(s: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for n, t in s.items():
-        v = int_view(t).clone()
-        pick = torch.rand(v.shape, generator=g) < 0.05
-        v[pick] ^= 1
-        out[n] = v.view(torch.bfloat16).reshape(t.shape)
-    return out
-
-
 def plan(attempt: str, mode: str) -> AttemptPlan:
     return AttemptPlan(
         attempt=attempt,
@@ -90,18 +73,6 @@ def service(tmp_path: Path, delivery: S3Delivery) -> Iterator[tuple[ProducerServ
     links = Links(delivery, baseline)
     yield ProducerService(baseline, links), links
     baseline.close()
-
-
-def replay(old: dict[str, torch.Tensor], payloads: list[EncodedPayload]) -> dict[str, torch.Tensor]:
-    out = {n: t.clone() for n, t in old.items()}
-    for p in payloads:
-        for item in decode_payload(p.body).items:
-            apply_item_(out[item.meta.name], item)
-    return out
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(int_view(a[n]), int_view(b[n])) for n in a)
 
 
 async def test_mixed_attempt_then_baseline_update(service) -> None:  # type: ignore[no-untyped-def]

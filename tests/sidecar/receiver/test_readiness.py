@@ -28,6 +28,7 @@ from refit_sidecar.receiver.node import ReceiverNode
 from refit_sidecar.vllm.control_path import PREFIX, RefitControlMiddleware
 from refit_sidecar.vllm.worker_extension import RefitWorkerExtension
 from tests.harness.procs import free_port
+from tests.harness.web import serve_app
 from tests.sidecar.receiver.models import NODE_TOKEN
 
 pytestmark = pytest.mark.timeout(120)
@@ -99,11 +100,7 @@ class VllmStatusFake:
 @pytest.fixture
 async def vllm_status() -> AsyncIterator[VllmStatusFake]:
     fake = VllmStatusFake()
-    runner = web.AppRunner(fake.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    fake.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    runner, fake.url = await serve_app(fake.app())
     yield fake
     await runner.cleanup()
 

@@ -24,6 +24,7 @@ from refit_sidecar.producer.staging import StagingConfig
 from refit_sidecar.trainer.publisher import PublisherConfig
 from tests.harness.s3 import S3Server
 from tests.harness.s3_payloads import S3Delivery
+from tests.harness.web import serve_app
 
 TOKEN = "trainer-test-token"
 
@@ -95,13 +96,9 @@ async def serve_sidecars(
                 committed=committed or CommitRecord(0, "g0"),
                 staging=staging,
             )
-            runner = web.AppRunner(create_producer_app(service, token=TOKEN))
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
+            runner, url = await serve_app(create_producer_app(service, token=TOKEN))
             runners.append(runner)
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            sidecars.append(Sidecar(f"http://127.0.0.1:{port}", service, delivery, root / f"p{p}"))
+            sidecars.append(Sidecar(url, service, delivery, root / f"p{p}"))
         yield sidecars
     finally:
         for runner in runners:
