@@ -9,13 +9,14 @@ import threading
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, ClassVar
+from typing import Any, cast
 
 import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from tests.harness.kube import KubeCluster
+from tests.harness.operator_env import wait_for
 
 GROUP = "smoke.kuberefit.io"
 
@@ -111,12 +112,18 @@ def test_crd_status_subresource_and_stale_resource_version_conflict(
     assert '"subresource":"status"' in audit
 
 
-class _Webhook(BaseHTTPRequestHandler):
-    seen: ClassVar[list[dict[str, Any]]] = []
+class _WebhookServer(ThreadingHTTPServer):
+    """One test's webhook: the reviews it was sent are its own, not shared between tests."""
 
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Webhook)
+        self.seen: list[dict[str, Any]] = []
+
+
+class _Webhook(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        _Webhook.seen.append(review)
+        cast(_WebhookServer, self.server).seen.append(review)
         patch = [
             {"op": "add", "path": "/metadata/labels", "value": {"kuberefit.io/mutated": "yes"}}
         ]
@@ -144,7 +151,7 @@ class _Webhook(BaseHTTPRequestHandler):
 def test_https_mutating_webhook_mutates_pod(kube: KubeCluster) -> None:
     assert kube.ca is not None
     pair = kube.ca.issue("smoke-webhook")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Webhook)
+    server = _WebhookServer()
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(pair.cert_path, pair.key_path)
     server.socket = ctx.wrap_socket(server.socket, server_side=True)
@@ -181,19 +188,28 @@ def test_https_mutating_webhook_mutates_pod(kube: KubeCluster) -> None:
             ],
         }
     )
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {"containers": [{"name": "c", "image": "example.invalid/none:1"}]},
+    }
     try:
         core = client.CoreV1Api(api)
-        pod = core.create_namespaced_pod(
-            "default",
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name},
-                "spec": {"containers": [{"name": "c", "image": "example.invalid/none:1"}]},
-            },
-        )
+
+        def mutated_dry_run() -> bool:
+            pod = core.create_namespaced_pod("default", body, dry_run="All")
+            return bool(pod.metadata.labels == {"kuberefit.io/mutated": "yes"})
+
+        # The apiserver takes a new webhook configuration in through an informer: until it has,
+        # pods are admitted unmutated. Server-side dry runs find out when, without a pod.
+        wait_for("the webhook configuration in force", mutated_dry_run, timeout=30)
+        before = len(server.seen)
+        pod = core.create_namespaced_pod("default", body)
         assert pod.metadata.labels == {"kuberefit.io/mutated": "yes"}
-        assert [r["request"]["name"] for r in _Webhook.seen] == [name]
+        assert [(r["request"]["name"], r["request"]["dryRun"]) for r in server.seen[before:]] == [
+            (name, False)
+        ]
         core.delete_namespaced_pod(name, "default")
     finally:
         adm.delete_mutating_webhook_configuration(name)
