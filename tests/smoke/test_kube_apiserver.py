@@ -19,6 +19,7 @@ from tests.harness.kube import KubeCluster
 from tests.harness.operator_env import wait_for
 
 GROUP = "smoke.kuberefit.io"
+MUTATED = {"kuberefit.io/mutated": "yes"}  # the labels the smoke webhook adds
 
 
 def _crd(plural: str, kind: str) -> dict[str, Any]:
@@ -124,9 +125,7 @@ class _Webhook(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         cast(_WebhookServer, self.server).seen.append(review)
-        patch = [
-            {"op": "add", "path": "/metadata/labels", "value": {"kuberefit.io/mutated": "yes"}}
-        ]
+        patch = [{"op": "add", "path": "/metadata/labels", "value": MUTATED}]
         response = {
             "apiVersion": "admission.k8s.io/v1",
             "kind": "AdmissionReview",
@@ -199,14 +198,14 @@ def test_https_mutating_webhook_mutates_pod(kube: KubeCluster) -> None:
 
         def mutated_dry_run() -> bool:
             pod = core.create_namespaced_pod("default", body, dry_run="All")
-            return bool(pod.metadata.labels == {"kuberefit.io/mutated": "yes"})
+            return bool(pod.metadata.labels == MUTATED)
 
         # The apiserver takes a new webhook configuration in through an informer: until it has,
         # pods are admitted unmutated. Server-side dry runs find out when, without a pod.
         wait_for("the webhook configuration in force", mutated_dry_run, timeout=30)
         before = len(server.seen)
         pod = core.create_namespaced_pod("default", body)
-        assert pod.metadata.labels == {"kuberefit.io/mutated": "yes"}
+        assert pod.metadata.labels == MUTATED
         assert [(r["request"]["name"], r["request"]["dryRun"]) for r in server.seen[before:]] == [
             (name, False)
         ]
