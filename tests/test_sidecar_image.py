@@ -103,15 +103,15 @@ def test_sidecar_image_ships_the_data_plane_only() -> None:
 def test_sidecar_build_args_are_declared_and_used() -> None:
     args = dict(a.partition("=")[::2] for a in _args("Dockerfile.sidecar", "ARG"))
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
-    assert args["VLLM_SPEC"] in {"", '""'}
+    assert "VLLM_SPEC" not in args  # vLLM is the user's image; the bundle goes into it
     assert "PIP_EXTRA_INDEX_URL" not in args
     [install] = [r for r in _args("Dockerfile.sidecar", "RUN") if "pip install" in r]
     assert '--extra-index-url "${TORCH_INDEX_URL}"' in install
-    assert '${VLLM_SPEC:+"${VLLM_SPEC}"}' in install  # nothing extra when empty
+    assert "vllm" not in install.replace("vllm-bundle", "")
     assert "import refit_sidecar.cli, refit_protocol.pod_contract" in install
+    assert "kuberefit vllm-bundle list" in install  # the bundle builds from the installed code
     order = [w if w != "ARG" else a.partition("=")[0] for w, a in _parse("Dockerfile.sidecar")]
     assert order.index("TORCH_INDEX_URL") < order.index("RUN")  # an ARG is unset before it
-    assert order.index("VLLM_SPEC") < order.index("RUN")
 
 
 def _invoke(*argv: str) -> str:
@@ -128,6 +128,9 @@ def _injected_commands() -> list[list[str]]:
 def test_injection_runs_the_sidecar_commands() -> None:
     commands = _injected_commands()
     assert sorted(c[1:] for c in commands) == [["producer", "serve"], ["receiver", "serve"]]
+    patch = (REPO / "operator/refit_operator/injection/patch.py").read_text()
+    assert '"command": ["kuberefit", "vllm-bundle", "install", ' in patch  # the init container
+    assert "DEST" in _invoke("vllm-bundle", "install", "--help")
     assert pod_contract.CONFIG_ENV == "KUBEREFIT_CONFIG"
     for command in commands:
         assert "KUBEREFIT_CONFIG" in _invoke(*command[1:], "--help")

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import structlog
+from refit_protocol.loggers import get_logger
 
-log = structlog.get_logger("kuberefit.tokens")
+log = get_logger("kuberefit.tokens")
 
 #: Default for `grace` (seconds): well above the kubelet's default Secret propagation delay.
 DEFAULT_ROTATION_GRACE_S = 300.0

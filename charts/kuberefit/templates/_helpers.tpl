@@ -104,7 +104,7 @@ Returns nothing; read the result with `get .Values "kuberefitWebhookTLSCache"`:
 {{/* The sidecar injection settings the webhook reads (ConfigMap key injection.json). */}}
 {{- define "kuberefit.injectionJson" -}}
 {{- $s := .Values.sidecar -}}
-{{- dict "image" .Values.image.sidecar "imagePullPolicy" .Values.image.pullPolicy "resources" $s.resources "ports" $s.ports "workDir" $s.workDir "shmDir" $s.shmDir "shmSizeLimit" $s.shmSizeLimit "defaultTokenSecret" $s.defaultTokenSecret "env" $s.env "vllmContainer" $s.vllmContainer "logFormat" .Values.logFormat "logLevel" .Values.logLevel | toJson -}}
+{{- dict "image" .Values.image.sidecar "imagePullPolicy" .Values.image.pullPolicy "resources" $s.resources "ports" $s.ports "workDir" $s.workDir "shmDir" $s.shmDir "shmSizeLimit" $s.shmSizeLimit "vllmBundleDir" $s.vllmBundleDir "defaultTokenSecret" $s.defaultTokenSecret "env" $s.env "vllmContainer" $s.vllmContainer "logFormat" .Values.logFormat "logLevel" .Values.logLevel | toJson -}}
 {{- end -}}
 
 {{/* Namespaces the NetworkPolicies go to. */}}

@@ -52,6 +52,11 @@ class InjectionConfig(_Values):
         description="Memory-backed emptyDir shared with the paired container (payload files).",
     )
     shm_size_limit: str = Field("8Gi", description="sizeLimit of that emptyDir ('' for none).")
+    vllm_bundle_dir: str = Field(
+        "/kuberefit/vllm-bundle",
+        description="Where the vLLM bundle (the code that runs inside vLLM) is mounted in the "
+        "vLLM container, read-only, first on its PYTHONPATH; an init container copies it there.",
+    )
     default_token_secret: TokenSecretRef = Field(
         default_factory=lambda: TokenSecretRef(name="kuberefit-token"),
         description="Token Secret used when the pod's RefitPolicy does not exist at admission.",
@@ -78,7 +83,12 @@ class InjectionConfig(_Values):
         """Settings that would make every injected pod invalid fail the operator's start."""
         if self.ports.control == self.ports.relay:
             raise ValueError("ports.control and ports.relay must differ (both are on receivers)")
-        dirs = {"workDir": self.work_dir, "shmDir": self.shm_dir, "token": self.token_dir}
+        dirs = {
+            "workDir": self.work_dir,
+            "shmDir": self.shm_dir,
+            "token": self.token_dir,
+            "vllmBundleDir": self.vllm_bundle_dir,
+        }
         for a, pa in dirs.items():
             if not pa.startswith("/"):
                 raise ValueError(f"{a} must be an absolute path, got {pa!r}")

@@ -14,6 +14,10 @@ or a reinvocation a no-op):
   the token file, and for trainers $KUBEREFIT_PRODUCER_URL and $KUBEREFIT_INBOX (what
   `PublisherConfig.from_pod()` reads); for vLLM the worker extension and the guarded refit
   control path (`--worker-extension-cls`, `--middleware`) appended to its args;
+- for vLLM, the code those two options name, without touching the user's image: the init
+  container `kuberefit-vllm-bundle` (the sidecar image) copies the vLLM bundle into the
+  emptyDir `kuberefit-vllm-bundle`, mounted read-only into the vLLM container and put first on
+  its `PYTHONPATH` (a value the container sets is kept after it);
 - labels `kuberefit.io/role` and `kuberefit.io/policy`, which NetworkPolicies can select.
 
 Pods without both annotations are never changed. `$(VAR)` references are expanded by the
@@ -58,6 +62,10 @@ from refit_protocol.pod_contract import (
 
 Obj = dict[str, Any]
 WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME = "kuberefit-work", "kuberefit-shm", "kuberefit-token"
+#: The vLLM bundle's emptyDir and the init container that fills it (rollout pods).
+BUNDLE_VOLUME = BUNDLE_INIT = "kuberefit-vllm-bundle"
+#: What the bundle's files take (about 150 KiB today); the emptyDir's sizeLimit.
+BUNDLE_SIZE_LIMIT = "64Mi"
 ROLES = ("trainer", "rollout")
 #: StatefulSet pods carry this label from creation; its ordinal is the default producer index.
 STATEFULSET_POD_NAME = "statefulset.kubernetes.io/pod-name"
@@ -160,7 +168,9 @@ def _build(
     existing = {v.get("name") for v in spec.get("volumes") or []}
     if _has_container(pod, SIDECAR_CONTAINER, "initContainers", "ephemeralContainers"):
         raise InjectionRefusedError(f"an init container is named {SIDECAR_CONTAINER}: rename it")
-    clash = existing & {WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME}
+    if _has_container(pod, BUNDLE_INIT, "initContainers", "containers"):
+        raise InjectionRefusedError(f"a container is named {BUNDLE_INIT}: rename it")
+    clash = existing & {WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME, BUNDLE_VOLUME}
     if clash:
         raise InjectionRefusedError(f"the pod already has volume(s) {sorted(clash)}: rename them")
     token_file = f"{cfg.token_dir}/{policy.token_secret.key}"
@@ -180,6 +190,7 @@ def _build(
         sidecar = _receiver(cfg, token_file, _vllm_port(paired), policy)
         paired_env = []
         extra_args = _vllm_args(paired)
+    bundle = role == "rollout"
     paired_env += [_env(TOKEN_FILE_ENV, token_file)]
     ops: list[Obj] = []
     ops += _merge_map(meta, "/metadata/annotations", {INJECTED: role})
@@ -187,10 +198,14 @@ def _build(
     if _label_value_ok(policy_name):
         labels[POLICY_LABEL] = policy_name
     ops += _merge_map(meta, "/metadata/labels", labels)
-    ops += _append(spec, "/spec/volumes", _volumes(cfg, policy.token_secret))
+    ops += _append(spec, "/spec/volumes", _volumes(cfg, policy.token_secret, bundle))
+    if bundle:
+        ops += _append(spec, "/spec/initContainers", [_bundle_init(cfg)])
     base = f"/spec/containers/{index}"
     ops += _append(paired, f"{base}/env", _without_names(paired.get("env"), paired_env))
-    ops += _append(paired, f"{base}/volumeMounts", _mounts(cfg, paired))
+    if bundle:
+        ops += _python_path(paired, base, cfg.vllm_bundle_dir)
+    ops += _append(paired, f"{base}/volumeMounts", _mounts(cfg, paired, bundle))
     if extra_args:
         ops += _append(paired, f"{base}/args", extra_args)
     ops.append({"op": "add", "path": "/spec/containers/-", "value": sidecar})
@@ -259,13 +274,18 @@ def _sidecar(cfg: InjectionConfig, command: list[str], env: list[Obj], ports: li
             {"name": SHM_VOLUME, "mountPath": cfg.shm_dir},
             {"name": TOKEN_VOLUME, "mountPath": cfg.token_dir, "readOnly": True},
         ],
-        # Passes the "restricted" Pod Security Standard (the image runs as 65532).
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "runAsNonRoot": True,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _restricted(),
+    }
+
+
+def _restricted() -> Obj:
+    """A security context that passes the "restricted" Pod Security Standard (the sidecar
+    image runs as 65532)."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
@@ -356,11 +376,46 @@ def _reference_mounts(paired: Mapping[str, Any], annotations: Mapping[str, Any])
     return mounts
 
 
-def _volumes(cfg: InjectionConfig, token: TokenSecretRef) -> list[Obj]:
+def _bundle_init(cfg: InjectionConfig) -> Obj:
+    """The init container that copies the vLLM bundle into its emptyDir (a few files: small
+    resources, limits equal to requests so a Guaranteed pod stays Guaranteed)."""
+    small = {"cpu": "100m", "memory": "128Mi"}
+    return {
+        "name": BUNDLE_INIT,
+        "image": cfg.image,
+        "imagePullPolicy": cfg.image_pull_policy,
+        "command": ["kuberefit", "vllm-bundle", "install", cfg.vllm_bundle_dir],
+        "resources": {"requests": dict(small), "limits": dict(small)},
+        "volumeMounts": [{"name": BUNDLE_VOLUME, "mountPath": cfg.vllm_bundle_dir}],
+        "securityContext": _restricted(),
+    }
+
+
+def _python_path(container: Mapping[str, Any], base: str, bundle_dir: str) -> list[Obj]:
+    """`bundle_dir` first on the container's PYTHONPATH, keeping a value it sets."""
+    for i, item in enumerate(container.get("env") or []):
+        if item.get("name") != "PYTHONPATH":
+            continue
+        if "valueFrom" in item:
+            raise InjectionRefusedError(
+                f"container {container.get('name')!r} takes PYTHONPATH from valueFrom; injection "
+                f"must put {bundle_dir} first on it: set PYTHONPATH as a plain value"
+            )
+        value = str(item.get("value") or "")
+        joined = f"{bundle_dir}:{value}" if value else bundle_dir
+        return [{"op": "replace", "path": f"{base}/env/{i}/value", "value": joined}]
+    return _append(container, f"{base}/env", [_env("PYTHONPATH", bundle_dir)])
+
+
+def _volumes(cfg: InjectionConfig, token: TokenSecretRef, bundle: bool) -> list[Obj]:
     shm: Obj = {"medium": "Memory"}
     if cfg.shm_size_limit:
         shm["sizeLimit"] = cfg.shm_size_limit
+    extra = (
+        [{"name": BUNDLE_VOLUME, "emptyDir": {"sizeLimit": BUNDLE_SIZE_LIMIT}}] if bundle else []
+    )
     return [
+        *extra,
         {"name": WORK_VOLUME, "emptyDir": {}},
         {"name": SHM_VOLUME, "emptyDir": shm},
         {
@@ -374,12 +429,14 @@ def _volumes(cfg: InjectionConfig, token: TokenSecretRef) -> list[Obj]:
     ]
 
 
-def _mounts(cfg: InjectionConfig, paired: Mapping[str, Any]) -> list[Obj]:
+def _mounts(cfg: InjectionConfig, paired: Mapping[str, Any], bundle: bool) -> list[Obj]:
     taken = {m.get("mountPath") for m in paired.get("volumeMounts") or []}
     wanted: list[Obj] = [
         {"name": SHM_VOLUME, "mountPath": cfg.shm_dir},
         {"name": TOKEN_VOLUME, "mountPath": cfg.token_dir, "readOnly": True},
     ]
+    if bundle:
+        wanted.append({"name": BUNDLE_VOLUME, "mountPath": cfg.vllm_bundle_dir, "readOnly": True})
     clash = [m["mountPath"] for m in wanted if m["mountPath"] in taken]
     if clash:
         raise InjectionRefusedError(

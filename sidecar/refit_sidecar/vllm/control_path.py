@@ -14,12 +14,14 @@ file `$KUBEREFIT_TOKEN_FILE`):
   refit worker methods in `ALLOWED` only (prewarm, apply, dense load, fingerprint, audit);
 - `POST /kuberefit/v1/pause?mode=wait|abort|keep` and `POST /kuberefit/v1/resume`: the
   engine's own pause and resume (the request gate);
-- `POST /kuberefit/v1/status`: whether the engine is healthy and whether it runs the refit
-  worker extension (`--worker-extension-cls`), for the receiver's `/readyz`; no worker is called.
+- `POST /kuberefit/v1/status`: whether the engine is healthy, whether it runs the refit
+  worker extension (`--worker-extension-cls`) and, in `refit_unavailable`, why this vLLM cannot
+  refit (`api_check`), for the receiver's `/readyz`; no worker is called.
 
 Everything else under the prefix is refused with the error body of every KubeRefit plane
 (`{"error", "code", "details"}`); every other path goes to vLLM untouched. Without a configured
-token the path refuses everything (fail closed).
+token the path refuses everything (fail closed). A vLLM that lacks an API the path relies on
+(`api_check`) serves on: every refit operation answers 503 with the one line naming it.
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ from urllib.parse import parse_qs
 
 from refit_protocol.auth import is_loopback_host, open_ring, ring_accepts_bearer
 from refit_protocol.errors import ErrorBody
+from refit_protocol.loggers import get_logger
 from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
 from refit_protocol.tokens import TokenRing, as_ring
+from refit_sidecar.vllm import api_check
+
+log = get_logger("kuberefit.vllm")
 
 PREFIX = "/kuberefit/v1"
 #: What `vllm ... --middleware` takes.
@@ -71,6 +77,10 @@ class RefitControlMiddleware:
     def __init__(self, app: ASGIApp, token: str | TokenRing | None = None) -> None:
         self.app = app
         self.tokens = as_ring(token) if token is not None else pod_tokens()
+        #: Why this vLLM cannot refit (an API the path relies on is missing), else None.
+        self.unavailable = api_check.protocol_problem()
+        if self.unavailable:
+            log.warning("refit.unavailable", reason=self.unavailable)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or not str(scope.get("path", "")).startswith(PREFIX):
@@ -104,21 +114,31 @@ class RefitControlMiddleware:
         path = str(scope["path"])[len(PREFIX) :]
         if path == "/rpc":
             method, args, timeout = _rpc_request(body)  # checked before the engine is touched
-            results = await _engine(scope).collective_rpc(method=method, timeout=timeout, args=args)
+            engine = self._refit_engine(scope)
+            results = await engine.collective_rpc(method=method, timeout=timeout, args=args)
             return {"results": [_plain(r) for r in results or []]}
         if path == "/pause":
             query = parse_qs(scope.get("query_string", b"").decode())
             mode = (query.get("mode") or ["wait"])[0]
             if mode not in PAUSE_MODES:
                 raise _RefusedError(400, f"mode must be one of {sorted(PAUSE_MODES)}, not {mode!r}")
-            await _engine(scope).pause_generation(mode=mode)
+            await self._refit_engine(scope).pause_generation(mode=mode)
             return {"status": "paused"}
         if path == "/resume":
-            await _engine(scope).resume_generation()
+            await self._refit_engine(scope).resume_generation()
             return {"status": "resumed"}
         if path == "/status":
-            return await _status(scope)
+            unavailable = self.unavailable or api_check.engine_problem(_engine(scope))
+            return await _status(scope) | {"refit_unavailable": unavailable or ""}
         raise _RefusedError(404, f"no such refit operation: {path or '/'}")
+
+    def _refit_engine(self, scope: Scope) -> Any:
+        """The engine client, or 503 naming the API this vLLM lacks (`api_check`)."""
+        engine = _engine(scope)
+        unavailable = self.unavailable or api_check.engine_problem(engine)
+        if unavailable:
+            raise _RefusedError(503, unavailable)
+        return engine
 
 
 def _engine(scope: Scope) -> Any:
@@ -129,8 +149,10 @@ def _engine(scope: Scope) -> Any:
 async def _status(scope: Scope) -> dict[str, Any]:
     """Engine health and the worker extension it runs (`--worker-extension-cls`)."""
     engine = _engine(scope)
+    check_health = getattr(engine, "check_health", None)  # missing: refit_unavailable says so
     try:
-        await engine.check_health()
+        if callable(check_health):
+            await check_health()
         healthy, error = True, ""
     except Exception as exc:  # a dead engine raises its error
         healthy, error = False, f"{type(exc).__name__}: {exc}".rstrip(": ")

@@ -17,7 +17,7 @@ import torch
 
 from refit_protocol.pod_contract import VLLM_WORKER_EXTENSION
 from refit_sidecar.fingerprint import module_fingerprint
-from refit_sidecar.vllm import cpu_layout
+from refit_sidecar.vllm import api_check, cpu_layout
 
 # vLLM imports this module in each worker before the model is loaded: the place to apply
 # the (opt-in) CPU layout switch.
@@ -45,6 +45,9 @@ class RefitWorkerExtension:
         return self.model_runner.get_model()
 
     def _refit_check_runtime(self) -> None:
+        problem = api_check.worker_problem(self)
+        if problem:
+            raise UnsupportedRuntimeError(problem)
         on_cpu = next(self._refit_model().parameters()).device.type == "cpu"
         if on_cpu and not cpu_layout.enabled():
             raise UnsupportedRuntimeError(

@@ -108,7 +108,9 @@ class VllmHttpApplier:
             healthy = bool(body.get("engine_healthy"))
             engine = "engine healthy" if healthy else f"engine failed: {body.get('engine_error')}"
             name = str(body.get("worker_extension") or "")
-            if body.get("refit_extension"):
+            if body.get("refit_unavailable"):
+                ext = (False, f"{where}: {body['refit_unavailable']}")
+            elif body.get("refit_extension"):
                 ext = (True, f"refit control path and worker extension {name} loaded")
             elif name and body.get("refit_extension", False) is None:
                 ext = (True, f"worker extension {name}: the server cannot import it to check")
