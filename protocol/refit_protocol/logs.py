@@ -78,7 +78,7 @@ def chosen_level(level: str | None = None, default: str = "info") -> int:
     name = (level or os.environ.get(LOG_LEVEL_ENV, "") or default).strip().lower()
     if name not in LEVELS:
         raise ValueError(f"log level {name!r} (${LOG_LEVEL_ENV}): expected one of {LEVELS}")
-    return logging.getLevelNamesMapping()[name.upper()]
+    return int(getattr(logging, name.upper()))
 
 
 def configure_logging(

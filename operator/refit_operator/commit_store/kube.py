@@ -29,7 +29,7 @@ _CAS_TRIES = 16
 
 
 def _ts(seconds: float) -> str:
-    return dt.datetime.fromtimestamp(seconds, dt.UTC).isoformat(timespec="microseconds")
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat(timespec="microseconds")
 
 
 def _seconds(stamp: str) -> float:

@@ -28,7 +28,7 @@ REQUEST_TIMEOUT_S = (5.0, 30.0)
 
 
 def now_iso() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def object_ref(obj: Obj) -> Obj:

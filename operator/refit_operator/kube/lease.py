@@ -60,7 +60,7 @@ class PolicyLease:
     async def acquire_or_renew(self) -> bool:
         """Take or renew the Lease; True while this identity holds it."""
         started = time.monotonic()
-        now = dt.datetime.now(dt.UTC)
+        now = dt.datetime.now(dt.timezone.utc)
         spec = {
             "holderIdentity": self.identity,
             "leaseDurationSeconds": self.duration_s,
@@ -116,4 +116,4 @@ class PolicyLease:
 
 
 def _micro(t: dt.datetime) -> str:
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

@@ -280,6 +280,7 @@ class SourceBaseline:
                 written = [p for p in self._pending.get(index, ()) if p.meta.name == name]
             if last is not None:
                 last.result()  # the chunk's writes so far are in the store
+            out: npt.NDArray[Any]
             if live:  # the store holds the committed bits
                 out = view.view()
                 out.flags.writeable = False

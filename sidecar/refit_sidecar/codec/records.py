@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from refit_protocol.compat import StrEnum
 from refit_protocol.limits import limit_violation, shown_name
 from refit_sidecar.bitdiff import BitDiff, diff_bits
 from refit_sidecar.bits import bits_numpy, int_view
@@ -28,7 +29,7 @@ class Op(enum.IntEnum):
     OVERWRITE = 2
 
 
-class Mode(enum.StrEnum):
+class Mode(StrEnum):
     """Encoding mode of an attempt: mixed (first attempt) or overwrite (every retry)."""
 
     MIXED = "mixed"

@@ -19,12 +19,13 @@ import enum
 import threading
 from dataclasses import dataclass, field
 
+from refit_protocol.compat import StrEnum
 from refit_protocol.receiver_api import ManifestEntry, PrepareRequest
 from refit_sidecar.receiver.appliers.base import StagedPayload
 from refit_sidecar.transport.relay.frames import FrameMeta
 
 
-class Phase(enum.StrEnum):
+class Phase(StrEnum):
     IDLE = "idle"
     PREPARED = "prepared"
     STREAMING = "streaming"

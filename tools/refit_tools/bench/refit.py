@@ -47,7 +47,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from types import FrameType
@@ -561,7 +561,7 @@ def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print)
     require_netns_tools()
     workload = Workload(checkpoint_bytes=cfg.checkpoint_bytes, seed=cfg.seed)
     own = cfg.workdir is None
-    started = datetime.now(UTC)
+    started = datetime.now(timezone.utc)
     if cfg.workdir is None:
         workdir = Path(tempfile.mkdtemp(prefix="kuberefit-bench-refit-"))
     else:  # never reuse a commit database or digests of an earlier run
@@ -699,7 +699,7 @@ def run_refit_links(
 ) -> dict[str, Any]:
     """One run per link rate (0: the unshaped veth), each written as usual, then
     `refit-links-<UTC time>.{json,svg}`: latency and speedup against the link."""
-    started = datetime.now(UTC)
+    started = datetime.now(timezone.utc)
     results = [
         run_refit_bench(config.model_copy(update={"link_mbit": link}), say=say) for link in links
     ]

@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +146,7 @@ def run_relay_bench(
     same frames through as many processes (`bare_forward.py`), measured in the same run."""
     own = workdir is None  # a temporary directory of ours: removed at the end
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kuberefit-bench-"))
-    started = datetime.now(UTC)
+    started = datetime.now(timezone.utc)
     say(f"starting {nodes} receiver nodes ...")
     try:
         cluster = _nodes(nodes, workdir)
@@ -212,7 +212,7 @@ DEFINITIONS = {
 def write_result(result: Mapping[str, Any], directory: Path) -> Path:
     """`transport-<UTC time>.json` under `directory` (what `kuberefit plan --calibrate` reads)."""
     directory.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     path = directory / f"transport-{stamp}.json"
     path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     return path

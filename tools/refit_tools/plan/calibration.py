@@ -48,7 +48,7 @@ import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -365,7 +365,7 @@ def _stamped(results_dir: Path, benchmark: str) -> list[Path]:
 def _stamp_time(path: Path) -> datetime:
     match = _STAMP.search(path.name)
     assert match is not None
-    return datetime.strptime(match.group(1), "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC)
+    return datetime.strptime(match.group(1), "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -983,7 +983,7 @@ def fit(results_dir: Path, *, exclude: Iterable[str] = ()) -> Calibration:
 
     isolated = _codec(results_dir, skip, sources)
     return Calibration(
-        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         results_dir=str(results_dir),
         sources=sources,
         v_over_h=PowerLaw(

@@ -12,12 +12,12 @@ decoded by the codec.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from refit_protocol.compat import StrEnum
 from refit_sidecar.codec.decode import MacKeys, mac_keys, verify_mac
 from refit_sidecar.codec.errors import CodecError, DigestMismatch, HeaderMismatch
 from refit_sidecar.codec.wire import (
@@ -37,7 +37,7 @@ REQUEST_KINDS = (DATA, PROBE, END)
 MAX_META_BYTES = 16 << 10
 
 
-class AckStatus(enum.StrEnum):
+class AckStatus(StrEnum):
     """What a relay did with a frame."""
 
     STAGED = "staged"  # registered, local staging and child forwards submitted (the staged ACK)
