@@ -210,10 +210,36 @@ class Journey:
             },
         }
 
-    def vllm_pod(self, name: str, port: int, annotated: bool = True) -> dict[str, Any]:
+    def vllm_pod(
+        self, name: str, port: int, annotated: bool = True, style: str = "python-m"
+    ) -> dict[str, Any]:
+        """A rollout pod as a user writes it, vLLM started in one of the launch styles
+        (`python-m`: python -m the OpenAI server; `shell`: a `sh -c` script that puts
+        $KUBEREFIT_VLLM_ARGS on vLLM's command line; `kserve`: KServe's vLLM runtime, the
+        container `kserve-container`, flags as `--name=value` args)."""
         annotations = (
             {"kuberefit.io/inject": "rollout", "kuberefit.io/policy": "alpha"} if annotated else {}
         )
+        flags = [
+            *("--model", str(self.ckpt / "v0"), "--host", "127.0.0.1"),
+            *("--port", str(port), "--skip-tokenizer-init", "--enforce-eager"),
+            *("--dtype", "bfloat16", "--max-model-len", "256"),
+        ]
+        server = ["python", "-m", "vllm.entrypoints.openai.api_server"]
+        container: dict[str, Any] = {"name": "vllm", "command": server, "args": flags}
+        if style == "shell":
+            script = f"cd / && exec {' '.join(server + flags)} $KUBEREFIT_VLLM_ARGS"
+            container = {"name": "vllm", "command": ["/bin/sh", "-c", script]}
+        elif style == "kserve":
+            container = {
+                "name": "kserve-container",
+                "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
+                "args": [
+                    *(f"--model={self.ckpt / 'v0'}", "--host=127.0.0.1", f"--port={port}"),
+                    *("--skip-tokenizer-init", "--enforce-eager", "--dtype=bfloat16"),
+                    *("--max-model-len=256", "--served-model-name=alpha"),
+                ],
+            }
         return {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -225,14 +251,8 @@ class Journey:
             "spec": {
                 "containers": [
                     {
-                        "name": "vllm",
+                        **container,
                         "image": VLLM_IMAGE,
-                        "command": ["python", "-m", "vllm.entrypoints.openai.api_server"],
-                        "args": [
-                            *("--model", str(self.ckpt / "v0"), "--host", "127.0.0.1"),
-                            *("--port", str(port), "--skip-tokenizer-init", "--enforce-eager"),
-                            *("--dtype", "bfloat16", "--max-model-len", "256"),
-                        ],
                         "env": [
                             {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
                             {"name": "KUBEREFIT_VLLM_CPU_UNPACKED", "value": "1"},
@@ -363,6 +383,53 @@ def _user_images_are_theirs() -> None:
     assert _has_modules(TRAINER_VENV, "zstandard") == {"zstandard": False}
 
 
+def _launch_styles_through_the_webhook(j: Journey) -> None:
+    """Every launch style through the real webhook (server-side dry runs): the stored vLLM
+    container, or the refusal with the fix it names."""
+
+    def dry(name: str, container: dict[str, Any], **annotations: str) -> dict[str, Any]:
+        pod = j.vllm_pod(name, 8000)
+        engine = pod["spec"]["containers"][0]
+        pod["spec"]["containers"][0] = {
+            **{k: v for k, v in engine.items() if k not in ("command", "args", "name")},
+            "name": "vllm",
+            **container,
+        }
+        pod["metadata"]["annotations"].update(annotations)
+        out = yaml.safe_load(j.apply(pod, "--dry-run=server", "-o", "yaml"))
+        return dict(out["spec"]["containers"][0])
+
+    def refused(name: str, container: dict[str, Any]) -> str:
+        with pytest.raises(AssertionError) as caught:
+            dry(name, container)
+        return str(caught.value)
+
+    ours = "--worker-extension-cls=refit_sidecar.vllm.worker_extension.RefitWorkerExtension"
+    served = dry("style-serve", {"command": ["vllm", "serve", "/m", "--port", "8000"]})
+    assert served["args"][0] == ours
+    args_only = dry("style-args", {"args": ["/m", "--port=8000"]})
+    assert args_only["args"][:2] == ["/m", "--port=8000"]
+    assert args_only["args"][2] == ours
+    composed = dry(
+        "style-verl",
+        {
+            "command": ["vllm", "serve", "/m"],
+            "args": ["--worker-extension-cls", "verl.workers.rollout.Ext"],
+        },
+    )
+    assert composed["args"][1] == "refit_sidecar.vllm.composed.ComposedWorkerExtension"
+    env = {e["name"]: e.get("value") for e in composed["env"]}
+    assert env["KUBEREFIT_USER_WORKER_EXTENSION"] == "verl.workers.rollout.Ext"
+    for name, container, says in (
+        ("style-cmd", {}, "neither command nor args"),
+        ("style-sh", {"command": ["sh", "-c", "vllm serve /m"]}, "$KUBEREFIT_VLLM_ARGS"),
+        ("style-hf", {"command": ["python", "-m", "huggingfaceserver"]}, "huggingfaceserver"),
+    ):
+        message = refused(name, container)
+        assert 'admission webhook "inject.kuberefit.io" denied the request' in message, message
+        assert says in message, message
+
+
 @pytest.fixture
 def journey(refit_crds: KubeCluster, tmp_path: Path) -> Iterator[Journey]:
     _user_images_are_theirs()
@@ -396,12 +463,23 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
     assert trainer["metadata"]["labels"]["kuberefit.io/role"] == "trainer"
     vllm_ports = free_ports(2)
     rollouts = [f"alpha-rollout-{i}" for i in range(2)]
+    # Two launch styles end to end: a shell script, and KServe's vLLM runtime.
+    styles = dict(zip(rollouts, ("shell", "kserve"), strict=True))
+    engines = {"shell": "vllm", "kserve": "kserve-container"}
     for name, port in zip(rollouts, vllm_ports, strict=True):
-        j.apply(j.vllm_pod(name, port))
+        j.apply(j.vllm_pod(name, port, style=styles[name]))
         stored = j.pod(name)
-        assert _containers(stored) == ["vllm", "kuberefit-sidecar"]
+        assert _containers(stored) == [engines[styles[name]], "kuberefit-sidecar"]
         vllm = stored["spec"]["containers"][0]
-        assert vllm["args"][-2].startswith("--worker-extension-cls=")
+        if styles[name] == "shell":  # the script is not rewritten; it reads the variable
+            assert (
+                vllm["command"]
+                == j.vllm_pod(name, port, style="shell")["spec"]["containers"][0]["command"]
+            )
+            flags = {e["name"]: e["value"] for e in vllm["env"]}["KUBEREFIT_VLLM_ARGS"]
+            assert flags.startswith("--worker-extension-cls=")
+        else:
+            assert vllm["args"][-2].startswith("--worker-extension-cls=")
         assert "VLLM_SERVER_DEV_MODE" not in json.dumps(stored)
         # The vLLM bundle: copied by an init container from the sidecar image into an emptyDir
         # that is first on vLLM's PYTHONPATH; the user's image is untouched.
@@ -432,6 +510,7 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
         "kuberefit-operator-extra-",
     )
     assert j.admissions("unchanged") == 1  # only "plain" reached it unannotated
+    _launch_styles_through_the_webhook(j)
 
     # -- run the stored pods' containers -----------------------------------------------------------
     for name, port in zip(rollouts, vllm_ports, strict=True):
@@ -439,13 +518,16 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
             j.ns,
             name,
             ready={
-                "vllm": lambda _p, port=port: http_ok(f"http://127.0.0.1:{port}/health"),
+                engines[styles[name]]: lambda _p, port=port: http_ok(
+                    f"http://127.0.0.1:{port}/health"
+                ),
                 "kuberefit-sidecar": lambda p: http_ok(f"http://{p.ip}:8470/healthz"),
             },
             timeout=300,
         )
     for pod in j.kubelet.pods:
-        proc = pod.processes["vllm"].proc if "vllm" in pod.processes else None
+        engine = next((pod.processes[c] for c in engines.values() if c in pod.processes), None)
+        proc = engine.proc if engine is not None else None
         if proc is None:
             continue
         assert "VLLM_SERVER_DEV_MODE" not in psutil.Process(proc.pid).environ()

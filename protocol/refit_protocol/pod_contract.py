@@ -23,3 +23,10 @@ LOG_LEVEL_ENV = "KUBEREFIT_LOG_LEVEL"
 #: vLLM options that load the worker extension and the guarded refit control path.
 VLLM_WORKER_EXTENSION = "refit_sidecar.vllm.worker_extension.RefitWorkerExtension"
 VLLM_MIDDLEWARE = "refit_sidecar.vllm.control_path.RefitControlMiddleware"
+#: The worker extension injection names when vLLM already has one (verl, OpenRLHF): a class
+#: composed at import from the user's (named in `USER_WORKER_EXTENSION_ENV`) and ours.
+VLLM_COMPOSED_EXTENSION = "refit_sidecar.vllm.composed.ComposedWorkerExtension"
+USER_WORKER_EXTENSION_ENV = "KUBEREFIT_USER_WORKER_EXTENSION"
+#: For vLLM started by a shell script: the flags injection would append, for the script to
+#: put on vLLM's command line (`vllm serve ... $KUBEREFIT_VLLM_ARGS`).
+VLLM_ARGS_ENV = "KUBEREFIT_VLLM_ARGS"

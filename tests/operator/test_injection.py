@@ -120,6 +120,7 @@ def test_rollout_injection_is_complete_and_valid() -> None:
         "readOnly": True,
     }
     assert {"name": "PYTHONPATH", "value": CFG.vllm_bundle_dir} in vllm["env"]
+    assert {"name": "KUBEREFIT_TOKEN_FILE", "value": "/etc/kuberefit/token/token"} in vllm["env"]
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["kuberefit-token"]["secret"]["secretName"] == "alpha-token"
     assert volumes["kuberefit-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
@@ -220,13 +221,9 @@ def test_reference_checkpoint_mount_is_shared_read_only() -> None:
     ("pod", "says"),
     [
         (_pod("rollout", annotations={"kuberefit.io/container": "nope"}), "'nope'"),
-        (
-            _pod(
-                "rollout",
-                [{"name": "v", "image": "v", "args": ["--worker-extension-cls", "my.Ext"]}],
-            ),
-            "my.Ext",
-        ),
+        (_pod("rollout", annotations={"kuberefit.io/sidecar-cpu": "lots"}), "quantity"),
+        (_pod("rollout", annotations={"kuberefit.io/shm-size-limit": "1 GB"}), "quantity"),
+        (_pod("rollout", annotations={"kuberefit.io/vllm-port": "http"}), "port number"),
         (_pod("trainer", annotations={"kuberefit.io/producer-index": "5"}), "spec.producers=2"),
         (_pod("trainer", annotations={"kuberefit.io/producer-index": "x"}), "non-negative"),
         (
@@ -323,6 +320,10 @@ def test_a_mesh_proxy_put_first_is_not_paired_with() -> None:
     [
         ({"name": "v", "image": "vllm/vllm-openai"}, "neither command nor args"),
         ({"name": "v", "image": "v", "command": ["/bin/sh", "-c", "vllm serve m"]}, "shell"),
+        (
+            {"name": "v", "image": "v", "command": ["python", "-m", "huggingfaceserver"]},
+            "Hugging Face runtime",
+        ),
         ({"name": "v", "image": "v", "args": ["--port", "\u00b2"]}, "port number"),
         ({"name": "v", "image": "v", "args": ["--port=70000"]}, "port number"),
     ],

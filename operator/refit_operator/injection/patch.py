@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refit_operator.injection.config import InjectionConfig, TokenSecretRef
+from refit_operator.injection.vllm_launch import LaunchRefusedError, VllmWiring, wire_vllm
 from refit_operator.kube.names import (
     CONTAINER,
     CONTROL_PORT,
@@ -44,7 +45,12 @@ from refit_operator.kube.names import (
     REFERENCE_CHECKPOINT,
     RELAY_PORT,
     ROLE_LABEL,
+    SHM_SIZE_LIMIT,
     SIDECAR_CONTAINER,
+    SIDECAR_CPU,
+    SIDECAR_CPU_LIMIT,
+    SIDECAR_MEMORY,
+    SIDECAR_MEMORY_LIMIT,
 )
 from refit_protocol.config_files import Auto
 from refit_protocol.pod_contract import (
@@ -56,8 +62,6 @@ from refit_protocol.pod_contract import (
     POD_NAME_ENV,
     PRODUCER_URL_ENV,
     TOKEN_FILE_ENV,
-    VLLM_MIDDLEWARE,
-    VLLM_WORKER_EXTENSION,
 )
 
 Obj = dict[str, Any]
@@ -69,13 +73,14 @@ BUNDLE_SIZE_LIMIT = "64Mi"
 ROLES = ("trainer", "rollout")
 #: StatefulSet pods carry this label from creation; its ordinal is the default producer index.
 STATEFULSET_POD_NAME = "statefulset.kubernetes.io/pod-name"
-DEFAULT_VLLM_PORT = 8000
 #: Indexed Jobs (PyTorchJob, JobSet) label each pod with its index.
 JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 #: Containers other injectors add that are never the one to pair with.
 MESH_PROXIES = frozenset({"istio-proxy", "linkerd-proxy", "envoy-sidecar"})
 _SMALL_UINT = re.compile(r"[0-9]{1,9}")
-SHELLS = frozenset({"sh", "bash", "ash", "dash", "zsh"})
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?([EPTGMK]i|[mkMGTPE])?")
+#: The sidecar image's user (Dockerfile.sidecar's USER).
+SIDECAR_UID = 65532
 
 
 @dataclass(frozen=True)
@@ -144,7 +149,7 @@ def inject(pod: Mapping[str, Any], config: InjectionConfig, policy: PolicyFacts)
         return Injection(warnings=[f"{INJECT} is set but {POLICY} is missing: pod not injected"])
     try:
         patch = _build(pod, role, policy_name, config, policy)
-    except InjectionRefusedError as exc:
+    except (InjectionRefusedError, LaunchRefusedError) as exc:
         return Injection(denied=str(exc))
     warnings = []
     if not policy.exists:
@@ -175,21 +180,23 @@ def _build(
         raise InjectionRefusedError(f"the pod already has volume(s) {sorted(clash)}: rename them")
     token_file = f"{cfg.token_dir}/{policy.token_secret.key}"
     paired = containers[index]
+    base = f"/spec/containers/{index}"
+    resources = _sidecar_resources(cfg, spec, annotations)
+    wiring: VllmWiring | None = None
     if role == "trainer":
         reference = str(annotations.get(REFERENCE_CHECKPOINT) or "")
         producer = _producer_index(meta, policy)
-        sidecar = _producer(cfg, token_file, producer, policy, reference)
+        sidecar = _producer(cfg, token_file, producer, policy, reference, resources)
         sidecar["volumeMounts"] += _reference_mounts(paired, annotations)
         paired_env = [
             _field_env(POD_IP_ENV, "status.podIP"),
             _env(PRODUCER_URL_ENV, f"http://$({POD_IP_ENV}):{cfg.ports.producer}"),
             _env(INBOX_ENV, f"{cfg.shm_dir}/inbox"),
         ]
-        extra_args: list[str] = []
     else:
-        sidecar = _receiver(cfg, token_file, _vllm_port(paired), policy)
-        paired_env = []
-        extra_args = _vllm_args(paired)
+        wiring = wire_vllm(paired, base, annotations)
+        sidecar = _receiver(cfg, token_file, wiring.port, policy, resources)
+        paired_env = list(wiring.env)
     bundle = role == "rollout"
     paired_env += [_env(TOKEN_FILE_ENV, token_file)]
     ops: list[Obj] = []
@@ -198,16 +205,19 @@ def _build(
     if _label_value_ok(policy_name):
         labels[POLICY_LABEL] = policy_name
     ops += _merge_map(meta, "/metadata/labels", labels)
-    ops += _append(spec, "/spec/volumes", _volumes(cfg, policy.token_secret, bundle))
+    shm_limit = _quantity(annotations, SHM_SIZE_LIMIT, cfg.shm_size_limit)
+    ops += _append(spec, "/spec/volumes", _volumes(shm_limit, policy.token_secret, bundle))
     if bundle:
         ops += _append(spec, "/spec/initContainers", [_bundle_init(cfg)])
-    base = f"/spec/containers/{index}"
-    ops += _append(paired, f"{base}/env", _without_names(paired.get("env"), paired_env))
     if bundle:
-        ops += _python_path(paired, base, cfg.vllm_bundle_dir)
+        replaced = _python_path(paired, base, cfg.vllm_bundle_dir)
+        ops += replaced
+        paired_env += [] if replaced else [_env("PYTHONPATH", cfg.vllm_bundle_dir)]
+    ops += _append(paired, f"{base}/env", _without_names(paired.get("env"), paired_env))
     ops += _append(paired, f"{base}/volumeMounts", _mounts(cfg, paired, bundle))
-    if extra_args:
-        ops += _append(paired, f"{base}/args", extra_args)
+    if wiring is not None:
+        ops += wiring.replace
+        ops += _append(paired, f"{base}/args", wiring.append_args)
     ops.append({"op": "add", "path": "/spec/containers/-", "value": sidecar})
     return ops
 
@@ -246,7 +256,9 @@ def _common_env(cfg: InjectionConfig, token_file: str, config: Obj) -> list[Obj]
     ]
 
 
-def _sidecar(cfg: InjectionConfig, command: list[str], env: list[Obj], ports: list[Obj]) -> Obj:
+def _sidecar(
+    cfg: InjectionConfig, command: list[str], env: list[Obj], ports: list[Obj], resources: Obj
+) -> Obj:
     return {
         "name": SIDECAR_CONTAINER,
         "image": cfg.image,
@@ -254,7 +266,7 @@ def _sidecar(cfg: InjectionConfig, command: list[str], env: list[Obj], ports: li
         "command": command,
         "env": env,
         "ports": ports,
-        "resources": cfg.resources,
+        "resources": resources,
         # Ready: its dependencies answer (the receiver's vLLM with the refit extension, the
         # producer's inbox and reference checkpoint); alive: the process answers. Liveness is
         # lenient, since a restarted producer must rebuild its baseline from the next export.
@@ -279,17 +291,72 @@ def _sidecar(cfg: InjectionConfig, command: list[str], env: list[Obj], ports: li
 
 
 def _restricted() -> Obj:
-    """A security context that passes the "restricted" Pod Security Standard (the sidecar
-    image runs as 65532)."""
+    """A security context that passes the "restricted" Pod Security Standard. The user is the
+    sidecar image's own (65532), set here too: a pod whose securityContext runs as root (many
+    GPU images do) would otherwise pass root down, and runAsNonRoot would stop the container."""
     return {
         "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"]},
         "runAsNonRoot": True,
+        "runAsUser": SIDECAR_UID,
+        "runAsGroup": SIDECAR_UID,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
-def _receiver(cfg: InjectionConfig, token_file: str, vllm_port: int, policy: PolicyFacts) -> Obj:
+def _sidecar_resources(cfg: InjectionConfig, spec: Mapping[str, Any], annotations: Obj) -> Obj:
+    """The chart's sidecar resources, overridden per pod by the annotations; in a pod whose
+    every container has limits equal to requests (Guaranteed QoS), the sidecar's limits equal
+    its requests too, so the pod stays Guaranteed."""
+    requests = dict((cfg.resources or {}).get("requests") or {})
+    limits = dict((cfg.resources or {}).get("limits") or {})
+    for key, name, target in (
+        (SIDECAR_CPU, "cpu", requests),
+        (SIDECAR_MEMORY, "memory", requests),
+        (SIDECAR_CPU_LIMIT, "cpu", limits),
+        (SIDECAR_MEMORY_LIMIT, "memory", limits),
+    ):
+        value = _quantity(annotations, key, "")
+        if value:
+            target[name] = value
+    if _guaranteed(spec):
+        limits = {**limits, **requests}
+        requests = dict(limits)
+    out: Obj = {k: v for k, v in cfg.resources.items() if k not in ("requests", "limits")}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _guaranteed(spec: Mapping[str, Any]) -> bool:
+    """Every container sets cpu and memory limits, and requests equal to them (or none)."""
+    containers = [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
+    for c in containers:
+        res = c.get("resources") or {}
+        limits, requests = res.get("limits") or {}, res.get("requests") or {}
+        if not {"cpu", "memory"} <= set(limits):
+            return False
+        if any(str(requests.get(k, limits[k])) != str(limits[k]) for k in ("cpu", "memory")):
+            return False
+    return bool(containers)
+
+
+def _quantity(annotations: Mapping[str, Any], key: str, default: str) -> str:
+    value = annotations.get(key)
+    if value is None:
+        return default
+    if not _QUANTITY.fullmatch(str(value)):
+        raise InjectionRefusedError(
+            f"{key}={value!r} is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)"
+        )
+    return str(value)
+
+
+def _receiver(
+    cfg: InjectionConfig, token_file: str, vllm_port: int, policy: PolicyFacts, resources: Obj
+) -> Obj:
     settings = {
         "token_rotation_grace_s": policy.token_rotation_grace_s,
         "node": f"$({POD_NAME_ENV})",
@@ -307,11 +374,16 @@ def _receiver(cfg: InjectionConfig, token_file: str, vllm_port: int, policy: Pol
         {"name": RELAY_PORT, "containerPort": cfg.ports.relay, "protocol": "TCP"},
     ]
     command = ["kuberefit", "receiver", "serve"]
-    return _sidecar(cfg, command, _common_env(cfg, token_file, settings), ports)
+    return _sidecar(cfg, command, _common_env(cfg, token_file, settings), ports, resources)
 
 
 def _producer(
-    cfg: InjectionConfig, token_file: str, index: int, policy: PolicyFacts, reference: str
+    cfg: InjectionConfig,
+    token_file: str,
+    index: int,
+    policy: PolicyFacts,
+    reference: str,
+    resources: Obj,
 ) -> Obj:
     staging: Obj = {"inbox": f"{cfg.shm_dir}/inbox", "candidate_dir": f"{cfg.work_dir}/candidates"}
     if reference:
@@ -329,7 +401,7 @@ def _producer(
     }
     ports = [{"name": CONTROL_PORT, "containerPort": cfg.ports.producer, "protocol": "TCP"}]
     command = ["kuberefit", "producer", "serve"]
-    return _sidecar(cfg, command, _common_env(cfg, token_file, settings), ports)
+    return _sidecar(cfg, command, _common_env(cfg, token_file, settings), ports, resources)
 
 
 def _producer_index(meta: Mapping[str, Any], policy: PolicyFacts) -> int:
@@ -392,7 +464,8 @@ def _bundle_init(cfg: InjectionConfig) -> Obj:
 
 
 def _python_path(container: Mapping[str, Any], base: str, bundle_dir: str) -> list[Obj]:
-    """`bundle_dir` first on the container's PYTHONPATH, keeping a value it sets."""
+    """The op that puts `bundle_dir` first on a PYTHONPATH the container sets (none when it
+    sets none: the caller adds the variable with the rest of the env)."""
     for i, item in enumerate(container.get("env") or []):
         if item.get("name") != "PYTHONPATH":
             continue
@@ -404,13 +477,13 @@ def _python_path(container: Mapping[str, Any], base: str, bundle_dir: str) -> li
         value = str(item.get("value") or "")
         joined = f"{bundle_dir}:{value}" if value else bundle_dir
         return [{"op": "replace", "path": f"{base}/env/{i}/value", "value": joined}]
-    return _append(container, f"{base}/env", [_env("PYTHONPATH", bundle_dir)])
+    return []
 
 
-def _volumes(cfg: InjectionConfig, token: TokenSecretRef, bundle: bool) -> list[Obj]:
+def _volumes(shm_size_limit: str, token: TokenSecretRef, bundle: bool) -> list[Obj]:
     shm: Obj = {"medium": "Memory"}
-    if cfg.shm_size_limit:
-        shm["sizeLimit"] = cfg.shm_size_limit
+    if shm_size_limit:
+        shm["sizeLimit"] = shm_size_limit
     extra = (
         [{"name": BUNDLE_VOLUME, "emptyDir": {"sizeLimit": BUNDLE_SIZE_LIMIT}}] if bundle else []
     )
@@ -444,58 +517,6 @@ def _mounts(cfg: InjectionConfig, paired: Mapping[str, Any], bundle: bool) -> li
             "KubeRefit's volumes there (change the chart's sidecar.shmDir)"
         )
     return wanted
-
-
-def _vllm_args(container: Mapping[str, Any]) -> list[str]:
-    """The flags vLLM needs, appended to the container's args; refused where appending could
-    not reach vLLM's own argument parser."""
-    command, args = list(container.get("command") or []), list(container.get("args") or [])
-    name = container.get("name")
-    if not command and not args:
-        raise InjectionRefusedError(
-            f"container {name!r} sets neither command nor args: appending vLLM's flags would "
-            "replace the image's CMD; write its `vllm serve ...` arguments in the pod"
-        )
-    if command and str(command[0]).rsplit("/", 1)[-1] in SHELLS:
-        raise InjectionRefusedError(
-            f"container {name!r} runs vLLM through a shell ({command[0]}): appended flags would "
-            "not reach vLLM; run vllm (or python -m vllm.entrypoints.openai.api_server) directly"
-        )
-    words = [*command, *args]
-    wanted = {"--worker-extension-cls": VLLM_WORKER_EXTENSION, "--middleware": VLLM_MIDDLEWARE}
-    extra = []
-    for flag, value in wanted.items():
-        given = _flag_values(words, flag)
-        if value in given:
-            continue
-        if flag == "--worker-extension-cls" and given:
-            raise InjectionRefusedError(
-                f"container {container.get('name')!r} already sets --worker-extension-cls "
-                f"{given[0]}; KubeRefit needs {value} (vLLM takes one extension class)"
-            )
-        extra.append(f"{flag}={value}")
-    return extra
-
-
-def _vllm_port(container: Mapping[str, Any]) -> int:
-    words = [*(container.get("command") or []), *(container.get("args") or [])]
-    given = _flag_values(words, "--port")
-    if not given:
-        return DEFAULT_VLLM_PORT
-    port = given[-1]
-    if not _SMALL_UINT.fullmatch(port) or not 1 <= int(port) <= 65535:
-        raise InjectionRefusedError(f"cannot read vLLM's --port {port!r}: use a port number")
-    return int(port)
-
-
-def _flag_values(words: Sequence[str], flag: str) -> list[str]:
-    values = []
-    for i, word in enumerate(words):
-        if word == flag and i + 1 < len(words):
-            values.append(str(words[i + 1]))
-        elif word.startswith(flag + "="):
-            values.append(word.split("=", 1)[1])
-    return values
 
 
 # -- JSON Patch helpers -------------------------------------------------------------------------

@@ -13,6 +13,16 @@ INJECT, POLICY = "kuberefit.io/inject", "kuberefit.io/policy"
 #: the rollout engines started from (the trainer sidecar checks the first export against it).
 CONTAINER, PRODUCER_INDEX = "kuberefit.io/container", "kuberefit.io/producer-index"
 REFERENCE_CHECKPOINT = "kuberefit.io/reference-checkpoint"
+#: Optional rollout pod annotations: the port vLLM serves on (default: its --port) and the
+#: user's own vLLM worker extension, composed with KubeRefit's (injection.vllm_launch).
+VLLM_PORT, USER_WORKER_EXTENSION = "kuberefit.io/vllm-port", "kuberefit.io/worker-extension"
+#: Optional per-pod overrides of the chart's sidecar settings (as Istio's
+#: sidecar.istio.io/proxyCPU...): the sidecar's CPU and memory requests and limits, and the
+#: sizeLimit of the shared-memory volume.
+SIDECAR_CPU, SIDECAR_MEMORY = "kuberefit.io/sidecar-cpu", "kuberefit.io/sidecar-memory"
+SIDECAR_CPU_LIMIT = "kuberefit.io/sidecar-cpu-limit"
+SIDECAR_MEMORY_LIMIT = "kuberefit.io/sidecar-memory-limit"
+SHM_SIZE_LIMIT = "kuberefit.io/shm-size-limit"
 #: Written by injection: the marker annotation (its value is the role injected) and the labels
 #: NetworkPolicies select on (annotations cannot be selected).
 INJECTED = "kuberefit.io/injected"

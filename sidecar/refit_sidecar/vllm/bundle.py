@@ -28,12 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from refit_protocol import __version__
-from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
+from refit_protocol.pod_contract import (
+    VLLM_COMPOSED_EXTENSION,
+    VLLM_MIDDLEWARE,
+    VLLM_WORKER_EXTENSION,
+)
 
 #: The modules vLLM loads by name (`--worker-extension-cls`, `--middleware`).
-ENTRY_MODULES: tuple[str, ...] = (
-    VLLM_WORKER_EXTENSION.rpartition(".")[0],
-    VLLM_MIDDLEWARE.rpartition(".")[0],
+ENTRY_MODULES: tuple[str, ...] = tuple(
+    q.rpartition(".")[0] for q in (VLLM_WORKER_EXTENSION, VLLM_COMPOSED_EXTENSION, VLLM_MIDDLEWARE)
 )
 #: KubeRefit's own import roots; a bundle copies modules from these only.
 FIRST_PARTY = frozenset({"refit_protocol", "refit_sidecar"})
