@@ -34,8 +34,10 @@ import pytest
 import yaml
 from kubernetes import client
 
+from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
+from refit_sidecar.vllm.bundle import install as install_bundle
 from refit_tools.local.nodes import vllm_rpc
-from refit_tools.local.procs import free_ports, http_ok
+from refit_tools.local.procs import ManagedProcess, free_ports, http_ok
 from refit_tools.tiny_models import write_tiny_model
 from tests.harness.kube import KubeCluster
 from tests.harness.kubelet import LocalImage, LocalKubelet, LocalPod
@@ -383,6 +385,38 @@ def _user_images_are_theirs() -> None:
     assert _has_modules(TRAINER_VENV, "zstandard") == {"zstandard": False}
 
 
+def _cold_start_fingerprint(j: Journey, checkpoint: Path) -> list[Any]:
+    """Every worker's fingerprint of a vLLM started from `checkpoint` in the user's vLLM image
+    (`.venv-vllm`, the vLLM bundle on its PYTHONPATH as injection puts it)."""
+    bundle, token_file = j.root / "cold-bundle", j.root / "cold-token"
+    install_bundle(bundle)
+    token_file.write_text(j.token)
+    (port,) = free_ports(1)
+    argv = [
+        str(VLLM_VENV / "bin" / "python"),
+        *("-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)),
+        *("--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init"),
+        *("--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "256"),
+        f"--worker-extension-cls={VLLM_WORKER_EXTENSION}",
+        f"--middleware={VLLM_MIDDLEWARE}",
+    ]
+    env = {
+        "PATH": f"{VLLM_VENV / 'bin'}:/usr/bin:/bin",
+        "HOME": str(Path.home()),
+        "PYTHONPATH": str(bundle),
+        "KUBEREFIT_TOKEN_FILE": str(token_file),
+        "KUBEREFIT_VLLM_CPU_UNPACKED": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    cold = ManagedProcess("cold-vllm", argv, j.root / "cold-vllm.log", env=env)
+    try:
+        cold.start(lambda: http_ok(f"http://127.0.0.1:{port}/health"), timeout=300)
+        return vllm_rpc(f"http://127.0.0.1:{port}", j.token, "refit_fingerprint")
+    finally:
+        cold.stop()
+
+
 def _launch_styles_through_the_webhook(j: Journey) -> None:
     """Every launch style through the real webhook (server-side dry runs): the stored vLLM
     container, or the refusal with the fix it names."""
@@ -546,9 +580,11 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
 
     rows = wait_for("every transition Committed", committed_rows, timeout=60, every=0.5)
     assert [r.split()[0] for r in rows] == [f"alpha-v{v:06d}" for v in range(1, VERSIONS + 1)]
-    # Bit-exact: both nodes hold the same bits, and a dense load of v3 changes none of them.
+    # Bit-exact: both nodes hold the bits of a cold start on v3 (a fresh vLLM from the user's
+    # image), and a dense load of v3 changes none of them.
     want = [vllm_rpc(f"http://127.0.0.1:{p}", j.token, "refit_fingerprint") for p in vllm_ports]
     assert want[0] == want[1]
+    assert _cold_start_fingerprint(j, j.ckpt / f"v{VERSIONS}") == want[0]
     vllm_rpc(
         f"http://127.0.0.1:{vllm_ports[1]}",
         j.token,

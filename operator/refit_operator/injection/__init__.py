@@ -1,4 +1,5 @@
-"""Sidecar injection: the settings (`config`), the pure patch builder (`patch`), the
+"""Sidecar injection: the settings (`config`), the pure patch builder (`patch`) with how vLLM's
+command line is reached (`vllm_launch`) and what injected containers may use (`resources`), the
 AdmissionReview codec (`review`); `refit_operator.webhook` serves them over HTTPS."""
 
 from refit_operator.injection.config import (

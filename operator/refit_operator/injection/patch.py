@@ -33,6 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refit_operator.injection.config import InjectionConfig, TokenSecretRef
+from refit_operator.injection.resources import (
+    InjectionRefusedError,
+    annotated_quantity,
+    restricted,
+    sidecar_resources,
+)
 from refit_operator.injection.vllm_launch import LaunchRefusedError, VllmWiring, wire_vllm
 from refit_operator.kube.names import (
     CONTAINER,
@@ -47,10 +53,6 @@ from refit_operator.kube.names import (
     ROLE_LABEL,
     SHM_SIZE_LIMIT,
     SIDECAR_CONTAINER,
-    SIDECAR_CPU,
-    SIDECAR_CPU_LIMIT,
-    SIDECAR_MEMORY,
-    SIDECAR_MEMORY_LIMIT,
 )
 from refit_protocol.config_files import Auto
 from refit_protocol.pod_contract import (
@@ -78,9 +80,6 @@ JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 #: Containers other injectors add that are never the one to pair with.
 MESH_PROXIES = frozenset({"istio-proxy", "linkerd-proxy", "envoy-sidecar"})
 _SMALL_UINT = re.compile(r"[0-9]{1,9}")
-_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?([EPTGMK]i|[mkMGTPE])?")
-#: The sidecar image's user (Dockerfile.sidecar's USER).
-SIDECAR_UID = 65532
 
 
 @dataclass(frozen=True)
@@ -120,10 +119,6 @@ class Injection:
     patch: list[Obj] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     denied: str | None = None
-
-
-class InjectionRefusedError(ValueError):
-    """The pod opted in but cannot be injected as written (the message says what to fix)."""
 
 
 def wants_injection(pod: Mapping[str, Any]) -> bool:
@@ -181,7 +176,7 @@ def _build(
     token_file = f"{cfg.token_dir}/{policy.token_secret.key}"
     paired = containers[index]
     base = f"/spec/containers/{index}"
-    resources = _sidecar_resources(cfg, spec, annotations)
+    resources = sidecar_resources(cfg, spec, annotations)
     wiring: VllmWiring | None = None
     if role == "trainer":
         reference = str(annotations.get(REFERENCE_CHECKPOINT) or "")
@@ -205,11 +200,10 @@ def _build(
     if _label_value_ok(policy_name):
         labels[POLICY_LABEL] = policy_name
     ops += _merge_map(meta, "/metadata/labels", labels)
-    shm_limit = _quantity(annotations, SHM_SIZE_LIMIT, cfg.shm_size_limit)
+    shm_limit = annotated_quantity(annotations, SHM_SIZE_LIMIT, cfg.shm_size_limit)
     ops += _append(spec, "/spec/volumes", _volumes(shm_limit, policy.token_secret, bundle))
     if bundle:
         ops += _append(spec, "/spec/initContainers", [_bundle_init(cfg)])
-    if bundle:
         replaced = _python_path(paired, base, cfg.vllm_bundle_dir)
         ops += replaced
         paired_env += [] if replaced else [_env("PYTHONPATH", cfg.vllm_bundle_dir)]
@@ -286,72 +280,8 @@ def _sidecar(
             {"name": SHM_VOLUME, "mountPath": cfg.shm_dir},
             {"name": TOKEN_VOLUME, "mountPath": cfg.token_dir, "readOnly": True},
         ],
-        "securityContext": _restricted(),
+        "securityContext": restricted(),
     }
-
-
-def _restricted() -> Obj:
-    """A security context that passes the "restricted" Pod Security Standard. The user is the
-    sidecar image's own (65532), set here too: a pod whose securityContext runs as root (many
-    GPU images do) would otherwise pass root down, and runAsNonRoot would stop the container."""
-    return {
-        "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["ALL"]},
-        "runAsNonRoot": True,
-        "runAsUser": SIDECAR_UID,
-        "runAsGroup": SIDECAR_UID,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
-def _sidecar_resources(cfg: InjectionConfig, spec: Mapping[str, Any], annotations: Obj) -> Obj:
-    """The chart's sidecar resources, overridden per pod by the annotations; in a pod whose
-    every container has limits equal to requests (Guaranteed QoS), the sidecar's limits equal
-    its requests too, so the pod stays Guaranteed."""
-    requests = dict((cfg.resources or {}).get("requests") or {})
-    limits = dict((cfg.resources or {}).get("limits") or {})
-    for key, name, target in (
-        (SIDECAR_CPU, "cpu", requests),
-        (SIDECAR_MEMORY, "memory", requests),
-        (SIDECAR_CPU_LIMIT, "cpu", limits),
-        (SIDECAR_MEMORY_LIMIT, "memory", limits),
-    ):
-        value = _quantity(annotations, key, "")
-        if value:
-            target[name] = value
-    if _guaranteed(spec):
-        limits = {**limits, **requests}
-        requests = dict(limits)
-    out: Obj = {k: v for k, v in cfg.resources.items() if k not in ("requests", "limits")}
-    if requests:
-        out["requests"] = requests
-    if limits:
-        out["limits"] = limits
-    return out
-
-
-def _guaranteed(spec: Mapping[str, Any]) -> bool:
-    """Every container sets cpu and memory limits, and requests equal to them (or none)."""
-    containers = [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
-    for c in containers:
-        res = c.get("resources") or {}
-        limits, requests = res.get("limits") or {}, res.get("requests") or {}
-        if not {"cpu", "memory"} <= set(limits):
-            return False
-        if any(str(requests.get(k, limits[k])) != str(limits[k]) for k in ("cpu", "memory")):
-            return False
-    return bool(containers)
-
-
-def _quantity(annotations: Mapping[str, Any], key: str, default: str) -> str:
-    value = annotations.get(key)
-    if value is None:
-        return default
-    if not _QUANTITY.fullmatch(str(value)):
-        raise InjectionRefusedError(
-            f"{key}={value!r} is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)"
-        )
-    return str(value)
 
 
 def _receiver(
@@ -459,7 +389,7 @@ def _bundle_init(cfg: InjectionConfig) -> Obj:
         "command": ["kuberefit", "vllm-bundle", "install", cfg.vllm_bundle_dir],
         "resources": {"requests": dict(small), "limits": dict(small)},
         "volumeMounts": [{"name": BUNDLE_VOLUME, "mountPath": cfg.vllm_bundle_dir}],
-        "securityContext": _restricted(),
+        "securityContext": restricted(),
     }
 
 
