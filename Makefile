@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 demo: venv
 	$(VENV)/bin/kuberefit demo
 
-test: venv megatron-venv vllm-venv trainer-venv kube-apiserver kubectl lint typecheck pytest
+test: venv megatron-venv vllm-venv trainer-venv kube-apiserver kubectl images lint typecheck pytest
 
 # A failed install says how much disk was left: a full disk is the usual cause on a shared host
 # (the four venvs take about 9.5 GB; the kube-apiserver build, once, scratch space in its cache).
@@ -72,6 +72,11 @@ kube-apiserver:
 # kubectl v1.20.2 (matches the apiserver) from Debian's kubernetes-client package (8 MB), cached alike.
 kubectl:
 	e2e/fetch-kubectl.sh >/dev/null || $(DISK_REPORT)
+
+# The operator and sidecar images, built offline with Debian's podman from a debootstrap base
+# (e2e/build-images.sh; installs podman and debootstrap with apt-get when missing: root).
+images: venv
+	e2e/build-images.sh || $(DISK_REPORT)
 
 lint: venv
 	$(VENV)/bin/ruff check .
