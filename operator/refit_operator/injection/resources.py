@@ -44,7 +44,9 @@ def restricted() -> Obj:
     }
 
 
-def sidecar_resources(cfg: InjectionConfig, spec: Mapping[str, Any], annotations: Obj) -> Obj:
+def sidecar_resources(
+    cfg: InjectionConfig, spec: Mapping[str, Any], annotations: Mapping[str, Any]
+) -> Obj:
     """The chart's sidecar resources, overridden per pod by the annotations; in a pod whose
     every container has limits equal to requests (Guaranteed QoS), the sidecar's limits equal
     its requests too, so the pod stays Guaranteed."""
@@ -84,6 +86,8 @@ def _guaranteed(spec: Mapping[str, Any]) -> bool:
 
 
 def annotated_quantity(annotations: Mapping[str, Any], key: str, default: str) -> str:
+    """The Kubernetes quantity the pod's annotation `key` sets, else `default`; refused at
+    admission when it is not one (the kubelet would reject the pod later, less clearly)."""
     value = annotations.get(key)
     if value is None:
         return default

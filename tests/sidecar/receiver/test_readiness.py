@@ -78,8 +78,9 @@ async def test_readyz_of_an_in_process_node(
 
 class VllmStatusFake:
     """Fault injection: a vLLM server's answer to POST .../status, set per case (`answer`):
-    servers started without the refit middleware or worker extension, with another token, or
-    whose engine died (states a real server reaches only misconfigured or crashed), and, for
+    servers started without the refit middleware or worker extension, with another token,
+    whose engine died, or whose vLLM lacks an API the bundle needs (states a real server of the
+    tested version reaches only misconfigured or crashed), and, for
     contrast, two servers the receiver takes as ready. `tests/test_operator_e2e.py` checks the
     ready answer of a real vLLM server."""
 
@@ -109,6 +110,19 @@ async def vllm_status() -> AsyncIterator[VllmStatusFake]:
     ("answer", "ready", "says"),
     [
         ((404, {"detail": "Not Found"}), False, f"--middleware {VLLM_MIDDLEWARE}"),
+        (  # a vLLM whose engine lacks an API the bundle needs (api_check): NotReady, why
+            (
+                200,
+                {
+                    "engine_healthy": True,
+                    "worker_extension": VLLM_WORKER_EXTENSION,
+                    "refit_extension": True,
+                    "refit_unavailable": "vLLM 0.9.0 lacks AsyncLLM.pause_generation(): refit off",
+                },
+            ),
+            False,
+            "lacks AsyncLLM.pause_generation(): refit off",
+        ),
         ((401, {"error": "missing or invalid bearer token"}), False, "refused this receiver's"),
         (
             (200, {"engine_healthy": True, "worker_extension": "", "refit_extension": False}),
