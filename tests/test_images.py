@@ -13,6 +13,7 @@ The images' sizes are printed (docs/operator.md, "Images")."""
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import os
@@ -37,7 +38,9 @@ LOCKED_DOWN = ["--read-only", "--user", "65532:65532", "--cap-drop", "ALL"]
 pytestmark = pytest.mark.timeout(600)
 
 
+@functools.cache
 def _podman_env() -> dict[str, str]:
+    """podman's settings for these machines (e2e/podman-env.sh), read once."""
     conf = subprocess.run(
         ["bash", "-c", "source e2e/podman-env.sh && echo $CONTAINERS_CONF"],
         cwd=REPO,

@@ -101,8 +101,7 @@ def wire_vllm(
         wiring.replace = _replace_flag(words, len(command), base, EXTENSION_FLAG)
         wiring.env.append(_env(USER_WORKER_EXTENSION_ENV, foreign[0]))
     elif not given:
-        extension = VLLM_COMPOSED_EXTENSION if theirs else VLLM_WORKER_EXTENSION
-        wiring.append_args.append(f"{EXTENSION_FLAG}={extension}")
+        wiring.append_args.append(f"{EXTENSION_FLAG}={_extension(theirs)}")
         if theirs:
             wiring.env.append(_env(USER_WORKER_EXTENSION_ENV, theirs))
     if VLLM_MIDDLEWARE not in _flag_values(words, MIDDLEWARE_FLAG):
@@ -110,10 +109,9 @@ def wire_vllm(
     return wiring
 
 
-def vllm_flags(theirs: str = "") -> list[str]:
-    """The two flags, as injection appends them (with a user extension: the composed class)."""
-    extension = VLLM_COMPOSED_EXTENSION if theirs else VLLM_WORKER_EXTENSION
-    return [f"{EXTENSION_FLAG}={extension}", f"{MIDDLEWARE_FLAG}={VLLM_MIDDLEWARE}"]
+def _extension(theirs: str) -> str:
+    """The class `--worker-extension-cls` names: ours, or ours composed with the user's."""
+    return VLLM_COMPOSED_EXTENSION if theirs else VLLM_WORKER_EXTENSION
 
 
 def _shell(
@@ -136,7 +134,8 @@ def _shell(
             f"remove it and name your class in the annotation {USER_WORKER_EXTENSION} "
             f"(${VLLM_ARGS_ENV} then carries both, composed)"
         )
-    env = [_env(VLLM_ARGS_ENV, " ".join(vllm_flags(theirs)))]
+    flags = [f"{EXTENSION_FLAG}={_extension(theirs)}", f"{MIDDLEWARE_FLAG}={VLLM_MIDDLEWARE}"]
+    env = [_env(VLLM_ARGS_ENV, " ".join(flags))]
     if theirs:
         env.append(_env(USER_WORKER_EXTENSION_ENV, theirs))
     return VllmWiring(port=_port(container, inner, annotations), env=env)

@@ -128,14 +128,18 @@ class RefitControlMiddleware:
             await self._refit_engine(scope).resume_generation()
             return {"status": "resumed"}
         if path == "/status":
-            unavailable = self.unavailable or api_check.engine_problem(_engine(scope))
+            unavailable = self._unavailable(_engine(scope))
             return await _status(scope) | {"refit_unavailable": unavailable or ""}
         raise _RefusedError(404, f"no such refit operation: {path or '/'}")
+
+    def _unavailable(self, engine: Any) -> str | None:
+        """Why this vLLM cannot refit: its class lacks an API, or the live engine does."""
+        return self.unavailable or api_check.engine_problem(engine)
 
     def _refit_engine(self, scope: Scope) -> Any:
         """The engine client, or 503 naming the API this vLLM lacks (`api_check`)."""
         engine = _engine(scope)
-        unavailable = self.unavailable or api_check.engine_problem(engine)
+        unavailable = self._unavailable(engine)
         if unavailable:
             raise _RefusedError(503, unavailable)
         return engine
