@@ -47,7 +47,10 @@ fi
 # -- the wheelhouse: everything both images install, nothing fetched during the builds -----------
 mkdir -p "$WHEELS"
 log "wheelhouse $WHEELS"
-"$PYTHON" -m pip wheel -q --disable-pip-version-check --progress-bar off -w "$WHEELS" \
+# The project is built in the tree (egg-info, build/): one build at a time (`make setup` runs
+# this beside the venv installs, which build it too).
+flock build/.project-build.lock \
+  "$PYTHON" -m pip wheel -q --disable-pip-version-check --progress-bar off -w "$WHEELS" \
   '.[operator,sidecar]' 'setuptools>=77' wheel
 
 build() {  # build NAME DOCKERFILE

@@ -161,8 +161,13 @@ def test_deltas_equal_dense_load(
     payload_dir.mkdir(exist_ok=True)
 
     target = start_llm(dirs[0], tensor_parallel_size=tp)
-    reference = start_llm(dirs[0], tensor_parallel_size=tp)
+    # The reference starts cold on the final version, loaded by vLLM's own loader at start-up:
+    # what a fresh engine holds (kept before it dense-loads anything) is what the deltas must
+    # reach; then it dense-loads each version for the per-version comparison.
+    reference = start_llm(dirs[3], tensor_parallel_size=tp)
     try:
+        cold = (_digests(reference), reference.collective_rpc("refit_fingerprint"))
+        cold_tokens = greedy_tokens(reference, PROMPTS)
         reports = target.collective_rpc("refit_prewarm", args=(metas_to_wire(metas),))
         assert [r["rank"] for r in reports] == list(range(tp))
         assert all(r["unsupported"] == {} for r in reports), reports
@@ -194,19 +199,15 @@ def test_deltas_equal_dense_load(
         tokens = greedy_tokens(target, PROMPTS)
         assert tokens == greedy_tokens(reference, PROMPTS)
         fingerprint = target.collective_rpc("refit_fingerprint")
+        # Dense-load semantics equal a cold start: the deltas reached what a fresh engine holds.
+        assert (_digests(target), fingerprint) == cold
+        assert tokens == cold_tokens
         _audit_after_retry_and_flip(target, versions, dirs, incompatible, payload_dir, tp)
         assert target.collective_rpc("refit_fingerprint") != fingerprint  # the flipped bit
     finally:
         shutdown_llm(target)
         shutdown_llm(reference)
         shutil.rmtree(payload_dir, ignore_errors=True)
-    # A fresh engine on the final version: dense-load semantics equal a cold start.
-    fresh = start_llm(dirs[3], tensor_parallel_size=tp)
-    try:
-        assert fresh.collective_rpc("refit_fingerprint") == fingerprint
-        assert greedy_tokens(fresh, PROMPTS) == tokens
-    finally:
-        shutdown_llm(fresh)
 
 
 def test_stock_cpu_layout_fails_closed(tiny_models: dict[str, Path]) -> None:
