@@ -19,6 +19,7 @@ integer views of every parameter and buffer).
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import signal
@@ -225,6 +226,16 @@ class World:
         ]
 
 
+def _stamp(text: str) -> float:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _span(transition: dict[str, Any]) -> float:
+    """completionTime - startTime of a finished RefitTransition, in seconds."""
+    status = transition["status"]
+    return _stamp(status["completionTime"]) - _stamp(status["startTime"])
+
+
 def _worker(node: LocalNode) -> psutil.Process:
     assert node.vllm is not None
     procs = psutil.Process(node.vllm.pid).children(recursive=True)
@@ -297,6 +308,11 @@ def test_operator_journey(world: World) -> None:
         w.events(alpha, 1)
     )
     assert env.condition("alpha", "Ready")["status"] == "True"
+    # LATENCY: startTime to completionTime, beside the attempt's own timed window; ACTIVE
+    # ATTEMPT (openAttempt) is empty once the attempt committed.
+    assert 0 < first["status"]["lastAttemptLatencySeconds"] <= first["status"]["latencySeconds"]
+    assert _span(first) == pytest.approx(first["status"]["latencySeconds"], abs=0.002)
+    assert "openAttempt" not in env.get("policyversions", "alpha")["status"]
     # The rollout servers run without vLLM's development mode: only the refit control path,
     # for the pod's token and the refit operations.
     server = alpha.rollouts[0].vllm_url
@@ -330,7 +346,10 @@ def test_operator_journey(world: World) -> None:
     )
     assert progress["nodes"] == 2
     assert progress["summary"].startswith("staged ")
+    streaming = w.transition(alpha, 2)["status"]
+    assert env.get("policyversions", "alpha")["status"]["openAttempt"] == streaming["attemptId"]
     assert w.operator is not None
+    killed_at = time.time()
     w.operator.kill()
     worker.send_signal(signal.SIGCONT)
     w.start_operator("op-a")
@@ -339,6 +358,11 @@ def test_operator_journey(world: World) -> None:
     assert status["takeovers"] == 1
     assert status["modes"][-1] == "overwrite"
     assert "TakenOver" in w.events(alpha, 2)
+    # A takeover's LATENCY spans from the first attempt (begun before the kill), not only the
+    # attempt that committed.
+    assert _stamp(status["startTime"]) < killed_at
+    assert status["latencySeconds"] == pytest.approx(_span(w.transition(alpha, 2)), abs=0.002)
+    assert status["latencySeconds"] > status["lastAttemptLatencySeconds"]
 
     # v3: killed again while it finalizes (the producer is stopped in its baseline update).
     worker = _worker(alpha.rollouts[1])
@@ -354,8 +378,13 @@ def test_operator_journey(world: World) -> None:
     alpha.producer.kill(signal.SIGCONT)
     w.start_operator("op-a")
     w.commit_and_check(alpha, 3)
-    assert w.transition(alpha, 3)["status"]["takeovers"] == 1
+    status = w.transition(alpha, 3)["status"]
+    assert status["takeovers"] == 1
     assert "TakenOver" in w.events(alpha, 3)
+    # Finished by the restarted operator (the commit had taken effect): LATENCY is filled.
+    assert status["latencySeconds"] == pytest.approx(_span(w.transition(alpha, 3)), abs=0.002)
+    assert status["latency"]
+    assert "openAttempt" not in env.get("policyversions", "alpha")["status"]
 
     # v4: a rollout pod dies mid-refit; the attempt is retried in place with overwrites, and
     # beta, refitting at the same time, is not disturbed.

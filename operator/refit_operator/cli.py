@@ -171,6 +171,12 @@ def operator_group() -> None:
     help="Lease duration: how long a killed operator's policies wait for another replica.",
 )
 @click.option(
+    "--lease-namespace",
+    default=None,
+    help="Namespace of the policies' Leases (the operator's own, where its Role allows Lease "
+    "writes). Default: $POD_NAMESPACE, else the one --namespace.",
+)
+@click.option(
     "--poll-seconds",
     type=click.FloatRange(min=0.01),
     default=0.5,
@@ -202,6 +208,7 @@ def operator_serve(
     metrics_bind: str,
     metrics_token_file: Path | None,
     lease_seconds: int,
+    lease_namespace: str | None,
     poll_seconds: float,
     webhook_bind: str | None,
     webhook_cert_dir: Path | None,
@@ -230,7 +237,10 @@ def operator_serve(
     fields["webhook_cert_dir"], fields["injection_config"] = webhook_cert_dir, injection_config
     if identity:
         fields["identity"] = identity
+    if lease_namespace:
+        fields["lease_namespace"] = lease_namespace
     config = OperatorConfig.model_validate(fields)
+    config.leases_in()  # refuse at start-up, naming the fix
     log_settings("operator", config)
     asyncio.run(run(config))  # errors: see service_command
 

@@ -59,6 +59,12 @@ class OperatorConfig(BaseModel):
     )
     poll_s: float = Field(0.5, gt=0, description="How often each policy's loop looks around.")
     lease_s: int = Field(15, ge=3, description="Lease duration of each policy's coordinator.")
+    lease_namespace: str | None = Field(
+        default_factory=lambda: os.environ.get("POD_NAMESPACE") or None,
+        description="Namespace of the policies' Leases: the operator's own ($POD_NAMESPACE), "
+        "where its Role allows Lease writes. Default with one --namespace and no "
+        "$POD_NAMESPACE: that namespace.",
+    )
     status_interval_s: float = Field(
         1.0, gt=0, description="Least time between RefitTransition progress patches."
     )
@@ -72,6 +78,17 @@ class OperatorConfig(BaseModel):
     injection_config: Path | None = Field(
         None, description="What the webhook injects (the chart's injection.json)."
     )
+
+    def leases_in(self) -> str:
+        """The Leases' namespace, or ValueError naming the fix."""
+        if self.lease_namespace:
+            return self.lease_namespace
+        if len(self.namespaces) == 1:
+            return self.namespaces[0]
+        raise ValueError(
+            "the operator keeps its Leases in its own namespace: set $POD_NAMESPACE (the chart "
+            "does, from the downward API) or --lease-namespace"
+        )
 
 
 def health_app(ready: asyncio.Event, token: str | None) -> web.Application:
@@ -117,6 +134,7 @@ async def run(config: OperatorConfig) -> None:
         poll_s=config.poll_s,
         lease_s=config.lease_s,
         status_interval_s=config.status_interval_s,
+        lease_namespace=config.leases_in(),
     )
     ready = asyncio.Event()
     runner = web.AppRunner(health_app(ready, token), access_log=None, handle_signals=False)

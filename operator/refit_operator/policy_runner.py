@@ -69,6 +69,8 @@ class RunnerSettings:
     poll_s: float = 0.5
     lease_s: int = 15
     status_interval_s: float = 1.0
+    #: Namespace of the policies' Leases (the operator's own). Empty: each beside its policy.
+    lease_namespace: str = ""
 
 
 class PolicyRunner:
@@ -94,7 +96,14 @@ class PolicyRunner:
         self.settings = settings
         self.labels = {"namespace": namespace, "policy": name}
         metrics.preset_policy(namespace, name)
-        self.lease = PolicyLease(api, namespace, name, settings.identity, settings.lease_s)
+        self.lease = PolicyLease(
+            api,
+            settings.lease_namespace or namespace,
+            name,
+            settings.identity,
+            settings.lease_s,
+            policy_namespace=namespace if settings.lease_namespace else "",
+        )
         self.store = KubernetesCommitStore(api.custom, namespace, name)
         self.coordinator: Coordinator | None = None
         self.membership: PodMembership | None = None

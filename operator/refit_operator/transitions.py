@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -23,7 +24,6 @@ from refit_operator.kube.api import (
     KubeApi,
     NotFoundError,
     Obj,
-    now_iso,
     object_ref,
     owner_reference,
 )
@@ -96,10 +96,31 @@ def progress_status(p: TransitionProgress) -> Obj:
         )
     if p.timings:
         out["timings"] = {k: round(v, 6) for k, v in p.timings.items()}
-    if "latency_s" in p.timings:
-        out["latencySeconds"] = round(p.timings["latency_s"], 6)
-        out["latency"] = human_seconds(p.timings["latency_s"])
+    if "latency_s" in p.timings:  # the coordinator's timed window of this attempt
+        out["lastAttemptLatencySeconds"] = round(p.timings["latency_s"], 6)
+        out["lastAttemptLatency"] = human_seconds(p.timings["latency_s"])
     return out
+
+
+def stamp(moment: dt.datetime | None = None) -> str:
+    """RFC 3339 in UTC with milliseconds: startTime and completionTime, whose difference is
+    the transition's latency."""
+    moment = moment or dt.datetime.now(dt.timezone.utc)
+    return (
+        moment.astimezone(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    )
+
+
+def parse_stamp(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def latency_status(start_time: str, completion_time: str) -> Obj:
+    """LATENCY, defined once: from the transition's startTime (its first attempt began) to its
+    completionTime (committed and finished, or confirmed by a restarted operator), across
+    retries and takeovers."""
+    seconds = max(0.0, (parse_stamp(completion_time) - parse_stamp(start_time)).total_seconds())
+    return {"latencySeconds": round(seconds, 3), "latency": human_seconds(seconds)}
 
 
 def failure_reason(result: TransitionResult) -> str:
@@ -112,9 +133,12 @@ def failure_reason(result: TransitionResult) -> str:
     )
 
 
-def outcome_status(result: TransitionResult) -> Obj:
-    """The status fields of a finished transition (on top of the last progress)."""
-    out: Obj = {"phase": OUTCOME_PHASE.get(result.outcome, "Failed"), "completionTime": now_iso()}
+def outcome_status(result: TransitionResult, start_time: str = "") -> Obj:
+    """The status fields of a finished transition (on top of the last progress); with the
+    transition's `start_time`, its latency."""
+    out: Obj = {"phase": OUTCOME_PHASE.get(result.outcome, "Failed"), "completionTime": stamp()}
+    if start_time:
+        out.update(latency_status(start_time, out["completionTime"]))
     if result.attempts:  # 0: finished by `recover` (the attempts are already recorded)
         out.update(modes=list(result.modes), attempt=result.attempts)
     if result.outcome != "committed":
@@ -158,6 +182,7 @@ class TransitionRecorder:
         self.ref: Obj = {}
         self.takeovers = 0
         self.restored: list[str] = []
+        self.start_time = ""  # status.startTime: when the first attempt began
         self._phase = ""
         self._attempt = 0  # the last attempt number shown
         self._base = 0  # attempts made by coordinators before a takeover
@@ -181,6 +206,7 @@ class TransitionRecorder:
             self.takeovers = int(status.get("takeovers") or 0) + 1
             self.restored = list((status.get("receivers") or {}).get("restored") or [])
             self._phase = status.get("phase", "")
+            self.start_time = str(status.get("startTime") or "")
             self._base = self._attempt = int(status.get("attempt") or 0)
             self._modes = list(status.get("modes") or [])[: self._base]
             await self._patch(
@@ -204,10 +230,11 @@ class TransitionRecorder:
         if created is None:
             raise ConflictError(f"no free RefitTransition name for v{self.to_version}")
         self.ref = object_ref(created)
+        self.start_time = stamp()
         await self._patch(
             {
                 "phase": "Pending",
-                "startTime": now_iso(),
+                "startTime": self.start_time,
                 "coordinator": self.coordinator,
                 "takeovers": 0,
             },
@@ -293,7 +320,7 @@ class TransitionRecorder:
             )
             return
         status = progress_status(result.progress) if result.progress else {}
-        status.update(outcome_status(result))
+        status.update(outcome_status(result, self.start_time))
         if result.attempts:
             status["attempt"] = self._base + result.attempts
             status["modes"] = self._modes[: self._base] + list(result.modes)

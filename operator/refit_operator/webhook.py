@@ -19,6 +19,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
+from refit_operator.admission_reads import PolicyReads, review_deadline
 from refit_operator.injection import (
     Injection,
     InjectionConfig,
@@ -44,30 +45,59 @@ PATH = "/mutate-pods"
 #: The API server sends whole Pod objects; 8 MiB is far above any real one.
 MAX_REVIEW_BYTES = 8 << 20
 CERT_RELOAD_S = 60.0
-#: The API server gives a webhook 5 s by default (the chart's timeoutSeconds): the policy read
-#: must answer well within it, and a flood of reviews may not starve the policy loops' threads.
-POLICY_READ_TIMEOUT_S = 3.0
+#: What the API server waits for the webhook when its review names no `timeout` (the chart's
+#: webhook.timeoutSeconds default); a review's policy read gets most of it (`review_deadline`).
+DEFAULT_TIMEOUT_S = 5.0
+#: Distinct policies read at once: a flood of reviews may not starve the policy loops' threads.
 POLICY_READS_AT_ONCE = 8
 
 
+@dataclass(frozen=True)
+class PolicyLookup:
+    """What admission learned of the pod's RefitPolicy."""
+
+    facts: PolicyFacts
+    warnings: list[str]
+    #: Set when the policy could not be read in time: the review is denied with this message.
+    denied: str | None = None
+
+
 async def policy_facts(
-    api: KubeApi, namespace: str, name: str, config: InjectionConfig, limit: asyncio.Semaphore
-) -> tuple[PolicyFacts, list[str]]:
-    """The pod's policy as admission needs it, plus warnings when it could not be read."""
+    reads: PolicyReads, namespace: str, name: str, config: InjectionConfig, deadline_s: float
+) -> PolicyLookup:
+    """The pod's policy as admission needs it.
+
+    A policy that does not exist (yet) gives the chart's defaults. One that exists but cannot
+    be read within the review's deadline denies the pod with a message that says so: admitted
+    with the defaults it would run with other settings than its policy's, and admitted without
+    the sidecar it would never refit. Its controller retries the creation."""
     default = PolicyFacts(exists=False, token_secret=config.default_token_secret)
     try:
-        async with limit:
-            obj = await asyncio.wait_for(api.get_policy(namespace, name), POLICY_READ_TIMEOUT_S)
+        obj = await reads.get(namespace, name, deadline_s)
     except NotFoundError:
-        return default, []
-    except Exception as exc:  # any API failure: inject with the defaults, and say so
-        log.warning("webhook.policy_unreadable", namespace=namespace, policy=name, error=str(exc))
-        why = "timed out" if isinstance(exc, TimeoutError) else type(exc).__name__
-        return default, [f"could not read RefitPolicy {name} ({why}); used the chart defaults"]
+        return PolicyLookup(default, [])
+    except Exception as exc:  # the API server slow or failing: refuse, never guess
+        why = (
+            f"no answer within {deadline_s:.1f} s"
+            if isinstance(exc, (TimeoutError, asyncio.TimeoutError))
+            else f"{type(exc).__name__}: {exc}"
+        )
+        log.warning("webhook.policy_unreadable", namespace=namespace, policy=name, error=why)
+        return PolicyLookup(
+            default,
+            [],
+            denied=(
+                f"KubeRefit could not read RefitPolicy {namespace}/{name} for this pod ({why}); "
+                "the pod is refused rather than started with other settings than its policy's. "
+                "Its controller retries; check the operator's access to the API server."
+            )[:1000],
+        )
     try:
         spec = parse_spec(obj.get("spec") or {})
     except SpecError as exc:
-        return default, [f"RefitPolicy {name} is invalid ({exc}); used the chart defaults"]
+        return PolicyLookup(
+            default, [f"RefitPolicy {name} is invalid ({exc}); used the chart defaults"]
+        )
     token = TokenSecretRef(name=spec.token_secret.name, key=spec.token_secret.key)
     producer = producer_settings(
         spec.encoding.zstd_level,
@@ -83,11 +113,11 @@ async def policy_facts(
         producer=producer,
         token_rotation_grace_s=float(spec.token_rotation_grace_seconds),
     )
-    return facts, []
+    return PolicyLookup(facts, [])
 
 
 def webhook_app(api: KubeApi, config: InjectionConfig) -> web.Application:
-    limit = asyncio.Semaphore(POLICY_READS_AT_ONCE)
+    reads = PolicyReads(api.get_policy, at_once=POLICY_READS_AT_ONCE)
 
     async def mutate(request: web.Request) -> web.Response:
         try:
@@ -96,16 +126,18 @@ def webhook_app(api: KubeApi, config: InjectionConfig) -> web.Application:
             ADMISSIONS.labels("invalid").inc()
             return error_response(400, str(exc))
         pod = admission.pod
-        warnings: list[str] = []
-        facts = PolicyFacts(exists=False, token_secret=config.default_token_secret)
+        lookup = PolicyLookup(PolicyFacts(False, config.default_token_secret), [])
         creating = admission.operation == "CREATE"  # a running pod's containers are immutable
         if creating and wants_injection(pod):
             policy = str(((pod.get("metadata") or {}).get("annotations") or {}).get(POLICY, ""))
             if policy:
-                facts, warnings = await policy_facts(
-                    api, admission.namespace, policy, config, limit
-                )
-        decision = inject(pod, config, facts) if creating else Injection()
+                deadline = review_deadline(request.query.get("timeout"), DEFAULT_TIMEOUT_S)
+                lookup = await policy_facts(reads, admission.namespace, policy, config, deadline)
+        facts, warnings = lookup.facts, lookup.warnings
+        if lookup.denied:
+            decision = Injection(denied=lookup.denied)
+        else:
+            decision = inject(pod, config, facts) if creating else Injection()
         decision.warnings[:0] = warnings
         result = "denied" if decision.denied else "injected" if decision.patch else "unchanged"
         ADMISSIONS.labels(result).inc()

@@ -21,6 +21,7 @@ from tests.harness.procs import ManagedProcess, free_port, http_ok
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_ROLE = REPO / "charts" / "kuberefit" / "files" / "operator-clusterrole.yaml"
+LEASES_ROLE = REPO / "charts" / "kuberefit" / "files" / "operator-leases-role.yaml"
 GROUP, VERSION = "refit.kuberefit.io", "v1alpha1"
 T = TypeVar("T")
 
@@ -81,6 +82,28 @@ class OperatorEnv:
             ],
         }
         self.apply(binding)
+        # The operators here run with one --namespace and no $POD_NAMESPACE: their Leases live in
+        # that namespace, under the chart's leases Role (never cluster-wide).
+        self.kube.kubectl("apply", "-n", self.namespace, "-f", str(LEASES_ROLE))
+        self.apply(
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": {"name": "kuberefit-operator-leases"},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "Role",
+                    "name": "kuberefit-operator-leases",
+                },
+                "subjects": [
+                    {
+                        "apiGroup": "rbac.authorization.k8s.io",
+                        "kind": "User",
+                        "name": self.kube.operator_user,
+                    }
+                ],
+            }
+        )
         self.core.create_namespaced_secret(
             self.namespace,
             {

@@ -28,6 +28,7 @@ from refit_operator.injection.config import TokenSecretRef
 from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
 from refit_sidecar.producer.main import ProducerProcessConfig
 from refit_sidecar.receiver.config import ReceiverConfig
+from tests.harness.pss import read_only_root_violations, restricted_violations
 
 CFG = InjectionConfig()
 POLICY = PolicyFacts(exists=True, token_secret=TokenSecretRef(name="alpha-token"), producers=2)
@@ -135,6 +136,38 @@ def test_rollout_injection_is_complete_and_valid() -> None:
     assert init["resources"]["limits"] == init["resources"]["requests"]  # QoS kept
     assert init["securityContext"]["runAsNonRoot"] is True
     assert "VLLM_SERVER_DEV_MODE" not in json.dumps(pod)
+
+
+@pytest.mark.parametrize("role", ["trainer", "rollout"])
+def test_injected_containers_pass_the_restricted_standard_on_a_read_only_root(role: str) -> None:
+    """Even in a pod that runs as root (many GPU images do) and sets no seccomp profile, what
+    injection adds passes "restricted" and never writes its root file system: /tmp is an
+    emptyDir of its own."""
+    pod = _pod(role)
+    pod["spec"]["securityContext"] = {"runAsUser": 0}
+    patched = _applied(pod)
+    ours = {"kuberefit-sidecar", "kuberefit-vllm-bundle"}
+    assert restricted_violations(patched["spec"], ours) == []
+    assert read_only_root_violations(patched["spec"], ours) == []
+    mounts = {m["mountPath"]: m["name"] for m in _sidecar(patched)["volumeMounts"]}
+    assert mounts["/tmp"] == "kuberefit-tmp"
+    volumes = {v["name"]: v for v in patched["spec"]["volumes"]}
+    assert volumes["kuberefit-tmp"] == {"name": "kuberefit-tmp", "emptyDir": {"sizeLimit": "1Gi"}}
+    # The check itself fails a container that breaks a rule.
+    user = patched["spec"]["containers"][0]["name"]
+    assert restricted_violations(patched["spec"], {user})
+
+
+def test_sidecar_pull_secrets_are_added_once() -> None:
+    cfg = InjectionConfig(image_pull_secrets=["regcred", "mirror"])
+    pod = _pod("rollout")
+    pod["spec"]["imagePullSecrets"] = [{"name": "mirror"}]
+    result = inject(pod, cfg, POLICY)
+    patched = jsonpatch.apply_patch(pod, result.patch)
+    assert patched["spec"]["imagePullSecrets"] == [{"name": "mirror"}, {"name": "regcred"}]
+    bare = jsonpatch.apply_patch(_pod("trainer"), inject(_pod("trainer"), cfg, POLICY).patch)
+    assert bare["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    assert "imagePullSecrets" not in _applied(_pod("trainer"))["spec"]  # none configured
 
 
 def test_the_vllm_bundle_goes_first_on_a_pythonpath_the_pod_sets() -> None:

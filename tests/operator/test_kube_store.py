@@ -48,6 +48,7 @@ async def test_status_layout_is_unchanged(store: KubernetesCommitStore) -> None:
     assert status(store) == {"version": 0, "baselineId": "b0", "epoch": 0}
     epoch = await store.acquire("c1")
     await store.prepare(epoch, ActiveAttempt("a1", 1, "b1", "mixed", 1_900_000_000.25))
+    assert status(store)["openAttempt"] == "a1"  # the ACTIVE ATTEMPT column: may still commit
     await store.commit(epoch, "a1", CommitRecord(0, "b0"), CommitRecord(1, "b1"), time.time())
     await store.abort("alice")
     assert status(store) == {
@@ -64,7 +65,7 @@ async def test_status_layout_is_unchanged(store: KubernetesCommitStore) -> None:
             "obsolete": True,
         },
         "abortedBy": "alice",
-    }
+    }  # no openAttempt once committed: ACTIVE ATTEMPT prints <none>
     await store.clear_abort()
     assert "abortedBy" not in status(store)  # removed, not null: kubectl prints <none>
 

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+import copy
+import typing
+from pathlib import Path
+from typing import Any
 
-from refit_operator.policy_spec import LabelSelector, SpecError, parse_spec
+import pytest
+import yaml
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from refit_operator.policy_spec import LabelSelector, PolicySpec, SpecError, parse_spec
 
 TOKEN = {"tokenSecret": {"name": "t"}}
 
@@ -74,3 +82,72 @@ def test_sizes_default_to_auto_and_take_units() -> None:
     assert (spec.chunk_bytes, spec.bucket_bytes) == ("auto", "auto")
     spec = parse_spec({**TOKEN, "chunkBytes": "64Mi", "bucketBytes": 1 << 27})
     assert (spec.chunk_bytes, spec.bucket_bytes) == (64 << 20, 128 << 20)
+
+
+# --- the CRD and the model: one meaning, checked both ways ----------------------------------
+
+CRD = Path(__file__).resolve().parents[2] / "crds" / "refit.kuberefit.io_refitpolicies.yaml"
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (also through `X | None`), else None."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _bounds(field: FieldInfo) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for meta in field.metadata:
+        if getattr(meta, "ge", None) is not None:
+            out["minimum"] = meta.ge
+        if getattr(meta, "le", None) is not None:
+            out["maximum"] = meta.le
+    return out
+
+
+def _differences(model: type[BaseModel], schema: dict[str, Any], path: str) -> list[str]:
+    """Where the CRD schema at `path` and `model` disagree: field names, defaults, enums and
+    bounds (what `parse_spec` assumes of specs the API server admitted)."""
+    props = schema.get("properties") or {}
+    fields = {(f.alias or name): f for name, f in model.model_fields.items()}
+    out = [f"{path}.{k}: in the CRD, not in {model.__name__}" for k in props.keys() - fields]
+    out += [f"{path}.{k}: in {model.__name__}, not in the CRD" for k in fields.keys() - props]
+    for key in sorted(fields.keys() & props.keys()):
+        field, node, where = fields[key], props[key], f"{path}.{key}"
+        if typing.get_origin(field.annotation) is list:
+            item = _model_of(typing.get_args(field.annotation)[0])
+            if item is not None:
+                out += _differences(item, node.get("items") or {}, f"{where}[*]")
+            continue
+        nested = _model_of(field.annotation)
+        if nested is not None:
+            out += _differences(nested, node, where)
+            continue
+        literal = typing.get_origin(field.annotation) is typing.Literal
+        if literal and set(node.get("enum", [])) != set(typing.get_args(field.annotation)):
+            out.append(f"{where}: enum {node.get('enum')} vs {field.annotation}")
+        if "default" in node and not field.is_required():
+            default = field.get_default(call_default_factory=True)
+            if node["default"] != default:
+                out.append(f"{where}: default {node['default']!r} vs {default!r}")
+        for bound, value in _bounds(field).items():
+            if node.get(bound) != value:
+                out.append(f"{where}: {bound} {node.get(bound)} vs {value}")
+    return out
+
+
+def test_the_crd_schema_and_the_spec_model_agree() -> None:
+    crd = yaml.safe_load(CRD.read_text())
+    [version] = crd["spec"]["versions"]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert _differences(PolicySpec, spec, "spec") == []
+    # The check sees a difference when there is one.
+    changed = copy.deepcopy(spec)
+    changed["properties"]["maxAttempts"]["default"] = 6
+    del changed["properties"]["paused"]
+    assert _differences(PolicySpec, changed, "spec") == [
+        "spec.paused: in PolicySpec, not in the CRD",
+        "spec.maxAttempts: default 6 vs 5",
+    ]

@@ -3,6 +3,7 @@ status (the e2e checks the same fields on a real API server)."""
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import replace
 
 from refit_operator.coordinator import TransitionResult
@@ -11,8 +12,10 @@ from refit_operator.ports import TransitionProgress
 from refit_operator.transitions import (
     failure_reason,
     human_bytes,
+    latency_status,
     outcome_status,
     progress_status,
+    stamp,
     to_prune,
     transition_name,
 )
@@ -99,7 +102,8 @@ def test_transition_status_columns() -> None:
     status = progress_status(p)
     assert status["wireBytesHuman"] == "3.5 MiB"
     assert status["changedPercent"] == "1.23%"
-    assert status["latency"] == "2.35s"
+    assert status["lastAttemptLatency"] == "2.35s"
+    assert "latency" not in status  # LATENCY is written once, when the transition finishes
     assert status["mode"] == "overwrite"
     assert human_bytes(900) == "900 B"
     assert transition_name("p", 5) == "p-v000005"
@@ -125,6 +129,22 @@ def test_every_failure_has_a_reason() -> None:
     assert done["modes"] == ["mixed", "overwrite"]
     recovered = outcome_status(TransitionResult("committed", 4, 0))
     assert "attempt" not in recovered  # finished by recover(): the attempts are already recorded
+
+
+def test_latency_spans_from_the_first_attempt_to_completion() -> None:
+    """LATENCY is startTime to completionTime, whoever finished the transition."""
+    started = stamp(dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=22.5))
+    done = outcome_status(TransitionResult("committed", 4, 0), started)  # a recovered one
+    assert 22.4 < done["latencySeconds"] < 30
+    assert done["latency"].endswith("s")
+    assert latency_status("2026-12-05T04:00:00Z", "2026-12-05T04:01:30.250Z") == {
+        "latencySeconds": 90.25,
+        "latency": "1.5m",
+    }
+    assert stamp(dt.datetime(2026, 12, 5, 4, 0, 1, 250000, dt.timezone.utc)) == (
+        "2026-12-05T04:00:01.250Z"
+    )
+    assert "latency" not in outcome_status(TransitionResult("committed", 4, 1))  # no start known
 
 
 def test_pruning_keeps_the_newest_finished() -> None:

@@ -101,10 +101,24 @@ Returns nothing; read the result with `get .Values "kuberefitWebhookTLSCache"`:
 {{- end -}}
 {{- end -}}
 
+{{/* An image reference from {repository, tag, digest}: repository@digest when a digest is
+set, else repository:tag (tag defaults to the chart's appVersion). Call with (list $image $). */}}
+{{- define "kuberefit.image" -}}
+{{- $image := index . 0 -}}
+{{- $root := index . 1 -}}
+{{- if $image.digest -}}
+{{- printf "%s@%s" $image.repository $image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $image.repository (default $root.Chart.AppVersion $image.tag) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The sidecar injection settings the webhook reads (ConfigMap key injection.json). */}}
 {{- define "kuberefit.injectionJson" -}}
 {{- $s := .Values.sidecar -}}
-{{- dict "image" .Values.image.sidecar "imagePullPolicy" .Values.image.pullPolicy "resources" $s.resources "ports" $s.ports "workDir" $s.workDir "shmDir" $s.shmDir "shmSizeLimit" $s.shmSizeLimit "vllmBundleDir" $s.vllmBundleDir "defaultTokenSecret" $s.defaultTokenSecret "env" $s.env "vllmContainer" $s.vllmContainer "logFormat" .Values.logFormat "logLevel" .Values.logLevel | toJson -}}
+{{- $pull := list -}}
+{{- range $s.imagePullSecrets }}{{ $pull = append $pull .name }}{{ end -}}
+{{- dict "image" (include "kuberefit.image" (list .Values.image.sidecar .)) "imagePullPolicy" .Values.image.pullPolicy "imagePullSecrets" $pull "resources" $s.resources "ports" $s.ports "workDir" $s.workDir "shmDir" $s.shmDir "shmSizeLimit" $s.shmSizeLimit "vllmBundleDir" $s.vllmBundleDir "defaultTokenSecret" $s.defaultTokenSecret "env" $s.env "vllmContainer" $s.vllmContainer "logFormat" .Values.logFormat "logLevel" .Values.logLevel | toJson -}}
 {{- end -}}
 
 {{/* Namespaces the NetworkPolicies go to. */}}

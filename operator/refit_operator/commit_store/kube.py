@@ -37,7 +37,12 @@ def _seconds(stamp: str) -> float:
 
 
 #: Status fields a fresh record leaves out, and what their absence reads as.
-_ABSENT: dict[str, Any] = {"coordinator": "", "activeAttempt": None, "abortedBy": None}
+_ABSENT: dict[str, Any] = {
+    "coordinator": "",
+    "activeAttempt": None,
+    "openAttempt": None,
+    "abortedBy": None,
+}
 
 
 def _load(status: dict[str, Any]) -> StoreState | None:
@@ -83,6 +88,8 @@ def _fields(state: StoreState) -> dict[str, Any]:
         "epoch": state.epoch,
         "coordinator": state.coordinator,
         "activeAttempt": attempt,
+        # Derived, for the ACTIVE ATTEMPT column: only an attempt that may still commit.
+        "openAttempt": a.attempt if a is not None and not a.obsolete else None,
         "abortedBy": state.aborted_by,
     }
 

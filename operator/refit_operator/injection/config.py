@@ -39,6 +39,11 @@ class InjectionConfig(_Values):
 
     image: str = Field("kuberefit/sidecar:0.1.0", min_length=1)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_secrets: list[str] = Field(
+        default_factory=list,
+        description="Secrets (names, in the pods' namespaces) added to injected pods' "
+        "imagePullSecrets, for a sidecar image in a private registry.",
+    )
     resources: dict[str, Any] = Field(
         default_factory=lambda: {"requests": {"cpu": "1", "memory": "2Gi"}},
         description="The sidecar container's resources (a Kubernetes ResourceRequirements).",

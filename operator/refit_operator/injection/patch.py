@@ -18,7 +18,11 @@ or a reinvocation a no-op):
   container `kuberefit-vllm-bundle` (the sidecar image) copies the vLLM bundle into the
   emptyDir `kuberefit-vllm-bundle`, mounted read-only into the vLLM container and put first on
   its `PYTHONPATH` (a value the container sets is kept after it);
-- labels `kuberefit.io/role` and `kuberefit.io/policy`, which NetworkPolicies can select.
+- labels `kuberefit.io/role` and `kuberefit.io/policy`, which NetworkPolicies can select;
+- the chart's `sidecar.imagePullSecrets` in the pod's `imagePullSecrets` (a private registry).
+
+Every injected container passes the "restricted" Pod Security Standard with a read-only root
+file system; the sidecar writes to its emptyDirs (`kuberefit-tmp` is its /tmp).
 
 Pods without both annotations are never changed. `$(VAR)` references are expanded by the
 kubelet from the env variables defined before them.
@@ -68,6 +72,8 @@ from refit_protocol.pod_contract import (
 
 Obj = dict[str, Any]
 WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME = "kuberefit-work", "kuberefit-shm", "kuberefit-token"
+#: The sidecar's /tmp (its root file system is read-only): numba's cache, HOME, temp files.
+TMP_VOLUME, TMP_SIZE_LIMIT = "kuberefit-tmp", "1Gi"
 #: The vLLM bundle's emptyDir and the init container that fills it (rollout pods).
 BUNDLE_VOLUME = BUNDLE_INIT = "kuberefit-vllm-bundle"
 #: What the bundle's files take (about 150 KiB today); the emptyDir's sizeLimit.
@@ -170,7 +176,7 @@ def _build(
         raise InjectionRefusedError(f"an init container is named {SIDECAR_CONTAINER}: rename it")
     if _has_container(pod, BUNDLE_INIT, "initContainers", "containers"):
         raise InjectionRefusedError(f"a container is named {BUNDLE_INIT}: rename it")
-    clash = existing & {WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME, BUNDLE_VOLUME}
+    clash = existing & {WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME, BUNDLE_VOLUME, TMP_VOLUME}
     if clash:
         raise InjectionRefusedError(f"the pod already has volume(s) {sorted(clash)}: rename them")
     token_file = f"{cfg.token_dir}/{policy.token_secret.key}"
@@ -202,6 +208,9 @@ def _build(
     ops += _merge_map(meta, "/metadata/labels", labels)
     shm_limit = annotated_quantity(annotations, SHM_SIZE_LIMIT, cfg.shm_size_limit)
     ops += _append(spec, "/spec/volumes", _volumes(shm_limit, policy.token_secret, bundle))
+    have = {str(r.get("name")) for r in spec.get("imagePullSecrets") or []}
+    pull = [{"name": n} for n in cfg.image_pull_secrets if n not in have]
+    ops += _append(spec, "/spec/imagePullSecrets", pull)
     if bundle:
         ops += _append(spec, "/spec/initContainers", [_bundle_init(cfg)])
         replaced = _python_path(paired, base, cfg.vllm_bundle_dir)
@@ -279,6 +288,7 @@ def _sidecar(
             {"name": WORK_VOLUME, "mountPath": cfg.work_dir},
             {"name": SHM_VOLUME, "mountPath": cfg.shm_dir},
             {"name": TOKEN_VOLUME, "mountPath": cfg.token_dir, "readOnly": True},
+            {"name": TMP_VOLUME, "mountPath": "/tmp"},
         ],
         "securityContext": restricted(),
     }
@@ -421,6 +431,7 @@ def _volumes(shm_size_limit: str, token: TokenSecretRef, bundle: bool) -> list[O
         *extra,
         {"name": WORK_VOLUME, "emptyDir": {}},
         {"name": SHM_VOLUME, "emptyDir": shm},
+        {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}},
         {
             "name": TOKEN_VOLUME,
             "secret": {

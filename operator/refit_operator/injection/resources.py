@@ -40,6 +40,7 @@ def restricted() -> Obj:
         "runAsNonRoot": True,
         "runAsUser": SIDECAR_UID,
         "runAsGroup": SIDECAR_UID,
+        "readOnlyRootFilesystem": True,  # writes go to the emptyDirs (/tmp among them)
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 

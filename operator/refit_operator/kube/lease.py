@@ -2,8 +2,9 @@
 
 kopf's peering pauses operators but does not fence them, and the commit record's epoch fences
 but does not decide: two live operators would take the record from each other at every step.
-So the operator that holds policy P's Lease (`kuberefit-P`) runs P's coordinator; the others
-wait until it expires. A restarted operator with the same identity (its pod name) takes its
+So the operator that holds policy P's Lease (`kuberefit.<namespace>.P`, in the operator's own
+namespace, where its Role allows Lease writes: never cluster-wide) runs P's coordinator; the
+others wait until it expires. A restarted operator with the same identity (its pod name) takes its
 Lease back at once. The epoch still fences the rare case of a paused holder whose Lease
 expired: its next compare-and-set fails and it backs off.
 """
@@ -11,6 +12,7 @@ expired: its next compare-and-set fails and it backs off.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import time
 from typing import Any
 
@@ -21,8 +23,17 @@ from refit_operator.kube.api import ConflictError, KubeApi, NotFoundError
 log = structlog.get_logger("kuberefit.lease")
 
 
-def lease_name(policy: str) -> str:
-    return f"kuberefit-{policy}"[:253]
+def lease_name(policy: str, policy_namespace: str = "") -> str:
+    """`kuberefit.<namespace>.<policy>` (a DNS subdomain: namespaces are labels, policy names
+    subdomains); over 253 characters, cut and made unique with a hash of the whole. Without a
+    namespace, `kuberefit-<policy>` (a Lease beside its policy)."""
+    if not policy_namespace:
+        return f"kuberefit-{policy}"[:253]
+    name = f"kuberefit.{policy_namespace}.{policy}"
+    if len(name) <= 253:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    return f"{name[:236].rstrip('.-')}-{digest}"
 
 
 class PolicyLease:
@@ -36,11 +47,18 @@ class PolicyLease:
     """
 
     def __init__(
-        self, api: KubeApi, namespace: str, policy: str, identity: str, duration_s: int = 15
+        self,
+        api: KubeApi,
+        namespace: str,
+        policy: str,
+        identity: str,
+        duration_s: int = 15,
+        *,
+        policy_namespace: str = "",
     ) -> None:
         self.api = api
-        self.namespace = namespace
-        self.name = lease_name(policy)
+        self.namespace = namespace  # where the Lease lives: the operator's own namespace
+        self.name = lease_name(policy, policy_namespace)
         self.identity = identity
         self.duration_s = duration_s
         self.holder = ""
