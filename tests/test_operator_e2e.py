@@ -614,7 +614,7 @@ def _check_kubectl(w: World) -> None:
     changed = float(first["CHANGED"].rstrip("%"))
     assert 0 < changed < 50, first
     assert re.fullmatch(r"\d+(\.\d)? (B|KiB|MiB)", first["WIRE"]), first
-    assert re.fullmatch(r"\d+(ms|\.\d\ds)", first["LATENCY"]), first
+    assert re.fullmatch(r"\d+(ms|\.\d\ds|\.\dm)", first["LATENCY"]), first
     assert rows["alpha-v000007"]["PHASE"] == "Aborted"
     assert rows["alpha-v000007-2"]["MODE"] == "overwrite"
     assert rows["alpha-v000004"]["ATTEMPT"] != "1"
@@ -629,4 +629,9 @@ def _check_kubectl(w: World) -> None:
     assert list(versions["alpha"]) == ["NAME", "VERSION", "ACTIVE ATTEMPT", "ABORTED", "AGE"]
     assert versions["alpha"]["VERSION"] == "7"
     assert versions["alpha"]["ABORTED"] == "", versions  # cleared: absent, printed empty
-    assert versions["alpha"]["ACTIVE ATTEMPT"].startswith("alpha-v7-"), versions
+    # v7 committed: no attempt may commit any more, so ACTIVE ATTEMPT is empty (the attempt
+    # stays in status.activeAttempt, obsolete, for the compare-and-set).
+    assert versions["alpha"]["ACTIVE ATTEMPT"] == "", versions
+    assert w.env.get("policyversions", "alpha")["status"]["activeAttempt"]["id"].startswith(
+        "alpha-v7-"
+    )

@@ -240,7 +240,6 @@ def operator_serve(
     if lease_namespace:
         fields["lease_namespace"] = lease_namespace
     config = OperatorConfig.model_validate(fields)
-    config.leases_in()  # refuse at start-up, naming the fix
     log_settings("operator", config)
     asyncio.run(run(config))  # errors: see service_command
 

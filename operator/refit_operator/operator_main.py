@@ -128,7 +128,6 @@ async def run(config: OperatorConfig) -> None:
     injection = load_injection_config(config.injection_config)
     if config.webhook_host is not None and config.webhook_cert_dir is None:
         raise ValueError("--webhook-bind needs --webhook-cert-dir (tls.crt and tls.key)")
-    api = await asyncio.to_thread(KubeApi.from_environment)
     settings = RunnerSettings(
         identity=config.identity,
         poll_s=config.poll_s,
@@ -136,6 +135,7 @@ async def run(config: OperatorConfig) -> None:
         status_interval_s=config.status_interval_s,
         lease_namespace=config.leases_in(),
     )
+    api = await asyncio.to_thread(KubeApi.from_environment)
     ready = asyncio.Event()
     runner = web.AppRunner(health_app(ready, token), access_log=None, handle_signals=False)
     await runner.setup()

@@ -50,3 +50,19 @@ def test_operator_with_a_missing_token_file(tmp_path: Path) -> None:
     assert (
         line == f"kuberefit operator serve: error: cannot read {missing}: No such file or directory"
     )
+
+
+def test_operator_without_a_namespace_for_its_leases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cluster-wide, outside a pod ($POD_NAMESPACE unset): the Leases have no home."""
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    line = one_line(
+        ["operator", "serve", "--metrics-bind", "127.0.0.1:0", "--metrics-token-file", str(token)]
+    )
+    assert line == (
+        "kuberefit operator serve: error: the operator keeps its Leases in its own namespace: "
+        "set $POD_NAMESPACE (the chart does, from the downward API) or --lease-namespace"
+    )
