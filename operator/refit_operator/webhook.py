@@ -77,10 +77,20 @@ async def policy_facts(
     except NotFoundError:
         return PolicyLookup(default, [])
     except Exception as exc:  # the API server slow or failing: refuse, never guess
+        if getattr(exc, "status", None) == 403:
+            return PolicyLookup(
+                default,
+                [],
+                denied=(
+                    f"KubeRefit does not serve namespace {namespace} (the operator may not read "
+                    "its RefitPolicies: the chart's operator.watchNamespaces): add the namespace "
+                    "there, or remove the pod's kuberefit.io/inject annotation"
+                ),
+            )
         why = (
             f"no answer within {deadline_s:.1f} s"
             if isinstance(exc, (TimeoutError, asyncio.TimeoutError))
-            else f"{type(exc).__name__}: {exc}"
+            else f"{type(exc).__name__}: {str(exc)[:200]}"
         )
         log.warning("webhook.policy_unreadable", namespace=namespace, policy=name, error=why)
         return PolicyLookup(

@@ -5,6 +5,7 @@ anyone else may take over, and a restarted holder (same identity) takes its Leas
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 
@@ -12,7 +13,7 @@ import pytest
 from kubernetes import client
 
 from refit_operator.kube.api import KubeApi
-from refit_operator.kube.lease import PolicyLease
+from refit_operator.kube.lease import PolicyLease, lease_name
 from tests.harness.kube import KubeCluster
 
 
@@ -56,3 +57,17 @@ async def test_one_holder_expiry_and_restart(api: KubeApi, namespace: str) -> No
     lease = await api.read_lease(namespace, "kuberefit-p")
     assert lease.spec.holder_identity == "op-b"
     assert lease.spec.lease_transitions == 1
+
+
+def test_lease_names_in_the_operators_namespace_are_unique_dns_subdomains() -> None:
+    """`kuberefit.<namespace>.<policy>`: policies of the same name in two namespaces get two
+    Leases; a name over 253 characters is cut and kept unique by a hash."""
+    assert lease_name("alpha", "team-a") == "kuberefit.team-a.alpha"
+    assert lease_name("alpha", "team-a") != lease_name("alpha", "team-b")
+    assert lease_name("alpha") == "kuberefit-alpha"  # beside the policy (no operator namespace)
+    subdomain = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+    long_a, long_b, dotted = "p" * 250 + ".a", "p" * 250 + ".b", "x." * 125 + "x"
+    for name in (lease_name(long_a, "ns"), lease_name(long_b, "ns"), lease_name(dotted, "n")):
+        assert len(name) <= 253, name
+        assert subdomain.fullmatch(name), name
+    assert lease_name(long_a, "ns") != lease_name(long_b, "ns")

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from kubernetes.client.rest import ApiException
 
 from refit_operator.admission_reads import PolicyReads, review_deadline
 from refit_operator.injection import InjectionConfig
@@ -77,7 +78,7 @@ async def _burst(
 ) -> list[tuple[float, dict[str, Any]]]:
     """Post one review per policy at once, as the API server does with `?timeout=5s`; returns
     (seconds to answer, response) per review."""
-    runner = web.AppRunner(webhook_app(api, InjectionConfig()))  # type: ignore[arg-type]
+    runner = web.AppRunner(webhook_app(api, InjectionConfig()))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -159,3 +160,20 @@ def test_review_deadline_leaves_a_margin_of_the_api_servers_timeout() -> None:
     assert review_deadline("1s", 5.0) == pytest.approx(0.55)
     assert review_deadline("junk", 5.0) == pytest.approx(3.75)
     assert review_deadline("0s", 5.0) == pytest.approx(0.55)  # clamped to the API's 1 s floor
+
+
+class ForbiddenApiServerFault:
+    """`get_policy` refused with 403, as for a namespace outside operator.watchNamespaces
+    (the real refusal is the harness API server's, in the Helm journey's RBAC; here only its
+    shape, an ApiException with status 403)."""
+
+    async def get_policy(self, namespace: str, name: str) -> dict[str, Any]:
+        raise ApiException(status=403, reason="Forbidden")
+
+
+async def test_a_namespace_the_operator_does_not_serve_is_refused_with_the_fix() -> None:
+    [(_, response)] = await _burst(ForbiddenApiServerFault(), ["alpha"])
+    assert response["allowed"] is False
+    message = response["status"]["message"]
+    assert message.startswith("KubeRefit does not serve namespace rl"), message
+    assert "operator.watchNamespaces" in message
