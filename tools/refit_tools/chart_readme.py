@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from refit_tools.config_reference import write_generated
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kuberefit"
 TARGET = CHART / "README.md"
@@ -193,12 +194,7 @@ def render(chart: Path = CHART) -> str:
 
 def main() -> None:
     """Write charts/kuberefit/README.md (or print it with `-`)."""
-    text = render()
-    if sys.argv[1:] == ["-"]:
-        sys.stdout.write(text)
-        return
-    TARGET.write_text(text)
-    print(f"wrote {TARGET}")
+    write_generated(TARGET, render())
 
 
 if __name__ == "__main__":

@@ -120,14 +120,19 @@ def render() -> str:
     return "\n".join(parts) + "\n"
 
 
-def main() -> None:
-    """Write docs/configuration.md (or print it with `-`)."""
-    text = render()
+def write_generated(target: Path, text: str) -> None:
+    """A generator's `main`: write `text` to `target`, or print it when the only argument is
+    `-` (shared by the docs generators run by `make docs`)."""
     if sys.argv[1:] == ["-"]:
         sys.stdout.write(text)
         return
-    TARGET.write_text(text)
-    print(f"wrote {TARGET}")
+    target.write_text(text)
+    print(f"wrote {target}")
+
+
+def main() -> None:
+    """Write docs/configuration.md (or print it with `-`)."""
+    write_generated(TARGET, render())
 
 
 if __name__ == "__main__":
