@@ -122,13 +122,37 @@ def test_refit_transition_printer_columns(crds: client.CustomObjectsApi, kube: K
     assert table["rows"][0]["cells"][:8] == ["p1-v1", "p1", 0, 1, "Streaming", 1, "mixed", "1.02%"]
 
 
-def test_chart_lints_strict_and_ships_the_crds() -> None:
+def test_chart_lints_strict_and_installs_the_crds() -> None:
+    """The chart renders crds/ as templates (so `helm upgrade` upgrades them), unchanged but for
+    its labels and the keep annotation; `crds.keep: false` drops the annotation and
+    `crds.install: false` renders none. Not Helm's crds/ directory: it never upgrades."""
     chart_dir = REPO / "charts" / "kuberefit"
     report = helm_python.lint(chart_dir, strict=True, kube_version="v1.20.2")
     assert report["errors"] == [], report
     assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
-    shipped = {c["filename"].split("/")[-1] for c in helm_python.Chart.load(chart_dir).crds}
-    assert shipped == {p.name for p in CRD_FILES}
+    sources = {(d := yaml.safe_load(p.read_text()))["metadata"]["name"]: d for p in CRD_FILES}
+    with helm_python.Chart.load(chart_dir) as chart:
+        assert chart.crds == []
+
+        def rendered(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+            out = chart.render(values, name="kr", namespace="kr-system", is_install=True)
+            docs = yaml.safe_load_all(out.get("kuberefit/templates/crds.yaml", ""))
+            return {d["metadata"]["name"]: d for d in docs if d}
+
+        crds = rendered({})
+        assert crds.keys() == sources.keys()
+        for name, crd in crds.items():
+            meta = crd.pop("metadata")
+            source = dict(sources[name])
+            assert meta.pop("name") == name
+            assert meta.pop("annotations") == {"helm.sh/resource-policy": "keep"}
+            assert meta.pop("labels")["app.kubernetes.io/instance"] == "kr"
+            assert meta == {k: v for k, v in source.pop("metadata").items() if k != "name"}
+            assert crd == source
+        assert all(
+            "annotations" not in c["metadata"] for c in rendered({"crds": {"keep": False}}).values()
+        )
+        assert rendered({"crds": {"install": False}}) == {}
 
 
 def _schema_nodes(node: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:

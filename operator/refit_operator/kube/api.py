@@ -121,6 +121,24 @@ class KubeApi:
             {"metadata": {"annotations": {key: None}}},
         )
 
+    async def remove_policy_finalizer(
+        self, namespace: str, name: str, finalizers: list[str], finalizer: str
+    ) -> None:
+        """Remove `finalizer` from a policy whose finalizers were read as `finalizers`: a JSON
+        patch that tests the entry first, so another controller's finalizers are never touched
+        (a 422 if the list changed meanwhile: the next watch event tries again)."""
+        at = f"/metadata/finalizers/{finalizers.index(finalizer)}"
+        await self._run(
+            self.custom.patch_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            POLICIES,
+            name,
+            [{"op": "test", "path": at, "value": finalizer}, {"op": "remove", "path": at}],
+            _content_type="application/json-patch+json",
+        )
+
     # -- RefitTransition --------------------------------------------------------------------
     async def get_transition(self, namespace: str, name: str) -> Obj:
         obj: Obj = await self._run(

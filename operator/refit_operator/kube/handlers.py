@@ -4,8 +4,10 @@
   cluster scanning (the resources are fixed), and no posting of handler log lines as Events.
 - `policy_pods`, `policy_names`: in-memory indices of annotated pods by (namespace, policy)
   and of the RefitPolicies. kopf writes nothing to pods for an index.
-- `coordinate`: a daemon per RefitPolicy running its `PolicyRunner`; kopf stops it when the
-  policy is deleted and then removes its finalizer.
+- `coordinate`: the watch events of RefitPolicies start and stop one `PolicyRunner` task per
+  policy (`PolicyTasks`). Not a kopf daemon: kopf would guard each policy with a finalizer, which
+  nobody removes once the operator is uninstalled. It removes the finalizer older versions added.
+- `stop_coordinators`: at exit every loop gets its grace period.
 - `pod_policy_exists`: an annotated pod that cannot take part (its policy does not exist, or
   its role is neither trainer nor rollout) gets one Warning Event.
 
@@ -15,7 +17,9 @@ compare-and-set, and kopf's annotations would break it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +38,7 @@ from refit_operator.kube.names import (
     VERSION,
 )
 from refit_operator.policy_runner import PolicyRunner, RunnerSettings
+from refit_operator.policy_tasks import PolicyLoop, PolicyTasks
 
 log = structlog.get_logger("kuberefit.operator")
 
@@ -47,6 +52,7 @@ class Memo:
     api: KubeApi
     settings: RunnerSettings
     warned_pods: set[tuple[str, str]] = field(default_factory=set)
+    tasks: PolicyTasks | None = None  # made by the first policy event (it needs kopf's index)
 
 
 @kopf.on.startup(registry=registry)
@@ -72,40 +78,53 @@ def policy_names(namespace: str, name: str, **_: Any) -> dict[tuple[str, str], b
     return {(namespace, name): True}
 
 
-@kopf.daemon(
-    GROUP,
-    VERSION,
-    POLICIES,
-    # On deletion (or operator exit) the loop gets 10 s to finish its pass, then is cancelled;
-    # a transition cut short is taken over by the next coordinator like any other.
-    cancellation_backoff=10.0,
-    cancellation_timeout=20.0,
-    registry=registry,
-)
+def _policy_loop(memo: Memo, policy_pods: kopf.Index[tuple[str, str], Any]) -> PolicyLoop:
+    async def loop(
+        namespace: str,
+        name: str,
+        body: Callable[[], Mapping[str, Any]],
+        stopped: Callable[[], bool],
+    ) -> None:
+        runner = PolicyRunner(
+            memo.api,
+            namespace,
+            name,
+            body=body,
+            pods=lambda: list(policy_pods.get((namespace, name), [])),
+            stopped=stopped,
+            settings=memo.settings,
+        )
+        await runner.run()
+
+    return loop
+
+
+@kopf.on.event(GROUP, VERSION, POLICIES, registry=registry)
 async def coordinate(
     body: kopf.Body,
+    type: str | None,  # noqa: A002 - kopf's name for the watch event type
     namespace: str,
     name: str,
-    stopped: kopf.DaemonStopped,
     memo: Memo,
     policy_pods: kopf.Index[tuple[str, str], Any],
     **_: Any,
 ) -> None:
-    runner = PolicyRunner(
-        memo.api,
-        namespace,
-        name,
-        body=lambda: body,
-        pods=lambda: list(policy_pods.get((namespace, name), [])),
-        stopped=stopped.is_set,
-        settings=memo.settings,
-    )
-    try:
-        await runner.run()
-    finally:
-        reason = stopped.reason
-        if reason is not None and reason & kopf.DaemonStoppingReason.RESOURCE_DELETED:
-            metrics.forget_policy(namespace, name)  # its series would stay forever otherwise
+    if memo.tasks is None:
+        memo.tasks = PolicyTasks(_policy_loop(memo, policy_pods))
+    raw = dict(body)
+    if await memo.tasks.observe(raw, deleted=type == "DELETED"):
+        metrics.forget_policy(namespace, name)  # its series would stay forever otherwise
+    finalizers = list(body.get("metadata", {}).get("finalizers") or [])
+    if FINALIZER in finalizers and type != "DELETED":
+        with contextlib.suppress(Exception):  # a lost race: the next event tries again
+            await memo.api.remove_policy_finalizer(namespace, name, finalizers, FINALIZER)
+            log.info("policy.finalizer_removed", namespace=namespace, policy=name)
+
+
+@kopf.on.cleanup(registry=registry)
+async def stop_coordinators(memo: Memo, **_: Any) -> None:
+    if memo.tasks is not None:
+        await memo.tasks.stop_all()
 
 
 @kopf.on.event("pods", annotations={POLICY: kopf.PRESENT}, registry=registry)
