@@ -2,10 +2,16 @@
 
 Thin on purpose: `POST /mutate-pods` parses the AdmissionReview, looks up the pod's RefitPolicy
 (for its token Secret and producer count) and answers with what the pure `injection.inject`
-decides. The API server is the only client: TLS with the chart's serving certificate (reloaded
-when the files change, so cert-manager rotations need no restart); admission requests carry
-no token (the API server authenticates to webhooks only with client certificates, which the
-chart does not configure), so this endpoint changes nothing but the admitted object.
+decides. The API server is the only client meant: TLS with the chart's serving certificate
+(reloaded when the files change, so cert-manager rotations need no restart); admission requests
+carry no token (the API server authenticates to webhooks only with client certificates, which
+the chart does not configure), so this endpoint changes nothing but the admitted object.
+
+Anyone who reaches the port may post anything, so the answer is always an AdmissionReview
+(allowed, or denied with a reason) or an error status that says why: 413 for a body over
+`MAX_REVIEW_BYTES` (refused while it is read), 400 for one that is not an AdmissionReview of a
+Pod (`injection.parse_review`: strict JSON, bounded nesting, one validated model; the message
+names the field). A failure while deciding denies the pod with a reason, never a 500.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from refit_operator.injection import (
 )
 from refit_operator.injection.config import TokenSecretRef
 from refit_operator.injection.patch import producer_settings
+from refit_operator.injection.review import PodAdmission
 from refit_operator.kube.api import KubeApi, NotFoundError
 from refit_operator.kube.names import POLICY
 from refit_operator.metrics import ADMISSIONS
@@ -42,7 +49,9 @@ from refit_protocol.service_http import error_response, json_errors
 log = structlog.get_logger("kuberefit.webhook")
 
 PATH = "/mutate-pods"
-#: The API server sends whole Pod objects; 8 MiB is far above any real one.
+#: The API server sends whole Pod objects; 8 MiB is far above any real one (the API server's
+#: own request bodies are capped at 3 MiB by default). A larger body is refused with 413 while
+#: it is read.
 MAX_REVIEW_BYTES = 8 << 20
 CERT_RELOAD_S = 60.0
 #: What the API server waits for the webhook when its review names no `timeout` (the chart's
@@ -136,33 +145,45 @@ def webhook_app(api: KubeApi, config: InjectionConfig) -> web.Application:
             ADMISSIONS.labels("invalid").inc()
             return error_response(400, str(exc))
         pod = admission.pod
-        lookup = PolicyLookup(PolicyFacts(False, config.default_token_secret), [])
-        creating = admission.operation == "CREATE"  # a running pod's containers are immutable
-        if creating and wants_injection(pod):
-            policy = str(((pod.get("metadata") or {}).get("annotations") or {}).get(POLICY, ""))
-            if policy:
-                deadline = review_deadline(request.query.get("timeout"), DEFAULT_TIMEOUT_S)
-                lookup = await policy_facts(reads, admission.namespace, policy, config, deadline)
-        facts, warnings = lookup.facts, lookup.warnings
-        if lookup.denied:
-            decision = Injection(denied=lookup.denied)
-        else:
-            decision = inject(pod, config, facts) if creating else Injection()
-        decision.warnings[:0] = warnings
+        try:
+            decision = await decide(admission, request.query.get("timeout"))
+        except Exception as exc:  # a bug: deny with a reason (its controller retries), no 500
+            log.exception("webhook.decision_failed", namespace=admission.namespace)
+            decision = Injection(
+                denied=(
+                    f"KubeRefit failed to decide on this pod ({type(exc).__name__}); it is "
+                    "refused rather than started without its sidecar. Please report this."
+                )
+            )
         result = "denied" if decision.denied else "injected" if decision.patch else "unchanged"
         ADMISSIONS.labels(result).inc()
         if result != "unchanged" or decision.warnings:
-            meta = pod.get("metadata") or {}
             log.info(
                 "webhook.admission",
                 result=result,
                 namespace=admission.namespace,
-                pod=meta.get("name") or meta.get("generateName"),
+                pod=pod.meta.name or pod.meta.generate_name,
                 dry_run=admission.dry_run,
                 reason=decision.denied,
                 warnings=decision.warnings or None,
             )
         return web.json_response(review_response(admission.uid, decision))
+
+    async def decide(admission: PodAdmission, timeout: str | None) -> Injection:
+        pod = admission.pod
+        lookup = PolicyLookup(PolicyFacts(False, config.default_token_secret), [])
+        creating = admission.operation == "CREATE"  # a running pod's containers are immutable
+        if creating and wants_injection(pod):
+            policy = pod.annotations.get(POLICY, "")
+            if policy:
+                deadline = review_deadline(timeout, DEFAULT_TIMEOUT_S)
+                lookup = await policy_facts(reads, admission.namespace, policy, config, deadline)
+        if lookup.denied:
+            decision = Injection(denied=lookup.denied)
+        else:
+            decision = inject(pod, config, lookup.facts) if creating else Injection()
+        decision.warnings[:0] = lookup.warnings
+        return decision
 
     app = web.Application(
         middlewares=[request_logger("webhook"), json_errors], client_max_size=MAX_REVIEW_BYTES

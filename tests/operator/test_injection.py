@@ -184,6 +184,11 @@ def test_the_vllm_bundle_goes_first_on_a_pythonpath_the_pod_sets() -> None:
     ]
     # The user's init containers run first; the bundle's copy comes after them.
     assert [c["name"] for c in pod["spec"]["initContainers"]] == ["warm", "kuberefit-vllm-bundle"]
+    # An empty PYTHONPATH has no `value` member (the API server omits empty strings): the
+    # patch still applies (found by the property test in test_webhook_malformed.py).
+    vllm["env"] = [{"name": "PYTHONPATH"}]
+    env = _applied(_pod("rollout", [vllm]))["spec"]["containers"][0]["env"]
+    assert env == [{"name": "PYTHONPATH", "value": CFG.vllm_bundle_dir}, *env[1:]]
     vllm["env"] = [{"name": "PYTHONPATH", "valueFrom": {"configMapKeyRef": {"name": "c"}}}]
     refused = inject(_pod("rollout", [vllm]), CFG, POLICY).denied
     assert refused is not None
@@ -304,7 +309,7 @@ def test_review_round_trip() -> None:
     assert answer["allowed"]
     assert answer["patchType"] == "JSONPatch"
     patch = json.loads(base64.b64decode(answer["patch"]))
-    assert jsonpatch.apply_patch(admission.pod, patch)["metadata"]["annotations"][
+    assert jsonpatch.apply_patch(admission.posted, patch)["metadata"]["annotations"][
         "kuberefit.io/injected"
     ]
     empty = _pod("trainer")

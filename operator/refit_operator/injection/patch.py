@@ -26,6 +26,9 @@ file system; the sidecar writes to its emptyDirs (`kuberefit-tmp` is its /tmp).
 
 Pods without both annotations are never changed. `$(VAR)` references are expanded by the
 kubelet from the env variables defined before them.
+
+The pod is read through the validated model `injection.pod.Pod`; `inject` never raises: what
+is not a Pod, or cannot be injected, is refused with a reason (never a failed admission).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refit_operator.injection.config import InjectionConfig, TokenSecretRef
+from refit_operator.injection.pod import Container, EnvVar, Pod, PodError, parse_pod
 from refit_operator.injection.resources import (
     InjectionRefusedError,
     annotated_quantity,
@@ -127,21 +131,45 @@ class Injection:
     denied: str | None = None
 
 
-def wants_injection(pod: Mapping[str, Any]) -> bool:
-    """True for a pod that opted in and was not injected yet."""
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    return bool(annotations.get(INJECT)) and INJECTED not in annotations
+def wants_injection(pod: Pod | Mapping[str, Any]) -> bool:
+    """True for a pod that opted in and was not injected yet (False for what is not a Pod)."""
+    try:
+        return _wants(parse_pod(pod))
+    except PodError:
+        return False
 
 
-def inject(pod: Mapping[str, Any], config: InjectionConfig, policy: PolicyFacts) -> Injection:
-    """The JSON Patch that injects `pod` (see the module docstring); never raises."""
-    meta = pod.get("metadata") or {}
-    annotations = meta.get("annotations") or {}
-    if not wants_injection(pod):
+def _wants(pod: Pod) -> bool:
+    return bool(pod.annotations.get(INJECT)) and INJECTED not in pod.annotations
+
+
+def inject(pod: Pod | Mapping[str, Any], config: InjectionConfig, policy: PolicyFacts) -> Injection:
+    """The JSON Patch that injects `pod` (a Pod as JSON gives it, or as validated by
+    `parse_pod`; see the module docstring). Never raises: a `pod` that is not a Pod is refused
+    with the field that is wrong, and so, as a last line of defence, is a pod whose injection
+    fails unexpectedly (refused, rather than started without the sidecar it asked for)."""
+    try:
+        valid = parse_pod(pod)
+    except PodError as exc:
+        return Injection(denied=f"the pod is malformed: {exc}")
+    try:
+        return _inject(valid, config, policy)
+    except Exception as exc:  # a bug, never the pod's fault: refuse it, and say so
+        return Injection(
+            denied=(
+                f"KubeRefit failed to inject this pod ({type(exc).__name__}: {str(exc)[:200]}); "
+                "it is refused rather than started without its sidecar. Please report this."
+            )
+        )
+
+
+def _inject(pod: Pod, config: InjectionConfig, policy: PolicyFacts) -> Injection:
+    annotations = pod.annotations
+    if not _wants(pod):
         return Injection()
-    if _has_container(pod, SIDECAR_CONTAINER, "containers"):
+    if _has_container(SIDECAR_CONTAINER, pod.pod_spec.containers):
         return Injection()  # injected by hand or by an older marker-less release: leave it
-    role, policy_name = str(annotations.get(INJECT)), str(annotations.get(POLICY) or "")
+    role, policy_name = annotations[INJECT], annotations.get(POLICY) or ""
     if role not in ROLES:
         return Injection(
             warnings=[f"{INJECT}={role} is neither trainer nor rollout: pod not injected"]
@@ -164,17 +192,16 @@ def inject(pod: Mapping[str, Any], config: InjectionConfig, policy: PolicyFacts)
 
 # -- building -----------------------------------------------------------------------------------
 def _build(
-    pod: Mapping[str, Any], role: str, policy_name: str, cfg: InjectionConfig, policy: PolicyFacts
+    pod: Pod, role: str, policy_name: str, cfg: InjectionConfig, policy: PolicyFacts
 ) -> list[Obj]:
-    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-    containers: list[Obj] = list(spec.get("containers") or [])
-    annotations = meta.get("annotations") or {}
-    named = str(annotations.get(CONTAINER) or (cfg.vllm_container if role == "rollout" else ""))
+    meta, spec, annotations = pod.meta, pod.pod_spec, pod.annotations
+    containers = spec.containers or []
+    named = annotations.get(CONTAINER) or (cfg.vllm_container if role == "rollout" else "")
     index = _paired_index(containers, named)
-    existing = {v.get("name") for v in spec.get("volumes") or []}
-    if _has_container(pod, SIDECAR_CONTAINER, "initContainers", "ephemeralContainers"):
+    existing = {v.name for v in spec.volumes or []}
+    if _has_container(SIDECAR_CONTAINER, spec.init_containers, spec.ephemeral_containers):
         raise InjectionRefusedError(f"an init container is named {SIDECAR_CONTAINER}: rename it")
-    if _has_container(pod, BUNDLE_INIT, "initContainers", "containers"):
+    if _has_container(BUNDLE_INIT, spec.init_containers, spec.containers):
         raise InjectionRefusedError(f"a container is named {BUNDLE_INIT}: rename it")
     clash = existing & {WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME, BUNDLE_VOLUME, TMP_VOLUME}
     if clash:
@@ -185,8 +212,8 @@ def _build(
     resources = sidecar_resources(cfg, spec, annotations)
     wiring: VllmWiring | None = None
     if role == "trainer":
-        reference = str(annotations.get(REFERENCE_CHECKPOINT) or "")
-        producer = _producer_index(meta, policy)
+        reference = annotations.get(REFERENCE_CHECKPOINT) or ""
+        producer = _producer_index(pod, policy)
         sidecar = _producer(cfg, token_file, producer, policy, reference, resources)
         sidecar["volumeMounts"] += _reference_mounts(paired, annotations)
         paired_env = [
@@ -201,46 +228,46 @@ def _build(
     bundle = role == "rollout"
     paired_env += [_env(TOKEN_FILE_ENV, token_file)]
     ops: list[Obj] = []
-    ops += _merge_map(meta, "/metadata/annotations", {INJECTED: role})
+    ops += _merge_map(meta.annotations, "/metadata/annotations", {INJECTED: role})
     labels = {ROLE_LABEL: role}
     if _label_value_ok(policy_name):
         labels[POLICY_LABEL] = policy_name
-    ops += _merge_map(meta, "/metadata/labels", labels)
+    ops += _merge_map(meta.labels, "/metadata/labels", labels)
     shm_limit = annotated_quantity(annotations, SHM_SIZE_LIMIT, cfg.shm_size_limit)
-    ops += _append(spec, "/spec/volumes", _volumes(shm_limit, policy.token_secret, bundle))
-    have = {str(r.get("name")) for r in spec.get("imagePullSecrets") or []}
+    ops += _append(spec.volumes, "/spec/volumes", _volumes(shm_limit, policy.token_secret, bundle))
+    have = {r.name for r in spec.image_pull_secrets or []}
     pull = [{"name": n} for n in cfg.image_pull_secrets if n not in have]
-    ops += _append(spec, "/spec/imagePullSecrets", pull)
+    ops += _append(spec.image_pull_secrets, "/spec/imagePullSecrets", pull)
     if bundle:
-        ops += _append(spec, "/spec/initContainers", [_bundle_init(cfg)])
+        ops += _append(spec.init_containers, "/spec/initContainers", [_bundle_init(cfg)])
         replaced = _python_path(paired, base, cfg.vllm_bundle_dir)
         ops += replaced
         paired_env += [] if replaced else [_env("PYTHONPATH", cfg.vllm_bundle_dir)]
-    ops += _append(paired, f"{base}/env", _without_names(paired.get("env"), paired_env))
-    ops += _append(paired, f"{base}/volumeMounts", _mounts(cfg, paired, bundle))
+    ops += _append(paired.env, f"{base}/env", _without_names(paired.env, paired_env))
+    ops += _append(paired.volume_mounts, f"{base}/volumeMounts", _mounts(cfg, paired, bundle))
     if wiring is not None:
         ops += wiring.replace
-        ops += _append(paired, f"{base}/args", wiring.append_args)
+        ops += _append(paired.args, f"{base}/args", wiring.append_args)
     ops.append({"op": "add", "path": "/spec/containers/-", "value": sidecar})
     return ops
 
 
-def _paired_index(containers: Sequence[Mapping[str, Any]], name: str) -> int:
+def _paired_index(containers: Sequence[Container], name: str) -> int:
     """The container named `name`; unnamed, the first that is not a service-mesh proxy (other
     injectors, e.g. Istio's, may have put theirs first)."""
     if not containers:
         raise InjectionRefusedError("the pod has no containers")
     if not name:
         for i, c in enumerate(containers):
-            if c.get("name") not in MESH_PROXIES:
+            if c.name not in MESH_PROXIES:
                 return i
         raise InjectionRefusedError(
             f"the pod has only proxy containers; name the container with {CONTAINER}"
         )
     for i, c in enumerate(containers):
-        if c.get("name") == name:
+        if c.name == name:
             return i
-    names = [str(c.get("name")) for c in containers]
+    names = [c.name for c in containers]
     raise InjectionRefusedError(
         f"container {name!r} (annotation {CONTAINER} or the chart's sidecar.vllmContainer) is "
         f"not in the pod; its containers are {names}"
@@ -344,18 +371,17 @@ def _producer(
     return _sidecar(cfg, command, _common_env(cfg, token_file, settings), ports, resources)
 
 
-def _producer_index(meta: Mapping[str, Any], policy: PolicyFacts) -> int:
-    annotations = meta.get("annotations") or {}
-    labels = meta.get("labels") or {}
+def _producer_index(pod: Pod, policy: PolicyFacts) -> int:
+    annotations, labels = pod.annotations, pod.labels
     given = annotations.get(PRODUCER_INDEX)
     if given is not None:
-        if not _SMALL_UINT.fullmatch(str(given)):
+        if not _SMALL_UINT.fullmatch(given):
             raise InjectionRefusedError(f"{PRODUCER_INDEX}={given!r} is not a non-negative integer")
         index = int(given)
-    elif _SMALL_UINT.fullmatch(str(labels.get(JOB_COMPLETION_INDEX, ""))):
+    elif _SMALL_UINT.fullmatch(labels.get(JOB_COMPLETION_INDEX, "")):
         index = int(labels[JOB_COMPLETION_INDEX])
     else:
-        pod_name = str(labels.get(STATEFULSET_POD_NAME) or "")
+        pod_name = labels.get(STATEFULSET_POD_NAME) or ""
         ordinal = pod_name.rsplit("-", 1)[-1]
         index = int(ordinal) if "-" in pod_name and _SMALL_UINT.fullmatch(ordinal) else 0
     # Without the policy the producer count is not known yet: the operator checks it later.
@@ -367,23 +393,26 @@ def _producer_index(meta: Mapping[str, Any], policy: PolicyFacts) -> int:
     return index
 
 
-def _reference_mounts(paired: Mapping[str, Any], annotations: Mapping[str, Any]) -> list[Obj]:
+def _reference_mounts(paired: Container, annotations: Mapping[str, str]) -> list[Obj]:
     """The paired container's mounts that hold the reference checkpoint, read-only, so the
     trainer sidecar can check the first export against it (annotation optional)."""
-    path = str(annotations.get(REFERENCE_CHECKPOINT) or "")
+    path = annotations.get(REFERENCE_CHECKPOINT) or ""
     if not path:
         return []
-    kept = ("subPath", "subPathExpr", "mountPropagation")
-    mounts = [
-        {"name": m["name"], "mountPath": m["mountPath"], "readOnly": True}
-        | {k: m[k] for k in kept if m.get(k)}
-        for m in paired.get("volumeMounts") or []
-        if path == m.get("mountPath") or path.startswith(str(m.get("mountPath")).rstrip("/") + "/")
-    ]
+    mounts = []
+    for m in paired.volume_mounts or []:
+        if path == m.mount_path or path.startswith(m.mount_path.rstrip("/") + "/"):
+            kept = {
+                "subPath": m.sub_path,
+                "subPathExpr": m.sub_path_expr,
+                "mountPropagation": m.mount_propagation,
+            }
+            mount: Obj = {"name": m.name, "mountPath": m.mount_path, "readOnly": True}
+            mounts.append(mount | {k: v for k, v in kept.items() if v})
     if not mounts:
         raise InjectionRefusedError(
             f"{REFERENCE_CHECKPOINT}={path} is not under any volume mount of container "
-            f"{paired.get('name')!r}"
+            f"{paired.name!r}"
         )
     return mounts
 
@@ -403,20 +432,22 @@ def _bundle_init(cfg: InjectionConfig) -> Obj:
     }
 
 
-def _python_path(container: Mapping[str, Any], base: str, bundle_dir: str) -> list[Obj]:
+def _python_path(container: Container, base: str, bundle_dir: str) -> list[Obj]:
     """The op that puts `bundle_dir` first on a PYTHONPATH the container sets (none when it
     sets none: the caller adds the variable with the rest of the env)."""
-    for i, item in enumerate(container.get("env") or []):
-        if item.get("name") != "PYTHONPATH":
+    for i, item in enumerate(container.env or []):
+        if item.name != "PYTHONPATH":
             continue
-        if "valueFrom" in item:
+        if item.value_from is not None:
             raise InjectionRefusedError(
-                f"container {container.get('name')!r} takes PYTHONPATH from valueFrom; injection "
+                f"container {container.name!r} takes PYTHONPATH from valueFrom; injection "
                 f"must put {bundle_dir} first on it: set PYTHONPATH as a plain value"
             )
-        value = str(item.get("value") or "")
+        value = item.value or ""
         joined = f"{bundle_dir}:{value}" if value else bundle_dir
-        return [{"op": "replace", "path": f"{base}/env/{i}/value", "value": joined}]
+        # `add`, not `replace`: an empty value is absent from the object (omitempty), and
+        # `replace` of a missing member fails the whole patch at the API server.
+        return [{"op": "add", "path": f"{base}/env/{i}/value", "value": joined}]
     return []
 
 
@@ -443,8 +474,8 @@ def _volumes(shm_size_limit: str, token: TokenSecretRef, bundle: bool) -> list[O
     ]
 
 
-def _mounts(cfg: InjectionConfig, paired: Mapping[str, Any], bundle: bool) -> list[Obj]:
-    taken = {m.get("mountPath") for m in paired.get("volumeMounts") or []}
+def _mounts(cfg: InjectionConfig, paired: Container, bundle: bool) -> list[Obj]:
+    taken = {m.mount_path for m in paired.volume_mounts or []}
     wanted: list[Obj] = [
         {"name": SHM_VOLUME, "mountPath": cfg.shm_dir},
         {"name": TOKEN_VOLUME, "mountPath": cfg.token_dir, "readOnly": True},
@@ -454,7 +485,7 @@ def _mounts(cfg: InjectionConfig, paired: Mapping[str, Any], bundle: bool) -> li
     clash = [m["mountPath"] for m in wanted if m["mountPath"] in taken]
     if clash:
         raise InjectionRefusedError(
-            f"container {paired.get('name')!r} already mounts {clash}: injection mounts "
+            f"container {paired.name!r} already mounts {clash}: injection mounts "
             "KubeRefit's volumes there (change the chart's sidecar.shmDir)"
         )
     return wanted
@@ -465,25 +496,27 @@ def _pointer(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
 
-def _merge_map(parent: Mapping[str, Any], path: str, items: Mapping[str, str]) -> list[Obj]:
-    key = path.rsplit("/", 1)[1]
-    if not parent.get(key):
+def _merge_map(current: Mapping[str, str] | None, path: str, items: Mapping[str, str]) -> list[Obj]:
+    """Ops that set `items` in the map at `path`, whose value is `current` (absent or empty:
+    the whole map is added)."""
+    if not current:
         return [{"op": "add", "path": path, "value": dict(items)}]
     return [{"op": "add", "path": f"{path}/{_pointer(k)}", "value": v} for k, v in items.items()]
 
 
-def _append(parent: Mapping[str, Any], path: str, items: list[Any]) -> list[Obj]:
+def _append(current: Sequence[Any] | None, path: str, items: list[Any]) -> list[Obj]:
+    """Ops that append `items` to the list at `path`, whose value is `current` (absent or
+    empty: the whole list is added)."""
     if not items:
         return []
-    key = path.rsplit("/", 1)[1]
-    if not parent.get(key):
+    if not current:
         return [{"op": "add", "path": path, "value": list(items)}]
     return [{"op": "add", "path": f"{path}/-", "value": item} for item in items]
 
 
-def _without_names(existing: Any, wanted: list[Obj]) -> list[Obj]:
+def _without_names(existing: Sequence[EnvVar] | None, wanted: list[Obj]) -> list[Obj]:
     """`wanted` env minus names the container already sets (the user's value wins)."""
-    taken = {e.get("name") for e in existing or []}
+    taken = {e.name for e in existing or []}
     return [e for e in wanted if e["name"] not in taken]
 
 
@@ -495,9 +528,8 @@ def _field_env(name: str, field_path: str) -> Obj:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
 
 
-def _has_container(pod: Mapping[str, Any], name: str, *kinds: str) -> bool:
-    spec = pod.get("spec") or {}
-    return any(c.get("name") == name for kind in kinds for c in spec.get(kind) or [])
+def _has_container(name: str, *lists: Sequence[Container] | None) -> bool:
+    return any(c.name == name for containers in lists for c in containers or [])
 
 
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")

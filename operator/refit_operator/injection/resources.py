@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from refit_operator.injection.config import InjectionConfig
+from refit_operator.injection.pod import PodSpec
 from refit_operator.kube.names import (
     SIDECAR_CPU,
     SIDECAR_CPU_LIMIT,
@@ -45,9 +46,7 @@ def restricted() -> Obj:
     }
 
 
-def sidecar_resources(
-    cfg: InjectionConfig, spec: Mapping[str, Any], annotations: Mapping[str, Any]
-) -> Obj:
+def sidecar_resources(cfg: InjectionConfig, spec: PodSpec, annotations: Mapping[str, str]) -> Obj:
     """The chart's sidecar resources, overridden per pod by the annotations; in a pod whose
     every container has limits equal to requests (Guaranteed QoS), the sidecar's limits equal
     its requests too, so the pod stays Guaranteed."""
@@ -73,27 +72,27 @@ def sidecar_resources(
     return out
 
 
-def _guaranteed(spec: Mapping[str, Any]) -> bool:
+def _guaranteed(spec: PodSpec) -> bool:
     """Every container sets cpu and memory limits, and requests equal to them (or none)."""
-    containers = [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
+    containers = [*(spec.containers or []), *(spec.init_containers or [])]
     for c in containers:
-        res = c.get("resources") or {}
-        limits, requests = res.get("limits") or {}, res.get("requests") or {}
+        limits = (c.resources.limits if c.resources else None) or {}
+        requests = (c.resources.requests if c.resources else None) or {}
         if not {"cpu", "memory"} <= set(limits):
             return False
-        if any(str(requests.get(k, limits[k])) != str(limits[k]) for k in ("cpu", "memory")):
+        if any(requests.get(k, limits[k]) != limits[k] for k in ("cpu", "memory")):
             return False
     return bool(containers)
 
 
-def annotated_quantity(annotations: Mapping[str, Any], key: str, default: str) -> str:
+def annotated_quantity(annotations: Mapping[str, str], key: str, default: str) -> str:
     """The Kubernetes quantity the pod's annotation `key` sets, else `default`; refused at
     admission when it is not one (the kubelet would reject the pod later, less clearly)."""
     value = annotations.get(key)
     if value is None:
         return default
-    if not _QUANTITY.fullmatch(str(value)):
+    if not _QUANTITY.fullmatch(value):
         raise InjectionRefusedError(
             f"{key}={value!r} is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)"
         )
-    return str(value)
+    return value

@@ -2,7 +2,11 @@
 
 The API server posts a review; the answer carries the same `uid`, `allowed`, an optional
 base64 JSON Patch, warnings (kubectl prints them) and, for a refusal, a status message.
-Anything malformed raises ReviewError, which the server answers with HTTP 400.
+Anything malformed raises ReviewError, which the server answers with HTTP 400: the body is
+parsed as strict JSON (pydantic-core's parser: no NaN, no lone surrogates, nesting deeper than
+200 levels refused, where a review's deepest field is about 20 down) and validated by one
+model, `AdmissionReview` (its Pod is `injection.pod.Pod`), so the message names the field that
+is wrong and what was expected.
 """
 
 from __future__ import annotations
@@ -11,9 +15,13 @@ import base64
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+from pydantic_core import from_json
 
 from refit_operator.injection.patch import Injection
+from refit_operator.injection.pod import ObjectPart, Pod, describe
 
 API_VERSION = "admission.k8s.io/v1"
 #: Kubernetes caps a warning at 256 characters (longer ones are truncated by the API server).
@@ -24,6 +32,31 @@ class ReviewError(ValueError):
     """The request is not an AdmissionReview this webhook can answer."""
 
 
+class PodKind(ObjectPart):
+    """`request.kind`: this webhook is registered for Pods only."""
+
+    group: str | None = None
+    version: str | None = None
+    kind: Literal["Pod"]
+
+
+class AdmissionRequest(ObjectPart):
+    uid: str = Field(min_length=1)
+    kind: PodKind  # before `object`: a review of another kind is told so first
+    namespace: str | None = None
+    operation: str | None = None
+    dry_run: bool | None = None
+    pod: Pod = Field(alias="object")
+
+
+class AdmissionReview(ObjectPart):
+    """The review as posted (`admission.k8s.io/v1`), its Pod as injection reads it."""
+
+    api_version: Literal["admission.k8s.io/v1"]
+    kind: Literal["AdmissionReview"]
+    request: AdmissionRequest
+
+
 @dataclass(frozen=True)
 class PodAdmission:
     """The parts of a review the injector needs."""
@@ -31,33 +64,30 @@ class PodAdmission:
     uid: str
     namespace: str
     operation: str
-    pod: Mapping[str, Any]
+    #: The Pod as validated (what injection reads).
+    pod: Pod
+    #: The Pod as posted (what the API server applies the patch to).
+    posted: Mapping[str, Any]
     dry_run: bool
 
 
 def parse_review(body: bytes) -> PodAdmission:
     try:
-        review = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise ReviewError(f"body is not JSON: {type(exc).__name__}") from None
-    if not isinstance(review, dict) or review.get("kind") != "AdmissionReview":
-        raise ReviewError("body is not an AdmissionReview")
-    if review.get("apiVersion") != API_VERSION:
-        raise ReviewError(f"AdmissionReview {review.get('apiVersion')}: only {API_VERSION}")
-    request = review.get("request")
-    if not isinstance(request, dict) or not request.get("uid"):
-        raise ReviewError("AdmissionReview has no request.uid")
-    kind = request.get("kind") or {}
-    pod = request.get("object")
-    if kind.get("kind") != "Pod" or not isinstance(pod, dict):
-        raise ReviewError(f"expected a Pod, got {kind.get('kind')!r}")
-    namespace = str(request.get("namespace") or (pod.get("metadata") or {}).get("namespace"))
+        review = from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
+        raise ReviewError(f"body is not JSON: {str(exc)[:200]}") from None
+    try:
+        request = AdmissionReview.model_validate(review).request
+    except ValidationError as exc:
+        raise ReviewError(f"malformed AdmissionReview: {describe(exc)}") from None
+    pod = request.pod
     return PodAdmission(
-        uid=str(request["uid"]),
-        namespace=namespace,
-        operation=str(request.get("operation") or ""),
+        uid=request.uid,
+        namespace=request.namespace or pod.meta.namespace or "",
+        operation=request.operation or "",
         pod=pod,
-        dry_run=bool(request.get("dryRun")),
+        posted=review["request"]["object"],
+        dry_run=bool(request.dry_run),
     )
 
 

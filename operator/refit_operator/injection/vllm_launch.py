@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from refit_operator.injection.pod import Container
 from refit_operator.kube.names import USER_WORKER_EXTENSION, VLLM_PORT
 from refit_protocol.pod_contract import (
     USER_WORKER_EXTENSION_ENV,
@@ -65,13 +66,11 @@ class VllmWiring:
     env: list[Obj] = field(default_factory=list)
 
 
-def wire_vllm(
-    container: Mapping[str, Any], base: str, annotations: Mapping[str, Any]
-) -> VllmWiring:
+def wire_vllm(container: Container, base: str, annotations: Mapping[str, str]) -> VllmWiring:
     """How to start the vLLM `container` (at JSON Pointer `base`) with KubeRefit's flags."""
-    name = container.get("name")
-    command = [str(w) for w in container.get("command") or []]
-    args = [str(w) for w in container.get("args") or []]
+    name = container.name
+    command = list(container.command or [])
+    args = list(container.args or [])
     words = [*command, *args]
     if any("huggingfaceserver" in w for w in words):
         raise LaunchRefusedError(
@@ -80,7 +79,7 @@ def wire_vllm(
             "runs vLLM's OpenAI server (vllm serve, or "
             "python -m vllm.entrypoints.openai.api_server)"
         )
-    theirs = str(annotations.get(USER_WORKER_EXTENSION) or "")
+    theirs = annotations.get(USER_WORKER_EXTENSION) or ""
     if words and words[0].rsplit("/", 1)[-1] in SHELLS:
         return _shell(container, words, theirs, annotations)
     if not words:
@@ -115,9 +114,9 @@ def _extension(theirs: str) -> str:
 
 
 def _shell(
-    container: Mapping[str, Any], words: list[str], theirs: str, annotations: Mapping[str, Any]
+    container: Container, words: list[str], theirs: str, annotations: Mapping[str, str]
 ) -> VllmWiring:
-    name, script = container.get("name"), " ".join(words[1:])
+    name, script = container.name, " ".join(words[1:])
     if not _USES_ARGS_ENV.search(script):
         raise LaunchRefusedError(
             f"container {name!r} runs vLLM through a shell ({words[0]}), where appended flags "
@@ -141,18 +140,16 @@ def _shell(
     return VllmWiring(port=_port(container, inner, annotations), env=env)
 
 
-def _port(
-    container: Mapping[str, Any], words: Sequence[str], annotations: Mapping[str, Any]
-) -> int:
+def _port(container: Container, words: Sequence[str], annotations: Mapping[str, str]) -> int:
     given = annotations.get(VLLM_PORT)
     source = f"annotation {VLLM_PORT}"
     if given is None:
         flags = _flag_values(words, "--port")
         if not flags:
-            kserve = container.get("name") == KSERVE_CONTAINER
+            kserve = container.name == KSERVE_CONTAINER
             return KSERVE_PORT if kserve else DEFAULT_VLLM_PORT
         given, source = flags[-1], "vLLM's --port"
-    port = str(given)
+    port = given
     if not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
         raise LaunchRefusedError(
             f"cannot read {source} {port!r}: use a port number (or set {VLLM_PORT})"
