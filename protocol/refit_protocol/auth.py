@@ -19,6 +19,7 @@ from refit_protocol.tokens import (
     DEFAULT_ROTATION_GRACE_S,
     FileTokenRing,
     TokenRing,
+    read_token_file,
     ring_accepts,
 )
 
@@ -83,17 +84,15 @@ def open_ring(
 
 
 def resolve_token(token: SecretStr | None, token_file: Path | None) -> str | None:
-    """The token: explicit value, else a file (a mounted Secret), else the file named by
-    $KUBEREFIT_TOKEN_FILE (what injection sets), else $KUBEREFIT_TOKEN."""
+    """The token: explicit value, else a file (a mounted Secret, read by `read_token_file`: its
+    newest token), else the file named by $KUBEREFIT_TOKEN_FILE (what injection sets), else
+    $KUBEREFIT_TOKEN."""
     if token is not None and token.get_secret_value():
         return token.get_secret_value()
     if token_file is None and os.environ.get(TOKEN_FILE_ENV):
         token_file = Path(os.environ[TOKEN_FILE_ENV])
     if token_file is not None:
-        value = token_file.read_text().strip()
-        if not value:
-            raise ValueError(f"token file {token_file} is empty")
-        return value
+        return read_token_file(token_file)[0]  # the newest listed; refusals are ValueErrors
     return os.environ.get(TOKEN_ENV) or None
 
 

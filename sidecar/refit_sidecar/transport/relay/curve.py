@@ -11,8 +11,9 @@ only clients that hold the same key pair, and failed handshakes are counted by t
 
 Token rotation (`refit_protocol.tokens`): a relay serves with the ring's sending token and
 rebinds when it changes (after the rotation's grace); it admits the clients of every accepted
-token; a client connects once per accepted token, so whichever key the relay serves with, one
-of its connections completes the handshake.
+token. A client connects with the few keys the relay most likely serves with (`TokenRing.likely`:
+at most four), and tries the other accepted tokens, a few at a time, only when the relay refuses
+them all, so its sockets do not grow with the number of tokens a Secret lists (`dealer.py`).
 
 Why Curve rather than TLS: ZeroMQ has no TLS transport, and Curve keys can be derived from
 the Secret every pod already mounts, so there is no certificate to issue or rotate separately.

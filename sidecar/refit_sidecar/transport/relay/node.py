@@ -13,6 +13,11 @@ address) when that token changes, after the rotation's grace.
 
 `drain(attempt)` is the relay-flush barrier: it waits until every forward of the attempt has been
 acknowledged by the child or has failed (a dead child fails within its retry budget).
+
+Nothing ends the ROUTER loop but `close()`: an error raised while following the ring (a token
+source, a rebind), counting handshakes or handling one frame is caught, counted
+(`kuberefit_relay_loop_errors_total{where}`), logged at most every `HANDSHAKE_LOG_S` per kind,
+and the loop carries on, so the node keeps answering handshakes with the keys it has.
 """
 
 from __future__ import annotations
@@ -21,20 +26,30 @@ import collections
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol
 
 import structlog
 import zmq
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 from zmq.utils.monitor import recv_monitor_message
 
 from refit_protocol.config_files import ByteSize
 from refit_protocol.keys import payload_mac_key
 from refit_protocol.metrics import preset
-from refit_protocol.tokens import TokenRing, as_ring, ring_accepts
+from refit_protocol.tokens import (
+    TOKEN_FILE_REJECTIONS,
+    FileTokenRing,
+    TokenRing,
+    as_ring,
+    ring_accepts,
+)
 from refit_sidecar.codec.errors import CodecError
+from refit_sidecar.transport.errors import TransportError
 from refit_sidecar.transport.relay import tree
 from refit_sidecar.transport.relay.curve import HANDSHAKE_FAILURES, allow_clients, secure_server
 from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
@@ -55,6 +70,8 @@ log = structlog.get_logger("kuberefit.relay")
 #: Refused handshakes are logged at most this often (with a count), and at most this many
 #: monitor events are read per turn of the ROUTER loop.
 HANDSHAKE_LOG_S, MAX_MONITOR_EVENTS = 10.0, 64
+#: Where an error the ROUTER loop survived was raised (`kuberefit_relay_loop_errors_total`).
+LOOP_ERROR_PLACES = ("rotation", "monitor", "frame", "loop")
 
 
 class RelayConfig(BaseModel):
@@ -123,8 +140,27 @@ class RelaySink(Protocol):
         ...
 
 
+class TokenFileRejections(Collector):
+    """`kuberefit_token_file_rejected_total{reason}`: the token file versions a ring refused
+    (`FileTokenRing.rejections`; every reason present from the start)."""
+
+    def __init__(self, ring: FileTokenRing) -> None:
+        self._ring = ring
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "kuberefit_token_file_rejected",
+            "Token file versions refused and not taken (the tokens in force were kept), by "
+            f"reason: {', '.join(TOKEN_FILE_REJECTIONS)}.",
+            labels=["reason"],
+        )
+        for reason, count in self._ring.rejections().items():
+            family.add_metric([reason], count)
+        yield family
+
+
 class RelayMetrics:
-    def __init__(self, registry: CollectorRegistry | None) -> None:
+    def __init__(self, registry: CollectorRegistry | None, ring: TokenRing | None = None) -> None:
         reg = registry if registry is not None else CollectorRegistry()
         self.frames = Counter(
             "kuberefit_relay_frames",
@@ -147,10 +183,21 @@ class RelayMetrics:
         self.forwards = Counter(
             "kuberefit_relay_forwards", "Child forwards by result.", ["result"], registry=reg
         )
+        self.loop_errors = Counter(
+            "kuberefit_relay_loop_errors",
+            "Errors the relay's ROUTER loop caught and survived, by where they were raised "
+            "(rotation: following the token ring or binding again; monitor: counting refused "
+            "handshakes; frame: handling one frame; loop: anything else).",
+            ["where"],
+            registry=reg,
+        )
+        if isinstance(ring, FileTokenRing):
+            reg.register(TokenFileRejections(ring))
         # Every known series exists at 0 before its first event (refit_protocol.metrics).
         preset(self.frames, *((k.decode(), s.value) for k in (DATA, PROBE, END) for s in AckStatus))
         preset(self.dropped, "unauthenticated", "malformed", "handshake", "handshake_aborted")
         preset(self.forwards, "ok", "failed", "skipped")
+        preset(self.loop_errors, *LOOP_ERROR_PLACES)
 
 
 class RelayNode:
@@ -171,7 +218,8 @@ class RelayNode:
         self._gen = -1
         self._serving: str | None = None
         self._ctx = context or zmq.Context.instance()
-        self.metrics = RelayMetrics(registry)
+        self.metrics = RelayMetrics(registry, self._ring)
+        self._error_logged: dict[str, float] = {}
         self._clients: dict[str, RelayDealer] = {}
         self._cond = threading.Condition()
         self._pending: collections.Counter[str] = collections.Counter()
@@ -230,8 +278,8 @@ class RelayNode:
         gen = self._ring.current_generation()
         if gen == self._gen:
             return False
-        self._gen = gen
         allow_clients(self._ctx, id(self), self._ring.accepted())
+        self._gen = gen  # after the clients are admitted: a failure is tried again
         if self._ring.sending() == self._serving:
             return False
         if self._sock is not None:
@@ -288,34 +336,60 @@ class RelayNode:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if self._sock is None and not self._reopen():
-                    self._stop.wait(1.0)  # a rebind failed: try again
-                    continue
-                sock = self._sock
-                assert sock is not None
-                poller = zmq.Poller()
-                poller.register(sock, zmq.POLLIN)
-                if self._monitor is not None:
-                    poller.register(self._monitor, zmq.POLLIN)
-                while not self._stop.is_set():
-                    if self._follow_rotation():
-                        break  # a new socket (or none yet): start over
-                    events = dict(poller.poll(100))
-                    if events:
-                        self._serve(sock, events)
-        except Exception:  # pragma: no cover - a bug: say so, the HTTP side keeps serving
-            log.exception("relay.stopped", node=self.sink.node)
+                try:
+                    self._serve_socket()
+                except Exception as exc:  # a bug: count it, say so, keep serving
+                    self._loop_error("loop", exc)
+                    self._stop.wait(0.1)
         finally:
-            allow_clients(self._ctx, id(self), ())
+            with contextlib.suppress(Exception):
+                allow_clients(self._ctx, id(self), ())
             if self._sock is not None:
                 self._close_socket(self._sock)
+
+    def _serve_socket(self) -> None:
+        """Serve the current socket until it is replaced (a rotation) or the node stops."""
+        if self._sock is None and not self._reopen():
+            self._stop.wait(1.0)  # a rebind failed: try again
+            return
+        sock = self._sock
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if self._follow_rotation():
+                    return  # a new socket (or none yet): start over
+            except Exception as exc:  # the ring or a rebind failed: keep the keys in force
+                self._loop_error("rotation", exc)
+                if self._sock is not sock:
+                    return
+            events = dict(poller.poll(100))
+            if events:
+                self._serve(sock, events)
+
+    def _loop_error(self, where: str, exc: BaseException) -> None:
+        """Count an error the loop survived; log it at most every HANDSHAKE_LOG_S per place."""
+        self.metrics.loop_errors.labels(where).inc()
+        now = time.monotonic()
+        if now - self._error_logged.get(where, float("-inf")) >= HANDSHAKE_LOG_S:
+            self._error_logged[where] = now
+            log.error(
+                "relay.loop_error",
+                node=self.sink.node,
+                where=where,
+                error=f"{type(exc).__name__}: {exc}",
+                exc_info=exc,
+            )
 
     def _serve(self, sock: zmq.Socket[Any], events: dict[Any, int]) -> None:
         if self._monitor is not None and self._monitor in events:
             try:
                 self._handshake_failures()
-            except Exception:  # pragma: no cover - counting must never stop the relay
-                log.exception("relay.monitor_failed", node=self.sink.node)
+            except Exception as exc:  # counting must never stop the relay
+                self._loop_error("monitor", exc)
         while True:
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -323,8 +397,8 @@ class RelayNode:
                 break
             try:
                 self._handle(frames)
-            except Exception:  # pragma: no cover - never let one frame kill the relay
-                log.exception("relay.frame_failed", node=self.sink.node)
+            except Exception as exc:  # never let one frame kill the relay
+                self._loop_error("frame", exc)
 
     def _handshake_failures(self) -> None:
         """Count connections refused by CurveZMQ (no frame of theirs was ever buffered); log
@@ -435,6 +509,9 @@ class RelayNode:
 
     def _client(self, endpoint: str) -> RelayDealer:
         client = self._clients.get(endpoint)
+        if client is not None and client.dead:  # its I/O thread ended: a fresh one
+            client.close()
+            client = None
         if client is None:
             client = RelayDealer(
                 endpoint,
@@ -457,8 +534,12 @@ class RelayNode:
             if body is not None:
                 self.sink.relay_release(meta, f"child {child} already failed")
             return
-        client = self._client(child)
-        fut = client.submit_data(meta, body) if body is not None else client.submit_end(meta)
+        try:
+            client = self._client(child)
+            fut = client.submit_data(meta, body) if body is not None else client.submit_end(meta)
+        except Exception as exc:  # e.g. no socket or pipe left: this forward fails, typed
+            fut = Future()
+            fut.set_exception(TransportError(f"cannot forward to {child}: {exc!r}"))
         fut.add_done_callback(lambda f: self._forwarded(child, meta, body is not None, f))
 
     def _forwarded(self, child: str, meta: FrameMeta, data: bool, fut: Future[AckStatus]) -> None:
@@ -477,7 +558,9 @@ class RelayNode:
         if first:
             # One payload gave up on this child: fail its other pending forwards now instead of
             # letting each wait out its own retries (relay flush reports the error either way).
-            self._client(child).abort(meta.attempt, f"child {child} failed")
+            client = self._clients.get(child)
+            if client is not None:
+                client.abort(meta.attempt, f"child {child} failed")
         self.metrics.forwards.labels("ok" if error is None else "failed").inc()
         if error is not None:
             log.warning("relay.forward_failed", node=self.sink.node, child=child, error=error)
