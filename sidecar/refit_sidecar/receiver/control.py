@@ -6,12 +6,20 @@ open_apply, relay_flush (the tree's arrival barrier), flush (the completion ACK)
 commit (the notice that the record names the attempt's version). Control calls are serialized
 by one lock; the node's shared state is changed under its condition (`NodeState`), and applier
 calls that may block run outside it.
+
+A restore or an audit reads a checkpoint under the control lock (nothing may write the weights
+meanwhile), which can take minutes: a prepare, restore or audit arriving then is refused at once
+(retry later) instead of queueing behind the read. What they read is checked where it is opened
+(`apply.checkpoint`): a file that is not a regular, valid safetensors file is a typed refusal
+(`BadCheckpointError`, HTTP 422), never a 500 and never a read that blocks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import structlog
 
@@ -33,6 +41,7 @@ from refit_protocol.receiver_api import (
     RestoreRequest,
     StopResponse,
 )
+from refit_sidecar.apply.checkpoint import CheckpointError
 from refit_sidecar.apply.errors import ScratchAllocationError
 from refit_sidecar.codec.dtypes import dtype_from_name
 from refit_sidecar.codec.errors import SchemaError
@@ -42,6 +51,7 @@ from refit_sidecar.receiver.admission import gate_refusal, prepare_refusal
 from refit_sidecar.receiver.apply_loop import run_apply_loop
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.errors import (
+    BadCheckpointError,
     BadRequestError,
     ObsoleteAttemptError,
     ReceiverError,
@@ -58,6 +68,8 @@ _GATE_ERRORS = {
     "unknown_attempt": UnknownAttemptError,
     "conflict": ReceiverError,
 }
+#: How often a call waiting for the control lock looks whether a checkpoint read holds it.
+_BUSY_POLL_S = 0.05
 
 
 class ReceiverControl:
@@ -70,6 +82,41 @@ class ReceiverControl:
         self.relay: RelayNode | None = None  # set by the node once its relay is up
         # Serializes prepare/stop/cleanup/gate/commit/prewarm; reentrant for restore.
         self._lock = threading.RLock()
+        # What holds the lock to read a checkpoint ("an audit of v3 against DIR"), else None.
+        self._reading: str | None = None
+
+    @contextlib.contextmanager
+    def _unless_reading(self) -> Iterator[str | None]:
+        """Hold the control lock, yielding None; or, while a checkpoint read holds it, yield
+        what is reading without taking it (the caller refuses at once: the read may last
+        minutes). Other holders are short, and are waited for."""
+        while not self._lock.acquire(timeout=_BUSY_POLL_S):
+            reading = self._reading
+            if reading is not None:
+                yield reading
+                return
+        try:
+            yield None
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def _read_checkpoint(self, reading: str, failed: str) -> Iterator[None]:
+        """Mark the lock as held by a checkpoint read (`reading`) for its duration, and turn
+        every failure of the read into a typed refusal starting with `failed`: a bad checkpoint
+        is a 422 naming the file and why, anything else the runtime's loader raised a 409
+        (never a 500)."""
+        self._reading = reading
+        try:
+            yield
+        except CheckpointError as exc:
+            raise BadCheckpointError(f"{failed}: {exc}") from exc
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("receiver.checkpoint_read_failed", node=self.state.node, error=error)
+            raise ReceiverError(f"{failed}: {error}") from exc
+        finally:
+            self._reading = None
 
     # -- join: prewarm and dense restore --------------------------------------------------------
     def status(self) -> ReceiverStatus:
@@ -144,7 +191,9 @@ class ReceiverControl:
         succeeded, and every expected tensor was in the checkpoint, the node holds no known
         version, so no attempt admits it."""
         s = self.state
-        with self._lock:
+        with self._unless_reading() as reading:
+            if reading is not None:
+                raise ReceiverError(f"{reading} is in progress; retry when it has finished")
             with s.cond:
                 if s.current is not None and s.current.phase in ACTIVE:
                     raise ReceiverError(f"attempt {s.current.attempt} is in progress")
@@ -152,10 +201,11 @@ class ReceiverControl:
                 s.set_held_metric()
             log.info("receiver.restoring", node=s.node, version=req.version, source=req.source)
             self._set_gate(closed=True)
-            try:
+            with self._read_checkpoint(
+                f"a dense restore of v{req.version} from {req.source}",
+                f"dense restore from {req.source} failed",
+            ):
                 loaded = s.applier.restore(req.source)
-            except (OSError, RuntimeError, ValueError) as exc:
-                raise ReceiverError(f"dense restore from {req.source} failed: {exc}") from exc
             missing = sorted({m.name for m in req.metas} - loaded)
             if missing:
                 raise ReceiverError(
@@ -172,12 +222,15 @@ class ReceiverControl:
         """Prove the node holds exactly a dense load of `req.checkpoint` (`apply.audit`).
 
         The node holds its version while it verifies: the audit runs under the control lock,
-        so a prepare arriving meanwhile waits for it; an attempt already in progress refuses
-        the audit. A mismatch means unknown bits: the node then holds no known version and
-        closes its gate, so it is restored densely before it serves or takes the next one."""
+        so a prepare arriving meanwhile is refused (retry); an attempt already in progress
+        refuses the audit. A mismatch means unknown bits: the node then holds no known version
+        and closes its gate, so it is restored densely before it serves or takes the next one.
+        A checkpoint that cannot be read is a `BadCheckpointError` (422) and changes nothing."""
         s = self.state
         t0 = time.perf_counter()
-        with self._lock:
+        with self._unless_reading() as reading:
+            if reading is not None:
+                raise ReceiverError(f"{reading} is in progress; retry when it has finished")
             with s.cond:
                 cur = s.current
                 if cur is not None and (
@@ -196,10 +249,11 @@ class ReceiverControl:
                     ok=False,
                     seconds=time.perf_counter() - t0,
                 )
-            try:
+            with self._read_checkpoint(
+                f"an audit of v{req.version} against {req.checkpoint}",
+                f"audit against {req.checkpoint} failed",
+            ):
                 ranks = [RankAudit.model_validate(r) for r in s.applier.audit(req.checkpoint)]
-            except (OSError, RuntimeError, ValueError) as exc:
-                raise ReceiverError(f"audit against {req.checkpoint} failed: {exc}") from exc
             ok = bool(ranks) and all(r.ok for r in ranks)
             if not ok:
                 log.error(
@@ -238,7 +292,11 @@ class ReceiverControl:
     # -- an attempt ---------------------------------------------------------------------------
     def prepare(self, req: PrepareRequest) -> PrepareResponse:
         s = self.state
-        with self._lock:
+        with self._unless_reading() as reading:
+            if reading is not None:
+                return self._prepared(
+                    False, f"{reading} is in progress; retry when it has finished"
+                )
             with s.cond:
                 cur = s.current
                 if cur is not None and cur.attempt == req.attempt:

@@ -18,6 +18,14 @@ class BadRequestError(ReceiverError):
     code = "bad_request"
 
 
+class BadCheckpointError(ReceiverError):
+    """The checkpoint a restore or an audit names cannot be read: a file that is not a regular
+    file, or not a valid safetensors file (HTTP 422; the message names the file and why)."""
+
+    http_status = 422
+    code = "bad_checkpoint"
+
+
 class ObsoleteAttemptError(ReceiverError):
     """A later prepare replaced this attempt: the call is ignored (HTTP 409)."""
 

@@ -102,7 +102,7 @@ class RefitWorkerExtension:
         ctx = self._refit_ctx
         if ctx is None:
             raise RuntimeError("refit_audit before refit_prewarm")
-        report = audit(ctx, checkpoint_tensors(checkpoint_files(checkpoint_dir)))
+        report = audit(ctx, checkpoint_tensors(checkpoint_files(checkpoint_dir), ctx.metas))
         return report.to_json() | {"rank": _rank()}
 
     def refit_dense_reload(self, checkpoint_dir: str) -> None:

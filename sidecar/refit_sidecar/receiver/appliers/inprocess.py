@@ -78,7 +78,7 @@ class InProcessApplier:
         """One rank's audit against the checkpoint directory `source` (nothing is written)."""
         if self.ctx is None:
             raise RuntimeError("audit before prewarm")
-        report = audit(self.ctx, checkpoint_tensors(checkpoint_files(source)))
+        report = audit(self.ctx, checkpoint_tensors(checkpoint_files(source), self.ctx.metas))
         return [report.to_json() | {"rank": 0}]
 
     def close(self) -> None:

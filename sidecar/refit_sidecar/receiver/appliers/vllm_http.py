@@ -13,11 +13,12 @@ on every worker, which only reads it. The request gate is the engine's own pause
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import urllib3
@@ -27,6 +28,7 @@ from refit_protocol.config_files import ensure_directory
 from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
 from refit_protocol.receiver_api import RankPrewarm
 from refit_protocol.tokens import TokenRing, as_ring
+from refit_sidecar.apply.checkpoint import CheckpointError
 from refit_sidecar.codec.decoded_file import write_decoded
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload
@@ -194,15 +196,30 @@ class VllmHttpApplier:
     def restore(self, source: str) -> set[str]:
         """The workers read the checkpoint themselves (`refit_dense_load`, vLLM's loader);
         a name counts as loaded only if every rank loaded it."""
-        per_rank = [set(names) for names in self._rpc("refit_dense_load", source)]
+        with _checkpoint_errors():
+            per_rank = [set(names) for names in self._rpc("refit_dense_load", source)]
         return set.intersection(*per_rank) if per_rank else set()
 
     def audit(self, source: str) -> list[dict[str, Any]]:
         """Every rank's audit against the checkpoint directory `source` (the workers read it)."""
-        return [dict(r) for r in self._rpc("refit_audit", source)]
+        with _checkpoint_errors():
+            return [dict(r) for r in self._rpc("refit_audit", source)]
 
     def close(self) -> None:
         self._http.clear()
+
+
+@contextlib.contextmanager
+def _checkpoint_errors() -> Iterator[None]:
+    """A worker's `CheckpointError` (its reader refused a file) reaches us flattened into the
+    RPC's error text by vLLM: raise it as one again, so the node answers 422, not 409."""
+    try:
+        yield
+    except VllmRpcError as exc:
+        m = re.search(r"CheckpointError: ([^\"']+)", str(exc))
+        if m is None:
+            raise
+        raise CheckpointError(m.group(1)[:500]) from exc
 
 
 def _connection_reason(exc: BaseException) -> str:
