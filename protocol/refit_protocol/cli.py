@@ -25,7 +25,13 @@ import click
 from pydantic import BaseModel, ValidationError
 
 from refit_protocol import __version__
-from refit_protocol.config_files import example_yaml, load_config
+from refit_protocol.config_files import (
+    MAX_CONFIG_BYTES,
+    MAX_CONFIG_DEPTH,
+    example_yaml,
+    format_byte_size,
+    load_config,
+)
 from refit_protocol.errors import ConfigurationError
 from refit_protocol.logs import FORMATS, LEVELS
 from refit_protocol.pod_contract import CONFIG_ENV, LOG_FORMAT_ENV, LOG_LEVEL_ENV
@@ -50,9 +56,14 @@ SERVICE_EXIT_HELP = (
     "Exit codes: 0 stopped by SIGTERM or SIGINT; 1 an unexpected error (traceback); "
     f"{STARTUP_ERROR_EXIT} refused start-up."
 )
+#: The bounds every settings file is read within (config_files.py has all of them).
+CONFIG_BOUNDS_HELP = (
+    f"at most {format_byte_size(MAX_CONFIG_BYTES)}, nested at most {MAX_CONFIG_DEPTH} levels"
+)
 #: How every --config file is read.
 CONFIG_FORMAT_HELP = (
-    "YAML or JSON; sizes take units (256MiB); relative paths are relative to the file."
+    f"YAML or JSON ({CONFIG_BOUNDS_HELP}); sizes take units (256MiB); relative paths are "
+    "relative to the file."
 )
 #: Exit codes of `<component> config`.
 CONFIG_EXIT_HELP = (
@@ -118,7 +129,7 @@ def config_command(model_ref: str) -> click.Command:
         "check",
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
         default=None,
-        help="Validate FILE (YAML or JSON) without starting anything.",
+        help=f"Validate FILE (YAML or JSON, {CONFIG_BOUNDS_HELP}) without starting anything.",
     )
     @service_command
     def config(example: bool, schema: bool, check: Path | None) -> None:
@@ -151,7 +162,7 @@ def startup_error_message(exc: BaseException) -> str | None:
         if not errors:
             return _one_line(f"invalid {exc.title}")
         first = errors[0]
-        where = ".".join(str(p) for p in first["loc"])
+        where = ".".join(_shortened(str(p)) for p in first["loc"])  # a key may be huge
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         return _one_line(
             f"invalid {exc.title}: {where + ': ' if where else ''}{first['msg']}{more}"
@@ -177,6 +188,11 @@ def startup_error_message(exc: BaseException) -> str | None:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def _shortened(text: str, limit: int = 60) -> str:
+    """`text`, cut to `limit` characters (with "...") so that one line stays readable."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _debug() -> bool:

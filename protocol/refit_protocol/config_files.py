@@ -6,16 +6,26 @@ when relative, is taken relative to the directory of the file it was read from, 
 working directory). `load_config` reads a file or a text; `example_yaml` renders a commented
 example from the model itself (descriptions, defaults, and the `examples` of required fields),
 so the example, the schema and the generated reference can never drift from the code.
+
+A settings file is read with bounds, so that a hostile or broken one is refused in one line
+instead of exhausting the process: at most `MAX_CONFIG_BYTES` (1 MiB; settings are a few
+kilobytes), mappings and lists nested at most `MAX_CONFIG_DEPTH` (64) levels, at most
+`MAX_CONFIG_VALUES` (100,000) values counting every use of a YAML alias, numbers written in at
+most `MAX_NUMBER_CHARS` (100) characters and finite, and size strings of at most
+`MAX_SIZE_CHARS` (32) characters for a size below 8EiB. YAML is parsed by libyaml (PyYAML's C
+loader) when it is installed.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import textwrap
 import types
 import typing
-from decimal import Decimal
+from decimal import Decimal, localcontext
+from itertools import accumulate
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -34,17 +44,43 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kKmMgGtTpP])(i?))?[bB]?\s*$")
 _POWER = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 _BINARY_UNITS = ("PiB", "TiB", "GiB", "MiB", "KiB")
 
+#: The largest settings file (or $KUBEREFIT_CONFIG text) read, in bytes: 1 MiB.
+MAX_CONFIG_BYTES = 1 << 20
+#: The deepest nesting of mappings and lists in a settings file.
+MAX_CONFIG_DEPTH = 64
+#: The most values (mappings, lists and scalars, keys included; a YAML alias counts every time
+#: it is used) a settings file may hold.
+MAX_CONFIG_VALUES = 100_000
+#: The longest number, as written, in a settings file or a JSON input (characters).
+MAX_NUMBER_CHARS = 100
+#: The longest size string ("256MiB") parsed, in characters: longer ones are refused before
+#: any arithmetic.
+MAX_SIZE_CHARS = 32
+#: The largest size in bytes (2^63 - 1: it fits a signed 64-bit integer).
+MAX_BYTE_SIZE = (1 << 63) - 1
+
 
 class ConfigFileError(ValueError):
-    """A settings file that cannot be read as YAML or JSON, or is not a mapping."""
+    """A settings file that cannot be read as YAML or JSON, is not a mapping, or is beyond the
+    bounds above (the message says which, in one line)."""
 
 
 def parse_byte_size(value: Any) -> Any:
     """An int, or a size with a unit: B; k/M/G/T/P (powers of 1000, optional B); Ki/Mi/Gi/Ti/Pi
     (powers of 1024, optional B, as Kubernetes writes them). Other inputs pass through to
-    pydantic's own int validation, which names the field."""
+    pydantic's own int validation, which names the field. A string longer than
+    `MAX_SIZE_CHARS` or a size above `MAX_BYTE_SIZE` is refused (before any arithmetic)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if value > MAX_BYTE_SIZE:
+            raise ValueError("a size must be less than 8EiB (2^63 bytes)")
+        return value
     if not isinstance(value, str):
         return value
+    if len(value) > MAX_SIZE_CHARS:
+        raise ValueError(
+            f"a size of {len(value)} characters is longer than {MAX_SIZE_CHARS} characters: "
+            "write bytes as an integer or with a unit, e.g. 256MiB, 64Mi, 1.5GB"
+        )
     match = _SIZE.match(value)
     if match is None:
         raise ValueError(
@@ -53,9 +89,13 @@ def parse_byte_size(value: Any) -> Any:
         )
     number, prefix, binary = match.groups()
     scale = (1024 if binary else 1000) ** _POWER[prefix.lower()] if prefix else 1
-    size = Decimal(number) * scale  # exact: 1.07GB is 1070000000 bytes, not 1070000000.0000001
+    with localcontext() as exact:  # 32 digits times 1024^5: exact, never rounded
+        exact.prec = 2 * MAX_SIZE_CHARS + 16
+        size = Decimal(number) * scale  # 1.07GB is 1070000000 bytes, not 1070000000.0000001
     if size != size.to_integral_value():
         raise ValueError(f"{value!r} is not a whole number of bytes")
+    if size > MAX_BYTE_SIZE:
+        raise ValueError(f"{value!r}: a size must be less than 8EiB (2^63 bytes)")
     return int(size)
 
 
@@ -114,10 +154,158 @@ ByteSize = Annotated[
 ConfigPath = Annotated[Path, AfterValidator(resolve_relative)]
 
 
+# -- reading with bounds ------------------------------------------------------------------------
+
+
+def read_limited(path: Path, limit: int) -> bytes:
+    """The bytes of `path`, refused (ConfigFileError) when there are more than `limit`: it reads
+    at most `limit` + 1 bytes, so a huge file or an endless device is never read whole. An
+    unreadable file raises OSError."""
+    with path.open("rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ConfigFileError(f"{path}: larger than {format_byte_size(limit)}")
+    return data
+
+
+#: A JSON string, or one never closed (to the end: the parser stops there). Linear: every
+#: attempt matches, so a text of escaped quotes is not rescanned from each of them.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_DEPTH_STEP = [0] * 256
+_DEPTH_STEP[ord("[")] = _DEPTH_STEP[ord("{")] = 1
+_DEPTH_STEP[ord("]")] = _DEPTH_STEP[ord("}")] = -1
+
+
+def json_shape_problem(text: str, *, max_depth: int, max_brackets: int) -> str | None:
+    """Why the JSON `text` is beyond its bounds, found without parsing it (Python's parser
+    recurses once per level, and a few thousand levels raise RecursionError), or None: more
+    than `max_brackets` brackets outside strings, or arrays and objects nested deeper than
+    `max_depth` levels. String contents are skipped; a bracket never closed counts as open to
+    the end, so a broken text is judged no shallower than the parser would find it."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text)).encode("ascii")
+    first = brackets[: max_brackets + 1]  # the depth of what the parser would reach first
+    if max(accumulate(map(_DEPTH_STEP.__getitem__, first)), default=0) > max_depth:
+        return f"nested deeper than {max_depth} levels"
+    if len(brackets) > max_brackets:
+        return f"more than {max_brackets:,} brackets ([ ] {{ }}) outside strings"
+    return None
+
+
+class _NumberError(ValueError):
+    """A number in a document that is too long or not finite (the message says which)."""
+
+
+def _too_long(text: str, limit: int) -> _NumberError:
+    return _NumberError(f"a number of {len(text)} characters (at most {limit})")
+
+
+def _json_constant(name: str) -> Any:
+    raise _NumberError(f"{name} is not a finite number")
+
+
+def json_loads_bounded(
+    text: str, max_number_chars: int = MAX_NUMBER_CHARS, *, finite: bool = True
+) -> Any:
+    """`json.loads`, with every number written in at most `max_number_chars` characters and,
+    when `finite`, finite (no NaN, Infinity or 1e999): a ValueError says which otherwise. It
+    does not bound the depth: check `json_shape_problem` first."""
+
+    def whole(number: str) -> int:
+        if len(number) > max_number_chars:
+            raise _too_long(number, max_number_chars)
+        return int(number)
+
+    def real(number: str) -> float:
+        if len(number) > max_number_chars:
+            raise _too_long(number, max_number_chars)
+        value = float(number)
+        if finite and not math.isfinite(value):
+            raise _NumberError(f"{number} is not a finite number")
+        return value
+
+    constant = _json_constant if finite else float
+    return json.loads(text, parse_int=whole, parse_float=real, parse_constant=constant)
+
+
+_BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Loader(_BaseLoader):  # type: ignore[misc,valid-type]
+    """PyYAML's safe loader, parsed by libyaml (C) when installed: the pure-Python parser takes
+    tens of seconds and gigabytes for a few megabytes. Numbers are bounded as in JSON."""
+
+
+def _where(node: yaml.Node) -> str:
+    mark = node.start_mark
+    return f" at line {mark.line + 1} column {mark.column + 1}"
+
+
+def _yaml_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    if len(node.value) > MAX_NUMBER_CHARS:
+        raise _NumberError(
+            f"a number of {len(node.value)} characters{_where(node)} (at most {MAX_NUMBER_CHARS})"
+        )
+    return int(loader.construct_yaml_int(node))
+
+
+def _yaml_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+    if len(node.value) > MAX_NUMBER_CHARS:
+        raise _NumberError(
+            f"a number of {len(node.value)} characters{_where(node)} (at most {MAX_NUMBER_CHARS})"
+        )
+    value = float(loader.construct_yaml_float(node))
+    if not math.isfinite(value):
+        raise _NumberError(f"{node.value} is not a finite number{_where(node)}")
+    return value
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _yaml_float)
+#: The loader settings are read with (libyaml's when installed).
+YAML_LOADER: type[yaml.SafeLoader] = _Loader
+
+
+def _load_yaml(text: str) -> Any:
+    """`YAML_LOADER` is PyYAML's safe loader (libyaml's or Python's), numbers bounded."""
+    return yaml.load(text, Loader=YAML_LOADER)  # noqa: S506
+
+
+def _shape_problem(data: Any) -> str | None:
+    """Why the parsed document is beyond the bounds (depth, values with aliases expanded), or
+    None; iterative, and it stops at the first value past a bound."""
+    todo: list[tuple[Any, int]] = [(data, 1)]
+    seen = 0
+    while todo:
+        value, depth = todo.pop()
+        seen += 1
+        if seen > MAX_CONFIG_VALUES:
+            return f"more than {MAX_CONFIG_VALUES:,} values (YAML aliases count each time used)"
+        if isinstance(value, dict | list):
+            if depth > MAX_CONFIG_DEPTH:
+                return f"nested deeper than {MAX_CONFIG_DEPTH} levels"
+            items = (
+                [x for pair in value.items() for x in pair] if isinstance(value, dict) else value
+            )
+            todo.extend((item, depth + 1) for item in items)
+    return None
+
+
 def parse_document(text: str, source: str) -> dict[str, Any]:
-    """The mapping a settings text holds (JSON, or YAML, which also reads JSON)."""
+    """The mapping a settings text holds (JSON, or YAML, which also reads JSON), within the
+    bounds (`MAX_CONFIG_BYTES`, `MAX_CONFIG_DEPTH`, `MAX_CONFIG_VALUES`, `MAX_NUMBER_CHARS`):
+    anything else raises ConfigFileError with a one-line reason."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigFileError(f"{source}: larger than {format_byte_size(MAX_CONFIG_BYTES)}")
+    is_json = text.lstrip().startswith("{")
+    if is_json:
+        problem = json_shape_problem(
+            text, max_depth=MAX_CONFIG_DEPTH, max_brackets=2 * MAX_CONFIG_VALUES
+        )
+        if problem is not None:
+            raise ConfigFileError(f"{source}: {problem}")
     try:
-        data = json.loads(text) if text.lstrip().startswith("{") else yaml.safe_load(text)
+        data = json_loads_bounded(text) if is_json else _load_yaml(text)
     except json.JSONDecodeError as exc:
         raise ConfigFileError(
             f"{source}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
@@ -126,11 +314,25 @@ def parse_document(text: str, source: str) -> dict[str, Any]:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigFileError(f"{source}: not valid YAML{where}: {problem}") from None
+        raise ConfigFileError(f"{source}: not valid YAML{where}: {_one_line(problem)}") from None
+    except _NumberError as exc:
+        raise ConfigFileError(f"{source}: {exc}") from None
+    except RecursionError:  # a backstop: libyaml's parser and the checks above do not recurse
+        raise ConfigFileError(f"{source}: nested deeper than {MAX_CONFIG_DEPTH} levels") from None
+    except ValueError as exc:  # e.g. a YAML value PyYAML cannot convert
+        raise ConfigFileError(f"{source}: not valid YAML: {_one_line(str(exc))}") from None
+    problem = _shape_problem(data)
+    if problem is not None:
+        raise ConfigFileError(f"{source}: {problem}")
     if not isinstance(data, dict):
         kind = "nothing" if data is None else type(data).__name__
         raise ConfigFileError(f"{source}: expected a mapping of settings, found {kind}")
     return data
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def load_config(
@@ -139,8 +341,14 @@ def load_config(
     """Read and validate settings from `path`, or from `text` (relative paths then resolve
     against the working directory). Raises ConfigFileError or pydantic's ValidationError."""
     if path is not None:
-        text = path.read_text()
         source = source or str(path)
+        raw = read_limited(path, MAX_CONFIG_BYTES)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigFileError(
+                f"{source}: not UTF-8 text (byte {exc.start + 1}: {exc.reason})"
+            ) from None
         base = path.resolve().parent
     elif text is not None:
         source = source or "settings"
@@ -148,7 +356,28 @@ def load_config(
     else:
         raise TypeError("load_config needs a path or a text")
     data = parse_document(text, source)
-    return model.model_validate(data, context={CONFIG_DIR: base})
+    settings = model.model_validate(data, context={CONFIG_DIR: base})
+    where = _non_finite(settings.model_dump())
+    if where:  # e.g. `timeout_s: "inf"` or YAML 1.1's `1e999` (a string), which pydantic takes
+        raise ConfigFileError(f"{source}: {where} is not a finite number")
+    return settings
+
+
+def _non_finite(value: Any, at: str = "") -> str:
+    """The dotted name of the first infinite or NaN float in a dumped settings model, else ""."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return at or "a value"
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return ""
+    for key, item in items:
+        found = _non_finite(item, f"{at}.{key}" if at else str(key))
+        if found:
+            return found
+    return ""
 
 
 # -- the views: example, reference -------------------------------------------------------------

@@ -54,6 +54,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from refit_tools.plan.files import InputFileError, read_json
 from refit_tools.plan.model import (
     ELEMENT_BYTES,
     Constants,
@@ -286,19 +287,17 @@ def load(path: Path | None = None) -> Calibration:
     another kind of JSON (a bench result, say), an older format, or a field of the wrong shape."""
     path = path or SHIPPED
     try:
-        raw = path.read_bytes()
+        data = read_json(path)  # bounded: size, depth, finite numbers (plan/files.py)
     except FileNotFoundError:
         raise CalibrationError(f"{path}: no such file") from None
     except OSError as exc:
         raise CalibrationError(f"{path}: cannot read it: {exc.strerror or exc}") from None
-    try:
-        data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise CalibrationError(
             f"{path}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
         ) from None
-    except ValueError:  # not UTF-8 / UTF-16 / UTF-32 text
-        raise CalibrationError(f"{path}: not JSON (not text)") from None
+    except InputFileError as exc:
+        raise CalibrationError(f"{path}: {exc}") from None
     problem = _calibration_problem(data)
     if problem is not None:
         raise CalibrationError(f"{path}: not a plan calibration: {problem}")
@@ -375,9 +374,11 @@ def _read(path: Path) -> dict[str, Any] | None:
 def _read_why(path: Path) -> tuple[dict[str, Any] | None, str]:
     """(the result file's JSON object, or None and why not)."""
     try:
-        data = json.loads(path.read_bytes())
+        data = read_json(path, finite=False)  # bounded; each field's number is checked by name
     except OSError as exc:
         return None, f"unreadable ({exc.strerror or exc})"
+    except InputFileError as exc:
+        return None, f"unreadable ({exc})"
     except ValueError:
         return None, "unreadable (not JSON)"
     if not isinstance(data, dict):

@@ -10,11 +10,20 @@ from typing import TYPE_CHECKING, Any
 import click
 from click.core import ParameterSource
 
+from refit_tools.plan.files import MAX_INPUT_DEPTH, MAX_INPUT_FILE_BYTES, MAX_INPUT_NUMBER_CHARS
 from refit_tools.plan.units import (
+    LINK_BOUNDS_TEXT,
+    MAX_COUNT,
+    MAX_INPUT_CHARS,
+    MAX_MODEL_TEXT,
+    MIN_CHANGE_RATE,
+    THROUGHPUT_BOUNDS_TEXT,
     parse_change_rate,
+    parse_count,
     parse_rate,
     parse_size,
     parse_size_or_auto,
+    parse_throughput,
 )
 
 if TYPE_CHECKING:
@@ -26,6 +35,17 @@ PLAN_EXIT_HELP = (
     "results or write the calibration (or the shipped calibration is broken); 2 bad usage (a "
     "missing or impossible input, or a --calibration file that is missing, unreadable or not a "
     "plan calibration)."
+)
+_LINKS = " to ".join(LINK_BOUNDS_TEXT)
+_THROUGHPUTS = " to ".join(THROUGHPUT_BOUNDS_TEXT)
+PLAN_BOUNDS_HELP = (
+    f"Bounds (anything outside is refused, exit 2): link rates {_LINKS}; throughputs "
+    f"{_THROUGHPUTS}; sizes 1 byte to {MAX_MODEL_TEXT}; producers and nodes 1 to {MAX_COUNT}; "
+    f"change rate {MIN_CHANGE_RATE:g} to 100%; each value at most {MAX_INPUT_CHARS} "
+    "characters. Files (--safetensors-index, --hf-config, --calibration, bench results): at "
+    f"most {MAX_INPUT_FILE_BYTES >> 20}MiB of JSON, nested at most {MAX_INPUT_DEPTH} levels, "
+    f"numbers at most {MAX_INPUT_NUMBER_CHARS} characters (and finite in a calibration); a "
+    "config.json's figures at most a billion each."
 )
 
 
@@ -54,6 +74,15 @@ def _link(_ctx: click.Context, _param: click.Parameter, value: str | None) -> fl
         raise click.BadParameter(str(exc)) from None
 
 
+def _throughput(_ctx: click.Context, _param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_throughput(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def _change(_ctx: click.Context, _param: click.Parameter, value: str) -> float:
     try:
         return parse_change_rate(value)
@@ -61,12 +90,20 @@ def _change(_ctx: click.Context, _param: click.Parameter, value: str) -> float:
         raise click.BadParameter(str(exc)) from None
 
 
-@click.command("plan", epilog=PLAN_EXIT_HELP)
+def _count(_ctx: click.Context, param: click.Parameter, value: str) -> int:
+    try:
+        return parse_count(value, param.name or "")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@click.command("plan", epilog=f"{PLAN_EXIT_HELP}\n\n{PLAN_BOUNDS_HELP}")
 @click.option(
     "--model-bytes",
     metavar="SIZE",
     callback=_size,
-    help="H, the canonical checkpoint's size: bytes or a unit (60GB = 60*10^9, 1.5TiB). "
+    help="H, the canonical checkpoint's size: bytes or a unit (60GB = 60*10^9, 1.5TiB), "
+    f"at most {MAX_MODEL_TEXT}. "
     "Give this, --safetensors-index or --hf-config. Its elements are taken as BF16 (2 bytes) "
     "unless --dtype-bytes says otherwise.",
 )
@@ -99,22 +136,26 @@ def _change(_ctx: click.Context, _param: click.Parameter, value: str) -> float:
     default="3%",
     show_default=True,
     callback=_change,
-    help="Fraction of elements whose stored bits change per step: 0.03 or 3%; above 0, at "
-    "most 100%. The bench measured 1-5%; other rates are extrapolated (and said so).",
+    help=f"Fraction of elements whose stored bits change per step: 0.03 or 3%; at least "
+    f"{MIN_CHANGE_RATE:g}, at most 100%. The bench measured 1-5%; other rates are "
+    "extrapolated (and said so).",
 )
 @click.option(
     "--producers",
-    type=click.IntRange(1, None),
-    default=1,
+    metavar="N",
+    default="1",
     show_default=True,
-    help="Producers (trainer-side sidecars) splitting H between them; each compares its share.",
+    callback=_count,
+    help="Producers (trainer-side sidecars) splitting H between them; each compares its share "
+    f"(1 to {MAX_COUNT}).",
 )
 @click.option(
     "--cross-link",
     metavar="LINK",
     callback=_link,
     help="Rate between the training and rollout clusters, shared by all producers' flows "
-    "(required): 100Mbit, 10Gbit/s, 400Gbps, 1.25GB/s (b/bit = bits, B = bytes).",
+    "(required): 100Mbit, 10Gbit/s, 400Gbps, 1.25GB/s (b/bit = bits, B = bytes); "
+    f"{_LINKS}.",
 )
 @click.option(
     "--intra-link",
@@ -123,16 +164,17 @@ def _change(_ctx: click.Context, _param: click.Parameter, value: str) -> float:
     show_default=True,
     callback=_link,
     help="Rate of each rollout node's link inside its cluster (relay-tree forwarding, or S3 "
-    "downloads); same units as --cross-link. A relay hop forwards no faster than the relay hop "
-    "throughput (--relay-hop-rate).",
+    "downloads); same units and bounds as --cross-link. A relay hop forwards no faster than "
+    "the relay hop throughput (--relay-hop-rate).",
 )
 @click.option(
     "--nodes",
-    type=click.IntRange(1, None),
-    default=1,
+    metavar="N",
+    default="1",
     show_default=True,
+    callback=_count,
     help="Rollout nodes; every one applies all of H's changes (relay: a balanced binary tree "
-    "of depth ceil(log2(nodes+1))).",
+    f"of depth ceil(log2(nodes+1))); 1 to {MAX_COUNT}.",
 )
 @click.option(
     "--transport",
@@ -163,27 +205,27 @@ def _change(_ctx: click.Context, _param: click.Parameter, value: str) -> float:
 @click.option(
     "--construction-rate",
     metavar="THROUGHPUT",
-    callback=_link,
+    callback=_throughput,
     help="Replace the measured construction throughput per producer (bytes of H per "
-    "second, e.g. 20GB/s); the figure is then marked as an input.",
+    f"second, e.g. 20GB/s; {_THROUGHPUTS}); the figure is then marked as an input.",
 )
 @click.option(
     "--apply-rate",
     metavar="THROUGHPUT",
-    callback=_link,
+    callback=_throughput,
     help="Replace the measured apply throughput per rollout node (bytes of H per second, "
-    "e.g. 50GB/s for GPU nodes); the figure is then marked as an input.",
+    f"e.g. 50GB/s for GPU nodes; {_THROUGHPUTS}); the figure is then marked as an input.",
 )
 @click.option(
     "--relay-hop-rate",
     metavar="THROUGHPUT",
-    callback=_link,
+    callback=_throughput,
     help="Replace the measured relay hop throughput (payload bytes per second one relay node "
-    "receives, verifies and forwards; e.g. 5GB/s). The calibration's figure is the transport "
-    "bench's on its machine (the shipped one: loopback on a 2-vCPU VM, about 0.47 GB/s), "
-    "which then bounds fan-out and the full-checkpoint reference ahead of a fast --intra-link "
-    "(a note says so); give your hosts' figure here. It is then marked as an input; the "
-    "per-payload hop cost stays the measured one. Relay transport only.",
+    f"receives, verifies and forwards; e.g. 5GB/s; {_THROUGHPUTS}). The calibration's figure "
+    "is the transport bench's on its machine (the shipped one: loopback on a 2-vCPU VM, "
+    "about 0.47 GB/s), which then bounds fan-out and the full-checkpoint reference ahead of "
+    "a fast --intra-link (a note says so); give your hosts' figure here. It is then marked as "
+    "an input; the per-payload hop cost stays the measured one. Relay transport only.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option(
@@ -378,6 +420,14 @@ def plan(
         frozenset(defaulted),
         element_how,
     )
+    out: dict[str, Any] = to_json(result, ctx)
+    try:  # the bounds keep every figure finite; this guard keeps Infinity and NaN out regardless
+        text = json.dumps(out, allow_nan=False)
+    except ValueError:
+        raise click.UsageError(
+            "the projection is not finite for these inputs (a figure of the calibration or an "
+            "input is too extreme)"
+        ) from None
     if plot is not None:
         rates = plot_rates(cross_link)
         try:
@@ -388,8 +438,7 @@ def plan(
             ) from None
         click.echo(f"plot written to {plot}", err=True)
     if as_json:
-        out: dict[str, Any] = to_json(result, ctx)
-        click.echo(json.dumps(out))
+        click.echo(text)
     else:
         click.echo(table(result, ctx))
 

@@ -5,6 +5,10 @@
 - a Hugging Face `config.json`: an estimate from the architecture (embedding, attention with
   grouped KV heads, gated MLP or experts, norms, untied output head) times the dtype's width. It
   ignores biases and model-specific extras, so it is marked as an estimate.
+
+Both files are read with the bounds of `plan/files.py` (size, nesting, length of numbers); every
+architecture figure must be at most `MAX_ARCHITECTURE_FIGURE` before any arithmetic, and H at
+most `MAX_MODEL_BYTES` (1 PB).
 """
 
 from __future__ import annotations
@@ -14,6 +18,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from refit_tools.plan.files import InputFileError, read_json
+from refit_tools.plan.units import MAX_MODEL_BYTES, MAX_MODEL_TEXT
+
+#: The largest figure of a config.json's architecture (sizes, layers, heads, experts,
+#: vocabulary) taken: a billion (real models' are below a million).
+MAX_ARCHITECTURE_FIGURE = 10**9
 
 _DTYPE_BYTES = {
     "float32": 4,
@@ -47,11 +58,13 @@ class ModelSize:
 
 def _json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path, finite=False)  # bounded; the fields read are checked by name
     except OSError as exc:
         raise SizingError(f"{path}: cannot read it: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise SizingError(f"{path}: not JSON: {exc}") from exc
+    except InputFileError as exc:
+        raise SizingError(f"{path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise SizingError(f"{path}: not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise SizingError(f"{path}: not a JSON object")
     return data
@@ -79,6 +92,10 @@ def from_safetensors_index(path: Path) -> ModelSize:
         raise SizingError(
             f"{path}: metadata.total_size is {shown}, not a positive, finite whole number of bytes"
         )
+    if total > MAX_MODEL_BYTES:
+        raise SizingError(
+            f"{path}: metadata.total_size is {int(total)} bytes: H must be at most {MAX_MODEL_TEXT}"
+        )
     return ModelSize(int(total), None, True, f"metadata.total_size of {path.name}")
 
 
@@ -86,6 +103,12 @@ def _int(cfg: dict[str, Any], *keys: str, default: int | None = None) -> int:
     for key in keys:
         value = cfg.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            if value > MAX_ARCHITECTURE_FIGURE:
+                digits = len(str(value))
+                raise SizingError(
+                    f"{key} is a {digits}-digit number, above {MAX_ARCHITECTURE_FIGURE:,} "
+                    "(no model has that many)"
+                )
             return value
     if default is not None:
         return default
@@ -111,12 +134,12 @@ def from_hf_config(path: Path) -> ModelSize:
         shared_experts = _int(cfg, "n_shared_experts", default=0)
     except SizingError as exc:
         raise SizingError(f"{path}: {exc}") from None
-    dtype = str(
-        cfg.get("torch_dtype") or cfg.get("dtype") or outer.get("torch_dtype") or "bfloat16"
-    )
+    named = cfg.get("torch_dtype") or cfg.get("dtype") or outer.get("torch_dtype") or "bfloat16"
+    dtype = named if isinstance(named, str) else json.dumps(named)
     width = _DTYPE_BYTES.get(dtype.removeprefix("torch."))
     if width is None:
-        raise SizingError(f"{path}: unknown dtype {dtype!r} (known: {', '.join(_DTYPE_BYTES)})")
+        shown = repr(dtype) if len(dtype) <= 40 else repr(dtype[:37] + "...")
+        raise SizingError(f"{path}: unknown dtype {shown} (known: {', '.join(_DTYPE_BYTES)})")
     attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
     if experts:
         mlp = experts * 3 * hidden * moe_inter + experts * hidden  # experts + router
@@ -127,15 +150,16 @@ def from_hf_config(path: Path) -> ModelSize:
     tied = bool(cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", False)))
     head = 0 if tied else vocab * hidden
     params = vocab * hidden + layers * per_layer + hidden + head
+    if params * width > MAX_MODEL_BYTES:  # exact integers: checked before any float
+        raise SizingError(
+            f"{path}: the sizes in it give {params:.3g} parameters x {width} bytes: H must be "
+            f"at most {MAX_MODEL_TEXT}"
+        )
     how = (
         f"estimated from {path.name}: {params / 1e9:.3g}B parameters x {width} bytes ({dtype}); "
         f"{layers} layers, hidden {hidden}, {f'{experts} experts, ' if experts else ''}"
         f"vocabulary {vocab}{', tied head' if tied else ''}"
     )
-    try:
-        float(params * width)
-    except OverflowError:
-        raise SizingError(f"{path}: the sizes in it give an impossibly large model") from None
     return ModelSize(
         params * width,
         head * width or None,
