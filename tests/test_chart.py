@@ -52,6 +52,7 @@ INJECTION_KEYS = {
     "defaultTokenSecret",
     "env",
     "vllmContainer",
+    "nativeSidecars",
     "logFormat",
     "logLevel",
 }

@@ -673,6 +673,23 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
     assert _containers(dry) == ["vllm", "kuberefit-sidecar"]
     volumes = {v["name"]: v for v in dry["spec"]["volumes"]}
     assert volumes["kuberefit-token"]["secret"]["secretName"] == "alpha-token"
+    # A trainer pod that ends (a Job's, restartPolicy Never) on this 1.20 API server, which has
+    # no native sidecars: its sidecar exits with the trainer (tests/sidecar/producer/
+    # test_trainer_exit.py runs that with real processes).
+    job_pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {**template["metadata"], "name": "batch-0"},
+        "spec": {**template["spec"], "restartPolicy": "Never"},
+    }
+    batch = yaml.safe_load(j.apply(job_pod, "--dry-run=server", "-o", "yaml"))
+    assert _containers(batch) == ["trainer", "kuberefit-sidecar"]
+    assert not batch["spec"].get("initContainers")
+    (sidecar,) = [c for c in batch["spec"]["containers"] if c["name"] == "kuberefit-sidecar"]
+    settings = json.loads(
+        next(e["value"] for e in sidecar["env"] if e["name"] == "KUBEREFIT_CONFIG")
+    )
+    assert settings["exit_with_trainer"] == "when_gone"
 
     # -- helm uninstall: pods can still be created; CRDs and objects stay -------------------------
     assert j.operator is not None

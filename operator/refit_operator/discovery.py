@@ -78,7 +78,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
     spec, status = pod.get("spec") or {}, pod.get("status") or {}
     ports: dict[str, int] = {}
     injected = False
-    for c in spec.get("containers") or []:
+    # A native sidecar (Kubernetes 1.29+) is an init container with restartPolicy Always.
+    for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
         if c.get("name") == SIDECAR_CONTAINER:
             injected = True
             ports = {
@@ -86,7 +87,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
             }
     restarts = sum(
         int(s.get("restartCount") or 0)
-        for s in status.get("containerStatuses") or []
+        for key in ("containerStatuses", "initContainerStatuses")
+        for s in status.get(key) or []
         if s.get("name") == SIDECAR_CONTAINER
     )
     return PodView(

@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY
 from pydantic import BaseModel, ConfigDict, Field
 
 from refit_operator import metrics as _metrics  # noqa: F401 - the families /metrics serves
-from refit_operator.injection.config import load_injection_config
+from refit_operator.injection.config import load_injection_config, with_native_sidecars
 from refit_protocol.auth import bearer_ok, require_token_or_loopback, resolve_token
 from refit_protocol.http_log import request_logger
 from refit_protocol.service_http import (
@@ -136,6 +136,14 @@ async def run(config: OperatorConfig) -> None:
         lease_namespace=config.leases_in(),
     )
     api = await asyncio.to_thread(KubeApi.from_environment)
+    if injection.native_sidecars == "auto":
+        major, minor = await api.server_version()
+        injection = with_native_sidecars(injection, major, minor)
+        log.info(
+            "operator.native_sidecars",
+            server=f"{major}.{minor}",
+            native_sidecars=injection.native_sidecars,
+        )
     ready = asyncio.Event()
     runner = web.AppRunner(health_app(ready, token), access_log=None, handle_signals=False)
     await runner.setup()

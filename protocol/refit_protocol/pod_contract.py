@@ -30,3 +30,8 @@ USER_WORKER_EXTENSION_ENV = "KUBEREFIT_USER_WORKER_EXTENSION"
 #: For vLLM started by a shell script: the flags injection would append, for the script to
 #: put on vLLM's command line (`vllm serve ... $KUBEREFIT_VLLM_ARGS`).
 VLLM_ARGS_ENV = "KUBEREFIT_VLLM_ARGS"
+#: In the trainer's inbox: the trainer process holds a shared `flock` on TRAINER_ALIVE_FILE while
+#: it runs (its publisher takes it; the kernel releases it however the process ends) and writes
+#: TRAINER_DONE_FILE when it closes its publisher. A trainer sidecar in a pod that ends (a Job's)
+#: watches them to exit after its trainer (`refit_sidecar.producer.trainer_exit`).
+TRAINER_ALIVE_FILE, TRAINER_DONE_FILE = "trainer.alive", "trainer.done"

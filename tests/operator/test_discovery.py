@@ -55,6 +55,23 @@ def test_address_and_identity_from_the_pod() -> None:
     assert restarted.incarnation != view.incarnation
 
 
+def test_a_native_sidecar_is_found_among_the_init_containers() -> None:
+    """Kubernetes 1.29+: the trainer sidecar is an init container with restartPolicy Always,
+    and its restarts are in initContainerStatuses."""
+    pod = _pod("t0", "trainer", port=9100)
+    sidecar = pod["spec"]["containers"].pop()
+    pod["spec"]["initContainers"] = [{"name": "setup"}, {**sidecar, "restartPolicy": "Always"}]
+    status = pod["status"]["containerStatuses"].pop()
+    pod["status"]["initContainerStatuses"] = [{"name": "setup", "restartCount": 0}, status]
+    view = pod_view(pod)
+    assert view is not None
+    assert view.url == "http://10.0.0.7:9100"
+    status["restartCount"] = 2
+    restarted = pod_view(pod)
+    assert restarted is not None
+    assert restarted.incarnation == ("uid-t0", 2)
+
+
 def test_pods_without_both_annotations_are_not_members() -> None:
     pod = _pod("x", "rollout")
     del pod["metadata"]["annotations"]["kuberefit.io/policy"]

@@ -432,3 +432,77 @@ def test_injection_settings_that_would_break_every_pod_are_refused(
 
     with pytest.raises(ValidationError, match=says):
         InjectionConfig.model_validate(values)
+
+
+# -- trainers that finish (Jobs) -----------------------------------------------------------------
+def _trainer_settings(pod: Any) -> ProducerProcessConfig:
+    text = _expand_env(_sidecar(pod), FIELDS)["KUBEREFIT_CONFIG"]
+    return ProducerProcessConfig.model_validate_json(text)
+
+
+@pytest.mark.parametrize(
+    ("restart_policy", "mode"),
+    [(None, "no"), ("Always", "no"), ("Never", "when_gone"), ("OnFailure", "when_done")],
+)
+def test_a_trainer_sidecar_exits_with_its_trainer_where_the_pod_ends(
+    restart_policy: str | None, mode: str
+) -> None:
+    """Without native sidecars the sidecar is a regular container: in a Job's pod it must exit
+    after the trainer, or the Job never completes (under OnFailure only after a deliberate
+    end: a crashed trainer is restarted and needs its sidecar)."""
+    pod = _pod("trainer", [{"name": "train", "image": "t"}])
+    if restart_policy is not None:
+        pod["spec"]["restartPolicy"] = restart_policy
+    assert _trainer_settings(_applied(pod)).exit_with_trainer == mode
+
+
+def test_native_sidecars_put_the_trainer_sidecar_among_the_init_containers() -> None:
+    """Kubernetes 1.29+: an init container with restartPolicy Always starts before the trainer
+    and is stopped once it exits, so the Job completes with no help. Rollout pods keep a
+    regular container (they run until scaled down)."""
+    native = CFG.model_copy(update={"native_sidecars": "on"})
+    pod = _pod("trainer", [{"name": "train", "image": "t"}], init=[{"name": "setup", "image": "s"}])
+    pod["spec"]["restartPolicy"] = "Never"
+    result = inject(pod, native, POLICY)
+    assert result.denied is None, result.denied
+    out = jsonpatch.apply_patch(pod, result.patch)
+    assert [c["name"] for c in out["spec"]["containers"]] == ["train"]
+    setup, sidecar = out["spec"]["initContainers"]
+    assert setup["name"] == "setup"
+    assert sidecar["name"] == "kuberefit-sidecar"
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["readinessProbe"]
+    assert sidecar["livenessProbe"]
+    text = _expand_env(sidecar, FIELDS)["KUBEREFIT_CONFIG"]
+    assert ProducerProcessConfig.model_validate_json(text).exit_with_trainer == "no"
+    rollout = _applied_with(native, _pod("rollout"))
+    assert [c["name"] for c in rollout["spec"]["containers"]] == ["vllm", "kuberefit-sidecar"]
+    assert "restartPolicy" not in _sidecar(rollout)
+
+
+def _applied_with(cfg: InjectionConfig, pod: Any) -> Any:
+    result = inject(pod, cfg, POLICY)
+    assert result.denied is None, result.denied
+    return jsonpatch.apply_patch(pod, result.patch)
+
+
+@pytest.mark.parametrize(
+    ("setting", "major", "minor", "want"),
+    [
+        ("auto", "1", "29", "on"),
+        ("auto", "1", "31+", "on"),
+        ("auto", "1", "28", "off"),
+        ("auto", "1", "20", "off"),
+        ("auto", "", "", "off"),
+        ("auto", "2", "0", "on"),
+        ("off", "1", "31", "off"),
+        ("on", "1", "20", "on"),
+    ],
+)
+def test_auto_native_sidecars_follow_the_api_servers_version(
+    setting: str, major: str, minor: str, want: str
+) -> None:
+    from refit_operator.injection.config import with_native_sidecars
+
+    cfg = CFG.model_copy(update={"native_sidecars": setting})
+    assert with_native_sidecars(cfg, major, minor).native_sidecars == want

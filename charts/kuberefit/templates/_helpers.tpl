@@ -118,7 +118,7 @@ set, else repository:tag (tag defaults to the chart's appVersion). Call with (li
 {{- $s := .Values.sidecar -}}
 {{- $pull := list -}}
 {{- range $s.imagePullSecrets }}{{ $pull = append $pull .name }}{{ end -}}
-{{- dict "image" (include "kuberefit.image" (list .Values.image.sidecar .)) "imagePullPolicy" .Values.image.pullPolicy "imagePullSecrets" $pull "resources" $s.resources "ports" $s.ports "workDir" $s.workDir "shmDir" $s.shmDir "shmSizeLimit" $s.shmSizeLimit "vllmBundleDir" $s.vllmBundleDir "defaultTokenSecret" $s.defaultTokenSecret "env" $s.env "vllmContainer" $s.vllmContainer "logFormat" .Values.logFormat "logLevel" .Values.logLevel | toJson -}}
+{{- dict "image" (include "kuberefit.image" (list .Values.image.sidecar .)) "imagePullPolicy" .Values.image.pullPolicy "imagePullSecrets" $pull "resources" $s.resources "ports" $s.ports "workDir" $s.workDir "shmDir" $s.shmDir "shmSizeLimit" $s.shmSizeLimit "vllmBundleDir" $s.vllmBundleDir "defaultTokenSecret" $s.defaultTokenSecret "env" $s.env "vllmContainer" $s.vllmContainer "nativeSidecars" $s.nativeSidecars "logFormat" .Values.logFormat "logLevel" .Values.logLevel | toJson -}}
 {{- end -}}
 
 {{/* Namespaces the NetworkPolicies go to. */}}

@@ -6,6 +6,7 @@ without `--injection-config` injects what a default `helm install` would.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -72,6 +73,14 @@ class InjectionConfig(_Values):
     vllm_container: str = Field(
         "", description="Container paired with in rollout pods ('' : the first container)."
     )
+    native_sidecars: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Trainer sidecars as native sidecars (an init container with "
+        "restartPolicy Always, Kubernetes 1.29+), so a Job's pod completes when its trainer "
+        "exits. auto: on where the API server's version (read at the operator's start) has "
+        "them. Without them the sidecar is a regular container that exits with its trainer in "
+        "pods whose restartPolicy is Never or OnFailure.",
+    )
     log_format: Literal["json", "console"] = Field(
         "json", description="$KUBEREFIT_LOG_FORMAT of the sidecar (the chart's logFormat)."
     )
@@ -105,6 +114,23 @@ class InjectionConfig(_Values):
                 ):
                     raise ValueError(f"{a} ({pa}) and {b} ({pb}) overlap")
         return self
+
+
+#: The first Kubernetes version whose API server stores native sidecars (on by default).
+NATIVE_SIDECARS_SINCE = (1, 29)
+
+
+def with_native_sidecars(config: InjectionConfig, major: str, minor: str) -> InjectionConfig:
+    """`config` with `native_sidecars: auto` decided by the API server's version (as /version
+    spells it: minor may read "29+"); an unreadable version means off."""
+    if config.native_sidecars != "auto":
+        return config
+    try:
+        version = (int(major), int(re.sub(r"\D.*", "", minor)))
+    except ValueError:
+        version = (0, 0)
+    on = version >= NATIVE_SIDECARS_SINCE
+    return config.model_copy(update={"native_sidecars": "on" if on else "off"})
 
 
 class InjectionConfigError(ValueError):

@@ -105,6 +105,12 @@ class PolicyFacts:
     token_rotation_grace_s: float = 300.0
 
 
+#: A regular-container trainer sidecar exits with its trainer where the pod ends (a Job's):
+#: under Never once the trainer is gone, under OnFailure once it is gone after closing its
+#: publisher (a crashed trainer is restarted and needs its sidecar). Always: it never exits.
+EXIT_WITH_TRAINER = {"Never": "when_gone", "OnFailure": "when_done"}
+
+
 def producer_settings(
     zstd_level: int,
     shuffle: bool,
@@ -211,10 +217,12 @@ def _build(
     base = f"/spec/containers/{index}"
     resources = sidecar_resources(cfg, spec, annotations)
     wiring: VllmWiring | None = None
+    native = role == "trainer" and cfg.native_sidecars == "on"
     if role == "trainer":
         reference = annotations.get(REFERENCE_CHECKPOINT) or ""
         producer = _producer_index(pod, policy)
-        sidecar = _producer(cfg, token_file, producer, policy, reference, resources)
+        exits = "no" if native else EXIT_WITH_TRAINER.get(spec.restart_policy or "Always", "no")
+        sidecar = _producer(cfg, token_file, producer, policy, reference, resources, exits)
         sidecar["volumeMounts"] += _reference_mounts(paired, annotations)
         paired_env = [
             _field_env(POD_IP_ENV, "status.podIP"),
@@ -248,7 +256,10 @@ def _build(
     if wiring is not None:
         ops += wiring.replace
         ops += _append(paired.args, f"{base}/args", wiring.append_args)
-    ops.append({"op": "add", "path": "/spec/containers/-", "value": sidecar})
+    if native:  # started before, stopped after the pod's containers; never holds a Job up
+        ops += _append(spec.init_containers, "/spec/initContainers", [sidecar])
+    else:
+        ops.append({"op": "add", "path": "/spec/containers/-", "value": sidecar})
     return ops
 
 
@@ -351,6 +362,7 @@ def _producer(
     policy: PolicyFacts,
     reference: str,
     resources: Obj,
+    exit_with_trainer: str = "no",
 ) -> Obj:
     staging: Obj = {"inbox": f"{cfg.shm_dir}/inbox", "candidate_dir": f"{cfg.work_dir}/candidates"}
     if reference:
@@ -366,9 +378,14 @@ def _producer(
         "baseline": {"directory": f"{cfg.work_dir}/baseline", **from_policy.get("baseline", {})},
         "staging": staging,
     }
+    if exit_with_trainer != "no":
+        settings["exit_with_trainer"] = exit_with_trainer
     ports = [{"name": CONTROL_PORT, "containerPort": cfg.ports.producer, "protocol": "TCP"}]
     command = ["kuberefit", "producer", "serve"]
-    return _sidecar(cfg, command, _common_env(cfg, token_file, settings), ports, resources)
+    sidecar = _sidecar(cfg, command, _common_env(cfg, token_file, settings), ports, resources)
+    if cfg.native_sidecars == "on":
+        sidecar["restartPolicy"] = "Always"
+    return sidecar
 
 
 def _producer_index(pod: Pod, policy: PolicyFacts) -> int:

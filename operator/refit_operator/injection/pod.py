@@ -95,6 +95,7 @@ class PodSpec(ObjectPart):
     volumes: list[Volume] | None = None
     image_pull_secrets: list[LocalObjectReference] | None = None
     security_context: dict[str, Any] | None = None
+    restart_policy: str | None = None
 
 
 class Pod(ObjectPart):

@@ -91,6 +91,13 @@ class KubeApi:
                 raise ConflictError(str(exc.reason)) from exc
             raise
 
+    async def server_version(self) -> tuple[str, str]:
+        """The API server's (major, minor), as /version spells them (minor may be "29+")."""
+        from kubernetes import client
+
+        info = await self._run(client.VersionApi(self.api_client).get_code)
+        return str(info.major), str(info.minor)
+
     # -- RefitPolicy ------------------------------------------------------------------------
     async def get_policy(self, namespace: str, name: str) -> Obj:
         """The RefitPolicy (NotFoundError when there is none)."""

@@ -82,19 +82,7 @@ def create_producer_app(
             metrics.http.labels(path, str(status)).inc()
 
     async def status(_: web.Request) -> web.Response:
-        b = service.baseline
-        body = ProducerStatus(
-            producer=service.producer,
-            committed_version=service.committed.version,
-            committed_baseline=service.committed.baseline_id,
-            candidate_version=service.candidate_version,
-            pending_attempt=b.pending_attempt,
-            producers=b.producers,
-            export_chunk_bytes=b.chunk_bytes,
-            baseline_ready=service.baseline_ready,
-            baseline_fingerprint=service.baseline_fingerprint,
-        )
-        return web.json_response(body.model_dump())
+        return web.json_response(producer_status(service).model_dump())
 
     async def baseline_manifest(_: web.Request) -> web.Response:
         if not service.baseline_ready:
@@ -214,3 +202,19 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 def _refusal(exc: StagingError) -> web.Response:
     return error_response(exc.http_status, str(exc), exc.code)
+
+
+def producer_status(service: ProducerService) -> ProducerStatus:
+    """What `GET /status` answers (also read by `trainer_exit`)."""
+    b = service.baseline
+    return ProducerStatus(
+        producer=service.producer,
+        committed_version=service.committed.version,
+        committed_baseline=service.committed.baseline_id,
+        candidate_version=service.candidate_version,
+        pending_attempt=b.pending_attempt,
+        producers=b.producers,
+        export_chunk_bytes=b.chunk_bytes,
+        baseline_ready=service.baseline_ready,
+        baseline_fingerprint=service.baseline_fingerprint,
+    )

@@ -15,6 +15,7 @@ import asyncio
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 from aiohttp import web
@@ -31,11 +32,12 @@ from refit_protocol.tokens import DEFAULT_ROTATION_GRACE_S, TokenRing
 from refit_sidecar.baseline.sizing import resolve_sizes
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.pipeline.config import PipelineConfig
-from refit_sidecar.producer.http import create_producer_app
+from refit_sidecar.producer.http import create_producer_app, producer_status
 from refit_sidecar.producer.readiness import reference_problem, startup_problem
 from refit_sidecar.producer.resume import checkpoint_nbytes
 from refit_sidecar.producer.service import ProducerObserver, ProducerService
 from refit_sidecar.producer.staging import StagingConfig
+from refit_sidecar.producer.trainer_exit import ExitWithTrainer, wait_for_trainer_exit
 from refit_sidecar.transport.base import SendObserver
 from refit_sidecar.transport.relay.transport import RelayTransportConfig
 from refit_sidecar.transport.selector import TransportSelector
@@ -84,6 +86,20 @@ class ProducerProcessConfig(BaseModel):
     pipeline: PipelineConfig = Field(
         default_factory=PipelineConfig,
         description="Compare, encode and send stages (bounded; they bound its memory).",
+    )
+    exit_with_trainer: ExitWithTrainer = Field(
+        "no",
+        description="Exit (code 0) after the trainer process, so a Job's pod completes where "
+        "the sidecar is a regular container: `when_gone` once the trainer is gone however it "
+        "ended (restartPolicy Never), `when_done` once it is gone after closing its publisher "
+        "(OnFailure: a crashed trainer is restarted), then once nothing it published is "
+        "pending. Injection sets it for such pods where the API server has no native sidecars.",
+    )
+    exit_grace_s: float = Field(
+        600.0,
+        gt=0,
+        description="With exit_with_trainer: how long a version the trainer published may still "
+        "be pending (staged, or its transition running) before the sidecar exits anyway.",
     )
     transport: RelayTransportConfig = Field(
         default_factory=lambda: RelayTransportConfig(root="", stop_timeout_s=30.0),
@@ -179,11 +195,12 @@ async def run_app(
     *,
     on_close: Callable[[], None],
     settings: BaseModel | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve `app` until SIGTERM/SIGINT, then clean up and call `on_close`; once listening,
-    log the `settings` in effect."""
+    """Serve `app` until SIGTERM/SIGINT (or `stop` is set), then clean up and call `on_close`;
+    once listening, log the `settings` in effect."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -212,7 +229,26 @@ async def serve(config: ProducerProcessConfig) -> None:
         raise ValueError(problem)
     process = await asyncio.to_thread(build, config)
     app = create_producer_app(process.service, token=process.tokens)
-    await run_app(app, config.host, config.port, on_close=process.close, settings=config)
+    stop = asyncio.Event()
+    inbox = Path(config.staging.inbox)
+
+    async def exit_with_trainer() -> None:
+        reason = await wait_for_trainer_exit(
+            inbox,
+            config.exit_with_trainer,
+            lambda: producer_status(process.service),
+            grace_s=config.exit_grace_s,
+        )
+        log.info("producer.exiting", reason=reason)
+        stop.set()
+
+    watcher = asyncio.create_task(exit_with_trainer())
+    try:
+        await run_app(
+            app, config.host, config.port, on_close=process.close, settings=config, stop=stop
+        )
+    finally:
+        watcher.cancel()
 
 
 def serve_forever(config: ProducerProcessConfig) -> None:

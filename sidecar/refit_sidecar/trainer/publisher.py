@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import structlog
@@ -60,6 +61,7 @@ from refit_sidecar.trainer.errors import (
     error_for,
 )
 from refit_sidecar.trainer.export import CanonicalSource, plan_owned
+from refit_sidecar.trainer.liveness import TrainerPresence
 from refit_sidecar.trainer.manifest import from_wire, require_same_layout, to_wire
 
 log = structlog.get_logger("kuberefit.publisher")
@@ -154,6 +156,20 @@ class Publisher:
         self._base = config.url.rstrip("/") + PRODUCER_PREFIX
         # A token file (the pod's Secret) is followed: a rotated token needs no trainer restart.
         self._tokens = open_ring(config.token, config.token_file)
+        # Tells a sidecar that exits with its trainer (a Job's pod) that this process runs.
+        self._presence = TrainerPresence(Path(config.inbox))
+        self._presence.announce(warn=False)  # the inbox may not exist before the sidecar runs
+
+    def close(self) -> None:
+        """The trainer is finished: a sidecar set to exit with its trainer (a Job's pod) may
+        go once what was published is committed. Not needed otherwise; idempotent."""
+        self._presence.done()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------------------ public API
     def status(self) -> ProducerStatus:
@@ -363,6 +379,7 @@ class Publisher:
                 f"the trainer sidecar at {self.config.url} is unreachable ({reason}): is it "
                 "running, and is the publisher's url its producer endpoint?"
             ) from exc
+        self._presence.announce()  # the sidecar answers: its inbox exists by now
         if out is None:
             return None  # type: ignore[return-value]
         return out.model_validate_json(raw)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from refit_protocol.pod_contract import TRAINER_ALIVE_FILE, TRAINER_DONE_FILE
 from refit_protocol.producer_api import (
     CandidateChunkAck,
     CandidateChunkRequest,
@@ -93,7 +94,10 @@ def owned_names(s: Sidecar) -> set[str]:
 
 
 def inbox_files(s: Sidecar) -> list[Path]:
-    return sorted(s.inbox.iterdir()) if s.inbox.exists() else []
+    """The chunk files in the inbox (not the trainer's liveness lock and marker)."""
+    liveness = {TRAINER_ALIVE_FILE, TRAINER_DONE_FILE}
+    files = s.inbox.iterdir() if s.inbox.exists() else []
+    return sorted(p for p in files if p.name not in liveness)
 
 
 async def publish_all(pubs: list[Publisher], version: int, state: dict, **kw: object) -> list:  # type: ignore[type-arg]
