@@ -17,7 +17,6 @@ compare-and-set, and kopf's annotations would break it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -116,8 +115,11 @@ async def coordinate(
         metrics.forget_policy(namespace, name)  # its series would stay forever otherwise
     finalizers = list(body.get("metadata", {}).get("finalizers") or [])
     if FINALIZER in finalizers and type != "DELETED":
-        with contextlib.suppress(Exception):  # a lost race: the next event tries again
+        try:
             await memo.api.remove_policy_finalizer(namespace, name, finalizers, FINALIZER)
+        except Exception as exc:  # e.g. a lost race: the next event of the policy tries again
+            log.warning("policy.finalizer_not_removed", policy=name, error=str(exc)[:300])
+        else:
             log.info("policy.finalizer_removed", namespace=namespace, policy=name)
 
 
