@@ -24,6 +24,7 @@ import secrets
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -286,6 +287,8 @@ class Journey:
                 "controlTimeoutSeconds": 20,
                 "flushTimeoutSeconds": 60,
                 "commitTimeoutSeconds": 300,
+                # Not the chart's defaults: the pods, created first, were injected with those.
+                "encoding": {"zstdLevel": 3, "shuffle": False},
             },
         }
 
@@ -313,6 +316,28 @@ class Journey:
             if cond["type"] == kind:
                 return dict(cond)
         return {}
+
+    def producer_settings(self, trainer: str) -> dict[str, Any]:
+        """The stream settings the trainer sidecar says are in effect (its last attempt's)."""
+        (pod,) = [p for p in self.kubelet.pods if p.name == trainer]
+        request = urllib.request.Request(
+            f"http://{pod.ip}:8471/v1/producer/status",
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return dict(json.load(answer)["settings"])
+
+    def current(self) -> str:
+        """The policy's current transition ("" between transitions)."""
+        policy = self.custom.get_namespaced_custom_object(
+            "refit.kuberefit.io", "v1alpha1", self.ns, "refitpolicies", "alpha"
+        )
+        return str((policy.get("status") or {}).get("currentTransition") or "")
+
+    def patch_policy(self, spec: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(
+            "refit.kuberefit.io", "v1alpha1", self.ns, "refitpolicies", "alpha", {"spec": spec}
+        )
 
     def events(self, name: str) -> list[str]:
         found = self.core.list_namespaced_event(
@@ -584,8 +609,35 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
     j.kubelet.run(j.ns, trainer["metadata"]["name"])
 
     # -- kubectl apply a RefitPolicy, watch transitions ------------------------------------------
+    # The pods exist before their policy: they follow its settings all the same. A change of
+    # the spec applies from the next transition, without a restart (paused meanwhile, so which
+    # transition comes next is known).
     j.apply(j.policy())
+    wait_for("v1 committed", lambda: j.committed() >= 1, timeout=400)
+    changed = {"zstdLevel": 5, "shuffle": True}
+    j.patch_policy({"paused": True, "encoding": changed, "bucketBytes": "1Mi"})
+    wait_for(
+        "paused between transitions",
+        lambda: j.condition("Ready").get("reason") == "Paused" and not j.current(),
+        timeout=120,
+    )
+    trainer_name = trainer["metadata"]["name"]
+    assert j.committed() < VERSIONS
+    assert j.producer_settings(trainer_name) == {
+        "zstd_level": 3, "shuffle": False, "bucket_bytes": "auto"
+    }  # fmt: skip
+    j.patch_policy({"paused": False})
     wait_for(f"v{VERSIONS} committed", lambda: j.committed() >= VERSIONS, timeout=400)
+    assert j.producer_settings(trainer_name) == {
+        "zstd_level": 5, "shuffle": True, "bucket_bytes": 1 << 20
+    }  # fmt: skip
+    # What a pod cannot take without a restart is named on it: these mount the chart's default
+    # token Secret (kuberefit-token, created before the policy), the policy names alpha-token.
+    for name in (trainer_name, *rollouts):
+        wait_for(f"{name}: RestartRequired", lambda n=name: "RestartRequired" in j.events(n))
+    applied = j.condition("SettingsApplied")
+    assert (applied["status"], applied["reason"]) == ("False", "RestartRequired")
+    assert "spec.tokenSecret is alpha-token" in applied["message"]
 
     # The commit record moves first; each RefitTransition turns Committed once its baseline
     # updates are done (Finalizing until then).

@@ -42,7 +42,7 @@ from refit_operator.ports import (
 )
 from refit_protocol.commit import AttemptMode, CommitRecord
 from refit_protocol.errors import EndpointError, PeerAuthenticationError
-from refit_protocol.producer_api import AttemptPlan, SentReport
+from refit_protocol.producer_api import AttemptPlan, SentReport, StreamSettings
 from refit_protocol.receiver_api import (
     FlushRequest,
     GateRequest,
@@ -141,8 +141,12 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------- transition
     async def run_transition(
-        self, xor_incompatible: frozenset[str] = frozenset()
+        self,
+        xor_incompatible: frozenset[str] = frozenset(),
+        settings: StreamSettings | None = None,
     ) -> TransitionResult:
+        """One transition to the next version (Algorithm B.1). `settings`: the stream settings
+        every attempt's plan carries to the producers (the policy's current ones)."""
         state = await self.store.read()
         kv = state.record
         target = kv.version + 1
@@ -198,6 +202,7 @@ class Coordinator:
                     xor_incompatible=xor_incompatible,
                     receivers=nodes,
                     relay_tree=tree,
+                    settings=settings,
                 )
                 progress.attempt_id = tau
                 await self._phase(progress, "Preparing")

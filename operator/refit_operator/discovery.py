@@ -22,6 +22,7 @@ from refit_operator.kube.names import (
     POLICY,
     RELAY_PORT,
     SIDECAR_CONTAINER,
+    TOKEN_VOLUME,
 )
 from refit_operator.policy_spec import PolicySpec
 
@@ -45,6 +46,8 @@ class PodView:
     relay_port: int = 0
     restarts: int = 0
     injected: bool = True  # the pod has the sidecar container
+    #: The token Secret (name, key) injection mounted, fixed when the pod was created.
+    token_secret: tuple[str, str] | None = None
 
     @property
     def running(self) -> bool:
@@ -105,7 +108,21 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         relay_port=ports.get(RELAY_PORT, 0),
         restarts=restarts,
         injected=injected,
+        token_secret=_token_secret(spec),
     )
+
+
+def _token_secret(spec: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The (Secret, key) of the injected token volume, if the pod has one."""
+    for volume in spec.get("volumes") or []:
+        if not isinstance(volume, Mapping) or volume.get("name") != TOKEN_VOLUME:
+            continue
+        secret = volume.get("secret") or {}
+        items = secret.get("items") or [{}]
+        key = items[0].get("key") if isinstance(items[0], Mapping) else None
+        if secret.get("secretName") and key:
+            return str(secret["secretName"]), str(key)
+    return None
 
 
 def pod_problem(view: PodView, policy_exists: bool) -> tuple[str, str] | None:

@@ -40,6 +40,7 @@ from refit_operator.kube.api import KubeApi, NotFoundError, SecretRefusedError, 
 from refit_operator.kube.lease import PolicyLease
 from refit_operator.kube.names import CLEAR_ABORT, VERIFY_NOW
 from refit_operator.pod_membership import PodMembership
+from refit_operator.pod_settings import RESTART_REQUIRED, FixedSettingsWatch
 from refit_operator.policy_spec import PolicySpec, SpecError, parse_spec
 from refit_operator.policy_status import Observed, policy_status, same_status
 from refit_operator.producer_client import HttpProducerClient, chunking_disagreement
@@ -127,6 +128,7 @@ class PolicyRunner:
         self._producer_error = ""
         self._candidates: dict[int, int | None] = {}  # producer -> staged version, this pass
         self._state_at = 0.0
+        self._fixed_settings = FixedSettingsWatch()
 
     # -- the loop -------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -171,6 +173,7 @@ class PolicyRunner:
             self._drop_coordinator("lease not held")
             return
         found = discover(self.pods(), spec)
+        await self._report_fixed_settings(found, spec)
         token = await self._read_token(spec)
         if not self._store_ready:
             await self.store.initialize(CommitRecord(0, INITIAL_BASELINE))
@@ -298,7 +301,10 @@ class PolicyRunner:
         await self._write_status(obj, self._observed(spec, found, state))
         try:
             result = await self._run_while_leader(
-                self.coordinator.run_transition(frozenset(membership.incompatible)), kv.version
+                self.coordinator.run_transition(
+                    frozenset(membership.incompatible), spec.stream_settings()
+                ),
+                kv.version,
             )
         except asyncio.CancelledError:
             raise
@@ -519,6 +525,7 @@ class PolicyRunner:
                 why = str(exc) or f"no answer within {timeout:g}s"
                 self._producer_error = f"trainer pod {pod.name}: {why}"
                 return None
+            self._fixed_settings.saw(pod, status.fixed)
             if status.producers is not None and status.producers != spec.producers:
                 self._producer_error = (
                     f"trainer pod {pod.name} splits the checkpoint among {status.producers} "
@@ -551,6 +558,19 @@ class PolicyRunner:
                     return None
                 log.info("producer.told_committed", pod=pod.name, version=record.version)
         return clients
+
+    async def _report_fixed_settings(self, found: Discovered, spec: PolicySpec) -> None:
+        """A Warning Event on each pod holding settings, fixed when it was created, that its
+        policy no longer has (`pod_settings`); the SettingsApplied condition lists them."""
+        for view, message in self._fixed_settings.check([*found.trainers, *found.rollouts], spec):
+            log.warning("pod.restart_required", pod=view.name, policy=self.name, why=message)
+            ref = {"apiVersion": "v1", "kind": "Pod", "name": view.name, "uid": view.uid}
+            try:
+                await self.api.post_event(
+                    {**ref, "namespace": view.namespace}, RESTART_REQUIRED, message, warning=True
+                )
+            except Exception as exc:  # the condition still says it; the next change retries
+                log.warning("pod.event_failed", pod=view.name, error=str(exc)[:300])
 
     async def _read_token(self, spec: PolicySpec) -> str | None:
         """The token to send now. The Secret is re-read every TOKEN_REFRESH_S and followed by a
@@ -625,6 +645,7 @@ class PolicyRunner:
             producers_error=self._producer_error,
             coordinator=self.settings.identity,
             not_injected=tuple(p.name for p in found.not_injected),
+            restart_required=self._fixed_settings.current,
             verify_every=spec.verify.every_versions,
             verified=self._verified,
         )

@@ -15,6 +15,7 @@ from pydantic.alias_generators import to_camel
 
 from refit_operator.coordinator import CoordinatorConfig
 from refit_protocol.config_files import AUTO, SizeOrAuto
+from refit_protocol.producer_api import StreamSettings
 
 
 class _Spec(BaseModel):
@@ -139,6 +140,14 @@ class PolicySpec(_Spec):
             flush_timeout_s=float(self.flush_timeout_seconds),
             max_attempts=self.max_attempts,
             check_samples=self.post_apply_checks,
+        )
+
+    def stream_settings(self) -> StreamSettings:
+        """What every attempt's plan tells the trainer sidecars (they follow the spec)."""
+        return StreamSettings(
+            zstd_level=self.encoding.zstd_level,
+            shuffle=self.encoding.shuffle,
+            bucket_bytes=self.bucket_bytes,
         )
 
 

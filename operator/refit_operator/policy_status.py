@@ -38,6 +38,8 @@ class Observed:
     producers_error: str = ""  # why the running trainer pods cannot be used as producers
     coordinator: str = ""
     not_injected: tuple[str, ...] = ()  # opted-in pods admitted without the sidecar
+    #: "pod: setting ..." for pods holding settings fixed at creation other than the spec's.
+    restart_required: tuple[str, ...] = ()
     verify_every: int = 0  # spec.verify.everyVersions
     verified: tuple[bool, str, str] | None = None  # the last audit: (ok, reason, message)
 
@@ -90,6 +92,7 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
         idle = reason if not ready else "Idle"
         out.append(_cond("Progressing", False, idle, "no transition running", o.generation))
     out.append(_injected(o))
+    out.append(_settings(o))
     if o.verify_every or o.verified is not None:
         every = max(o.verify_every, 1)
         first = every * (1 + (o.committed_version or 0) // every)
@@ -110,6 +113,8 @@ def conditions(o: Observed) -> list[dict[str, Any]]:
         degraded = (f"Last{o.last_outcome.capitalize()}", f"{o.last}: {o.last_message}")
     elif o.not_injected:
         degraded = ("PodsNotInjected", _injected(o)["message"])
+    elif o.restart_required:
+        degraded = ("RestartRequired", _settings(o)["message"])
     elif o.verified is not None and not o.verified[0] and o.verified[1] == "Mismatch":
         degraded = ("AuditMismatch", o.verified[2])
     elif o.rollouts_ready < o.rollouts or o.trainers_ready < o.trainers:
@@ -142,6 +147,27 @@ def _injected(o: Observed) -> dict[str, Any]:
         "PodsNotInjected",
         f"{len(o.not_injected)} opted-in pod(s) were admitted without the sidecar (the webhook "
         f"did not inject them): {shown}; recreate them",
+        o.generation,
+    )
+
+
+def _settings(o: Observed) -> dict[str, Any]:
+    """`SettingsApplied`: every pod runs with its policy's settings (pod_settings)."""
+    if not o.restart_required:
+        return _cond(
+            "SettingsApplied",
+            True,
+            "AllApplied",
+            "every pod runs with the policy's settings",
+            o.generation,
+        )
+    shown = "; ".join(o.restart_required[:3]) + (" ..." if len(o.restart_required) > 3 else "")
+    return _cond(
+        "SettingsApplied",
+        False,
+        "RestartRequired",
+        f"{len(o.restart_required)} pod(s) hold settings fixed when they were created, other "
+        f"than the policy's ({shown}); delete them to apply the policy's",
         o.generation,
     )
 

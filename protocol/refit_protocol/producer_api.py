@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 from refit_protocol.commit import AttemptMode, CommitRecord
+from refit_protocol.config_files import SizeOrAuto
 from refit_protocol.tensors import TensorMetaModel
 
 PRODUCER_PREFIX = "/v1/producer"
@@ -19,6 +20,28 @@ PRODUCER_PREFIX = "/v1/producer"
 
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StreamSettings(_Msg):
+    """How a producer encodes and batches an attempt's payloads: the policy's `spec.encoding`
+    and `spec.bucketBytes`. The coordinator sends them with every plan, so a trainer sidecar
+    streams with its policy's current settings whatever it was injected with (a pod created
+    before its policy, or before a change of the spec). Receivers need none of them: each
+    payload says how it was encoded."""
+
+    zstd_level: int = Field(ge=1, le=22)
+    shuffle: bool
+    bucket_bytes: SizeOrAuto
+
+
+class FixedSettings(_Msg):
+    """What a trainer sidecar took from its policy when its pod was created and keeps for the
+    pod's life: its baseline is laid out in export chunks of this size and stored this way.
+    The operator reports a pod whose values differ from its policy's; recreating it applies
+    them."""
+
+    chunk_bytes: SizeOrAuto
+    baseline_storage: Literal["file", "memory"]
 
 
 class AttemptPlan(_Msg):
@@ -33,6 +56,11 @@ class AttemptPlan(_Msg):
     receivers: tuple[str, ...] = ()
     relay_tree: tuple[str, ...] = Field(
         default=(), description="Relay endpoints in tree order (ZeroMQ transport)."
+    )
+    settings: StreamSettings | None = Field(
+        default=None,
+        description="The policy's stream settings (None: the producer's own configuration, as "
+        "for in-process producers).",
     )
 
     @field_serializer("xor_incompatible")
@@ -87,6 +115,9 @@ class ProducerStatus(_Msg):
     export_chunk_bytes: int | None = None
     baseline_ready: bool = False
     baseline_fingerprint: str | None = None
+    #: The stream settings of its last attempt (its own configuration before the first one).
+    settings: StreamSettings | None = None
+    fixed: FixedSettings | None = None
 
 
 # -- candidate staging: the trainer process hands its export of a version to its sidecar -------

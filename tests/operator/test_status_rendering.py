@@ -59,6 +59,18 @@ def test_verified_condition_only_when_asked_for_and_mismatch_degrades() -> None:
     assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "AuditMismatch")
 
 
+def test_pods_holding_other_settings_than_the_policy_are_listed() -> None:
+    assert _conds(HEALTHY)["SettingsApplied"]["status"] == "True"
+    held = ("t0: spec.chunkBytes is 67108864; its baseline is laid out in auto-byte chunks",)
+    conds = _conds(replace(HEALTHY, restart_required=held))
+    applied = conds["SettingsApplied"]
+    assert (applied["status"], applied["reason"]) == ("False", "RestartRequired")
+    assert held[0] in str(applied["message"])
+    assert "delete them" in str(applied["message"])
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "RestartRequired")
+    assert conds["Ready"]["status"] == "True"  # refits go on with the pods' values
+
+
 def test_reasons_in_priority_order() -> None:
     cases = [
         (Observed(1, spec_error="spec.mode: bad"), "InvalidSpec"),

@@ -61,6 +61,7 @@ from refit_operator.kube.names import (
     ROLE_LABEL,
     SHM_SIZE_LIMIT,
     SIDECAR_CONTAINER,
+    TOKEN_VOLUME,
 )
 from refit_protocol.config_files import Auto
 from refit_protocol.pod_contract import (
@@ -75,7 +76,7 @@ from refit_protocol.pod_contract import (
 )
 
 Obj = dict[str, Any]
-WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME = "kuberefit-work", "kuberefit-shm", "kuberefit-token"
+WORK_VOLUME, SHM_VOLUME = "kuberefit-work", "kuberefit-shm"
 #: The sidecar's /tmp (its root file system is read-only): numba's cache, HOME, temp files.
 TMP_VOLUME, TMP_SIZE_LIMIT = "kuberefit-tmp", "1Gi"
 #: The vLLM bundle's emptyDir and the init container that fills it (rollout pods).
@@ -189,9 +190,10 @@ def _inject(pod: Pod, config: InjectionConfig, policy: PolicyFacts) -> Injection
     warnings = []
     if not policy.exists:
         warnings.append(
-            f"RefitPolicy {policy_name} does not exist yet: the token comes from Secret "
-            f"{policy.token_secret.name} (key {policy.token_secret.key}); the policy's "
-            "spec.tokenSecret must name the same Secret"
+            f"RefitPolicy {policy_name} does not exist yet: token from Secret "
+            f"{policy.token_secret.name} (key {policy.token_secret.key}); settings fixed at "
+            "creation that differ from the policy's are reported (RestartRequired), the rest "
+            "follow it"
         )
     return Injection(patch=patch, warnings=warnings)
 

@@ -46,3 +46,5 @@ DEFAULT_PORTS = {"trainer": 8471, "rollout": 8470}
 
 #: Who writes Events and RefitTransitions (shown by kubectl as the event source).
 COMPONENT = "kuberefit-operator"
+#: The injected volume holding the policy's token Secret (discovery reads which Secret a pod got).
+TOKEN_VOLUME = "kuberefit-token"  # noqa: S105 - a volume name, not a secret

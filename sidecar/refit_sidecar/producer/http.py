@@ -29,6 +29,7 @@ from refit_protocol.producer_api import (
     CandidateChunkRequest,
     CandidateStageRequest,
     CommittedRecordRequest,
+    FixedSettings,
     ProducerAttemptRequest,
     ProducerStatus,
 )
@@ -217,4 +218,9 @@ def producer_status(service: ProducerService) -> ProducerStatus:
         export_chunk_bytes=b.chunk_bytes,
         baseline_ready=service.baseline_ready,
         baseline_fingerprint=service.baseline_fingerprint,
+        settings=service.settings,
+        fixed=FixedSettings(
+            chunk_bytes=b.config.export_chunk_bytes,
+            baseline_storage="memory" if b.config.in_memory else "file",
+        ),
     )

@@ -34,6 +34,7 @@ from refit_protocol.producer_api import (
     CandidateStageRequest,
     SentReport,
     StagePurpose,
+    StreamSettings,
 )
 from refit_sidecar.baseline.chunks import ExportChunk, owner_of, plan_chunks
 from refit_sidecar.baseline.source import BaselineError, SourceBaseline
@@ -106,6 +107,8 @@ class ProducerService:
         else:
             self._transport_for = transport
         self.config = config
+        #: The stream settings of the last attempt (`settings`), once one was started.
+        self._last_settings: StreamSettings | None = None
         self.committed = committed or CommitRecord(0, "initial")
         self._candidate: tuple[int, ExportFactory] | None = None
         self._runs: dict[str, Future[PipelineMetrics]] = {}
@@ -152,7 +155,8 @@ class ProducerService:
         pending = self.baseline.pending_attempt
         transport = self._transport_for(plan)
         mac_key = self.mac_key() if callable(self.mac_key) else self.mac_key
-        pipeline = ProducerPipeline(self.baseline, transport, self.config, mac_key=mac_key)
+        config = self._config_for(plan.settings)
+        pipeline = ProducerPipeline(self.baseline, transport, config, mac_key=mac_key)
         fut: Future[PipelineMetrics] = Future()
 
         def run() -> None:
@@ -189,6 +193,38 @@ class ProducerService:
             self._runs[plan.attempt] = fut
             self._transports[plan.attempt] = transport
         threading.Thread(target=run, name=f"producer-{plan.attempt}", daemon=True).start()
+
+    @property
+    def settings(self) -> StreamSettings:
+        """The stream settings in effect: the last plan's, or this producer's own before one."""
+        if self._last_settings is not None:
+            return self._last_settings
+        config = self.config or PipelineConfig()
+        return StreamSettings(
+            zstd_level=config.codec.zstd_level,
+            shuffle=config.codec.shuffle,
+            bucket_bytes=config.bucket_bytes,
+        )
+
+    def _config_for(self, settings: StreamSettings | None) -> PipelineConfig | None:
+        """The pipeline settings of one attempt: this producer's, with the plan's stream
+        settings (the policy's current ones) in place of what it was configured with."""
+        if settings is None:  # an in-process producer: its own configuration
+            self._last_settings = None
+            return self.config
+        if settings != self.settings:
+            log.info(
+                "producer.settings_changed",
+                producer=self.producer,
+                was=self.settings.model_dump(),
+                now=settings.model_dump(),
+            )
+        self._last_settings = settings
+        config = self.config or PipelineConfig()
+        codec = config.codec.model_copy(
+            update={"zstd_level": settings.zstd_level, "shuffle": settings.shuffle}
+        )
+        return config.model_copy(update={"bucket_bytes": settings.bucket_bytes, "codec": codec})
 
     async def wait_sent(self, attempt: str) -> SentReport:
         fut = self._runs.get(attempt)

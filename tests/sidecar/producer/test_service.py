@@ -14,7 +14,7 @@ import torch
 
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
-from refit_protocol.producer_api import AttemptPlan, SentReport
+from refit_protocol.producer_api import AttemptPlan, SentReport, StreamSettings
 from refit_sidecar.baseline.chunks import ExportChunk, chunk_export
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.bits import int_view
@@ -103,6 +103,25 @@ async def test_mixed_attempt_then_baseline_update(service) -> None:  # type: ign
     assert exports == [1]
     with pytest.raises(ValueError, match="not the next"):
         svc.stage_candidate(1, export)
+
+
+async def test_each_attempt_streams_with_the_settings_its_plan_carries(service) -> None:  # type: ignore[no-untyped-def]
+    """The policy's stream settings travel with every plan: a sidecar configured with others
+    (injected before its policy existed, or before a change) streams with the plan's, and its
+    status says which are in effect."""
+    svc, links = service
+    assert svc.settings == StreamSettings(zstd_level=1, shuffle=True, bucket_bytes="auto")
+    v0, v1 = state(0), bump(state(0), 3)
+    chunks = list(chunk_export(v1.items(), 20000))
+    assert len(chunks) == 4  # `auto` buckets: one payload per changed chunk
+    svc.stage_candidate(1, lambda: chunks)
+    chosen = StreamSettings(zstd_level=9, shuffle=False, bucket_bytes=10**9)
+    await svc.start(plan("a1", "mixed").model_copy(update={"settings": chosen}))
+    sent = await svc.wait_sent("a1")
+    payloads = links.delivery.payloads("a1")
+    assert sent.payloads == len(payloads) == 1  # one bucket holds every chunk
+    assert same(replay(v0, payloads), v1)
+    assert svc.settings == chosen
 
 
 async def test_retry_is_overwrite_from_pending_delta(service) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,96 @@
+"""Settings a pod keeps from the moment it was created, compared with its policy's.
+
+Most of a RefitPolicy's settings follow the policy without a restart: the stream settings
+(`spec.encoding`, `spec.bucketBytes`) travel with every attempt's plan, and the coordinator's
+own settings are read on every transition. A few are fixed for a pod's life, because injection
+wrote them into the pod or its sidecar built state from them:
+
+- the token Secret (`spec.tokenSecret`): injection mounted it as a volume;
+- a trainer sidecar's export chunking (`spec.chunkBytes`) and baseline storage
+  (`spec.baseline.storage`): its baseline is laid out and kept by them.
+
+A pod created before its policy (with the chart's defaults) or before a change of these has
+other values; it is never silently different: the operator names each such setting in an
+Event on the pod and in the policy's `SettingsApplied` condition. Deleting the pod applies
+them (its controller creates one that injection gives the policy's settings).
+"""
+
+from __future__ import annotations
+
+from refit_operator.discovery import PodView
+from refit_operator.policy_spec import PolicySpec
+from refit_protocol.producer_api import FixedSettings
+
+#: The Event reason on a pod whose fixed settings differ from its policy's.
+RESTART_REQUIRED = "RestartRequired"
+
+
+def fixed_drift(view: PodView, spec: PolicySpec, fixed: FixedSettings | None) -> list[str]:
+    """One line per setting `view`'s pod holds other than `spec` says (empty: none).
+
+    `fixed`: what the pod's trainer sidecar reports (None for a rollout pod, or a trainer
+    sidecar not asked yet)."""
+    drift: list[str] = []
+    want = (spec.token_secret.name, spec.token_secret.key)
+    if view.token_secret is not None and view.token_secret != want:
+        drift.append(
+            f"spec.tokenSecret is {want[0]} (key {want[1]}); the pod mounts "
+            f"{view.token_secret[0]} (key {view.token_secret[1]})"
+        )
+    if fixed is not None:
+        if fixed.chunk_bytes != spec.chunk_bytes:
+            drift.append(
+                f"spec.chunkBytes is {spec.chunk_bytes}; its baseline is laid out in "
+                f"{fixed.chunk_bytes}-byte export chunks"
+            )
+        if fixed.baseline_storage != spec.baseline.storage:
+            drift.append(
+                f"spec.baseline.storage is {spec.baseline.storage}; its baseline is kept in "
+                f"{fixed.baseline_storage}"
+            )
+    return drift
+
+
+def restart_message(view: PodView, drift: list[str]) -> str:
+    """The Event (and condition) text for a pod that needs recreating to take its settings."""
+    return (
+        f"pod {view.name} runs with settings fixed when it was created, other than its "
+        f"RefitPolicy's: {'; '.join(drift)}. Delete the pod to apply the policy's (its "
+        "controller recreates it)"
+    )
+
+
+class FixedSettingsWatch:
+    """Which of a policy's pods hold fixed settings other than its spec, and which of those
+    were reported already (one Event per pod and difference, again after a change)."""
+
+    def __init__(self) -> None:
+        self._fixed: dict[str, FixedSettings | None] = {}  # pod uid -> its producer's report
+        self._reported: set[tuple[str, str]] = set()
+        #: One line per pod that differs (for the policy's SettingsApplied condition).
+        self.current: tuple[str, ...] = ()
+
+    def saw(self, view: PodView, fixed: FixedSettings | None) -> None:
+        """What `view`'s trainer sidecar reported in its status."""
+        self._fixed[view.uid] = fixed
+
+    def check(self, pods: list[PodView], spec: PolicySpec) -> list[tuple[PodView, str]]:
+        """Compare `pods` (the policy's injected pods) with `spec`; the (pod, message) pairs
+        not reported before."""
+        lines: list[str] = []
+        new: list[tuple[PodView, str]] = []
+        reported: set[tuple[str, str]] = set()
+        for view in pods:
+            drift = fixed_drift(view, spec, self._fixed.get(view.uid))
+            if not drift:
+                continue
+            message = restart_message(view, drift)
+            lines.append(f"{view.name}: {'; '.join(drift)}")
+            reported.add((view.uid, message))
+            if (view.uid, message) not in self._reported:
+                new.append((view, message))
+        alive = {view.uid for view in pods}
+        self._fixed = {uid: f for uid, f in self._fixed.items() if uid in alive}
+        self._reported = reported
+        self.current = tuple(lines)
+        return new
