@@ -424,6 +424,42 @@ def test_notes_name_the_next_commands(chart: helm_python.Chart) -> None:
         assert needle in notes, needle
 
 
+def test_the_helm_test_hook_asks_the_webhook_as_the_api_server_does(
+    chart: helm_python.Chart,
+) -> None:
+    """`helm test` runs `kuberefit operator selftest` against the webhook's Service (or its
+    URL), verifying the certificate with the chart's CA, in a restricted pod without API
+    access."""
+    out = render(chart)
+    pod = out.get("Pod", f"{FULLNAME}-selftest")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert "hook-succeeded" in pod["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never"
+    assert spec["automountServiceAccountToken"] is False
+    assert restricted_violations(spec) == []
+    assert read_only_root_violations(spec, ["selftest"]) == []
+    [container] = spec["containers"]
+    assert container["command"] == ["kuberefit", "operator", "selftest"]
+    assert container["args"] == [
+        f"--webhook=https://{FULLNAME}-webhook.{NAMESPACE}.svc:443/mutate-pods",
+        "--ca-file=/etc/kuberefit/webhook-tls/ca.crt",
+        f"--namespace={NAMESPACE}",
+    ]
+    assert container["image"] == operator_container(out)["image"]
+    [volume] = spec["volumes"]
+    assert volume["secret"] == {
+        "secretName": f"{FULLNAME}-webhook-tls",
+        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+    }
+    url = render(chart, {**ci_values("url"), "operator": {"watchNamespaces": ["rl", "rl2"]}})
+    args = url.get("Pod", f"{FULLNAME}-selftest")["spec"]["containers"][0]["args"]
+    assert args[0] == "--webhook=https://127.0.0.1:9443/mutate-pods"
+    assert args[2] == "--namespace=rl"  # a namespace the operator serves
+    for off in ({"tests": {"enabled": False}}, {"webhook": {"enabled": False}}):
+        assert render(chart, off).kinds("Pod") == []
+
+
 def test_webhook_disabled_renders_no_webhook(chart: helm_python.Chart) -> None:
     out = render(chart, {"webhook": {"enabled": False}})
     assert out.kinds("MutatingWebhookConfiguration") == []

@@ -23,6 +23,7 @@ import re
 import secrets
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -725,6 +726,32 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
     assert _containers(dry) == ["vllm", "kuberefit-sidecar"]
     volumes = {v["name"]: v for v in dry["spec"]["volumes"]}
     assert volumes["kuberefit-token"]["secret"]["secretName"] == "alpha-token"
+    # `helm test`: its hook pod asks the webhook, through the configured route with the chart's
+    # CA, to inject a sample pod (a dry run). Helm waits for the pod to succeed, then deletes it.
+    tested: dict[str, Any] = {}
+
+    def helm_test() -> None:
+        try:
+            tested["release"] = j.helm.test(j.release, timeout=120)
+        except Exception as exc:  # reported by the assertion below
+            tested["error"] = exc
+
+    runner = threading.Thread(target=helm_test, daemon=True)
+    runner.start()
+
+    def test_pod() -> str:
+        assert "error" not in tested, tested
+        listed = j.core.list_namespaced_pod(j.system, label_selector="kuberefit.io/component=test")
+        return str(listed.items[0].metadata.name) if listed.items else ""
+
+    selftest = wait_for("the helm test pod", test_pod, timeout=60)
+    assert selftest.endswith("-selftest")
+    assert j.kubelet.complete(j.system, selftest, timeout=60) == 0
+    runner.join(timeout=130)
+    assert "error" not in tested, tested
+    (pod,) = [p for p in j.kubelet.pods if p.name == selftest]
+    said = pod.processes["selftest"].log_path.read_text()
+    assert "ok   the webhook injects kuberefit-sidecar" in said, said
     # A trainer pod that ends (a Job's, restartPolicy Never) on this 1.20 API server, which has
     # no native sidecars: its sidecar exits with the trainer (tests/sidecar/producer/
     # test_trainer_exit.py runs that with real processes).

@@ -244,6 +244,50 @@ def operator_serve(
     asyncio.run(run(config))  # errors: see service_command
 
 
+@operator_group.command("selftest")
+@click.option(
+    "--webhook",
+    "url",
+    required=True,
+    help="The webhook's URL, https://HOST[:PORT]/mutate-pods (the chart's Service or webhook.url).",
+)
+@click.option(
+    "--ca-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="CA bundle the serving certificate must chain to (the chart's ca.crt).",
+)
+@click.option(
+    "--namespace",
+    default="default",
+    show_default=True,
+    help="Namespace of the sample pod: one the operator serves (operator.watchNamespaces).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0.1, max=300),
+    default=10.0,
+    show_default=True,
+    help="Seconds to wait for the answer.",
+)
+def operator_selftest(url: str, ca_file: Path, namespace: str, timeout_s: float) -> None:
+    """Check that the webhook injects: what the chart's `helm test` runs.
+
+    Posts a dry-run AdmissionReview of an opted-in sample pod, as the API server would, and
+    passes when the answer adds the sidecar (nothing is created). Exit codes: 0 it does; 1 it
+    does not (a FAIL line says what failed); 2 bad options.
+    """
+    from refit_operator.selftest import run_selftest
+
+    if not url.startswith("https://"):
+        raise click.BadParameter("the webhook is served over https only", param_hint="--webhook")
+    result = run_selftest(url, ca_file, namespace, timeout_s)
+    for line in result.lines:
+        click.echo(line)
+    sys.exit(0 if result.ok else 1)
+
+
 def _host_port(value: str, flag: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
     if not host or not port.isdigit():

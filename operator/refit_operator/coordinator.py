@@ -133,6 +133,7 @@ class Coordinator:
         self.name = name or f"coordinator-{uuid.uuid4().hex[:8]}"
         self.epoch = 0
         self._gate_closed: set[str] = set()
+        self._notices: list[tuple[str, str]] = []  # TransitionProgress.notices of the next one
 
     async def start(self) -> None:
         """Become the active coordinator (a takeover if another one held the record)."""
@@ -158,6 +159,8 @@ class Coordinator:
         committed_attempt = await self._finish_committed(kv, active)
         takeover = active is not None and active.target_version == target
         receivers = await self._join(kv, committed_attempt, takeover=takeover)
+        progress.notices.extend(self._notices)
+        self._notices.clear()
         if active is not None and takeover:
             # Takeover of an admitted transition (Algorithm B.2 lines 2-12).
             taken = await self._take_over(active.attempt, kv, receivers, result)
@@ -341,6 +344,9 @@ class Coordinator:
                 continue
             if status.gate_closed:  # e.g. closed by a coordinator that died: reopen it later
                 self._gate_closed.add(r.node)
+            if status.gate_released:  # it reopened its gate itself while no coordinator was
+                log.warning("receiver.gate_was_released", node=r.node, why=status.gate_released)
+                self._notices.append(("GateReleased", f"{r.node}: {status.gate_released}"))
             base = status.base_version if status.dirty and takeover else status.held_version
             if base != kv.version or not status.prewarmed:
                 log.info("receiver.restore", node=r.node, held=base, to=kv.version)

@@ -110,3 +110,6 @@ class TransitionProgress:
     total_elements: int = 0
     message: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    #: What nodes reported when they joined, for a sink to announce once each: (reason,
+    #: "node: text"), e.g. GateReleased, a request gate reopened without a coordinator.
+    notices: list[tuple[str, str]] = field(default_factory=list)

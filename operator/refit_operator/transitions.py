@@ -187,6 +187,7 @@ class TransitionRecorder:
         self._attempt = 0  # the last attempt number shown
         self._base = 0  # attempts made by coordinators before a takeover
         self._modes: list[str] = []  # mode of every attempt shown, in order
+        self._noticed = 0  # progress.notices announced as Events
         self._last_patch = 0.0
         self._poller: asyncio.Task[None] | None = None
 
@@ -285,6 +286,9 @@ class TransitionRecorder:
         if progress.phase != "Streaming":
             await self._stop_poller()
         await self._patch(status, force=changed or retry)
+        for reason, notice in progress.notices[self._noticed :]:
+            await self._event(reason, notice, warning=True)
+        self._noticed = len(progress.notices)
         if retry:
             why = progress.message or "after a takeover"
             await self._event(

@@ -228,3 +228,6 @@ class ReceiverStatus(_Msg):
     base_version: int | None = None
     prewarmed: bool = False  # classified its loaders for the current metadata (prewarm/restore)
     dropped: int = 0  # payloads of obsolete attempts dropped since start
+    #: Set when the node reopened its gate without a coordinator (`receiver.absence`); cleared
+    #: by the next prepare.
+    gate_released: str | None = None

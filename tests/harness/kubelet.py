@@ -170,6 +170,51 @@ class LocalKubelet:
                 proc.wait_ready(lambda check=check: bool(check(local)), timeout=timeout)
         return local
 
+    def complete(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 120,
+    ) -> int:
+        """Run a pod that ends (a `helm test` hook's, a Job's) to completion: its containers one
+        after the other, then phase Succeeded (every exit 0) or Failed, as a kubelet reports it.
+        Returns the first non-zero exit code, else 0."""
+        pod = self.get(namespace, name)
+        meta, spec = pod["metadata"], pod["spec"]
+        local = LocalPod(namespace, name, meta["uid"], next_pod_ip(), {})
+        self.pods.append(local)
+        local.volumes = self._volumes(pod)
+        codes: dict[str, int] = {}
+        for container in spec["containers"]:
+            proc = self._process(pod, local, container, env or {}).launch()
+            local.processes[container["name"]] = proc
+            assert proc.proc is not None
+            try:
+                codes[container["name"]] = proc.proc.wait(timeout=timeout)
+            finally:
+                proc.stop()
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        failed = [code for code in codes.values() if code != 0]
+        status = {
+            "phase": "Failed" if failed else "Succeeded",
+            "podIP": local.ip,
+            "containerStatuses": [
+                {
+                    "name": c,
+                    "ready": False,
+                    "restartCount": 0,
+                    "image": "local",
+                    "imageID": "",
+                    "state": {"terminated": {"exitCode": code, "finishedAt": now}},
+                }
+                for c, code in codes.items()
+            ],
+        }
+        self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+        return failed[0] if failed else 0
+
     def _run_to_completion(
         self,
         pod: Mapping[str, Any],

@@ -40,6 +40,7 @@ class FakeReceiver:
     reject_overwrite: str = ""  # rejects overwrite prepares (restarted between attempts)
     prewarmed: bool = True
     gate_closed: bool = False
+    gate_released: str | None = None  # reopened its gate without a coordinator (absence)
     attempt: str | None = None
     mode: str = ""
     from_version: int = 0
@@ -60,6 +61,7 @@ class FakeReceiver:
             phase=self.phase,
             gate_closed=self.gate_closed,
             prewarmed=self.prewarmed,
+            gate_released=self.gate_released,
         )
 
     async def prepare(self, req: PrepareRequest) -> PrepareResponse:
@@ -75,6 +77,7 @@ class FakeReceiver:
             )
         self.attempt, self.mode, self.phase = req.attempt, req.mode, "prepared"
         self.from_version, self.target = req.from_version, req.target_version
+        self.gate_released = None  # as the real receiver: a prepare clears the note
         return PrepareResponse(node=self.node, accepted=True, held_version=self.held_version)
 
     async def gate(self, req: GateRequest) -> None:
@@ -205,6 +208,8 @@ class FakeMembership:
 @dataclass
 class RecordingSink:
     phases: list[str] = field(default_factory=list)
+    notices: list[tuple[str, str]] = field(default_factory=list)
 
     async def update(self, progress: TransitionProgress) -> None:
         self.phases.append(progress.phase)
+        self.notices = list(progress.notices)

@@ -185,6 +185,20 @@ async def test_a_receiver_that_was_never_prewarmed_is_restored_before_joining(
     assert_all_at(receivers, 1)
 
 
+async def test_a_gate_a_node_reopened_without_a_coordinator_is_announced(tmp_path: Path) -> None:
+    """A node that reopened its gate while no coordinator called (receiver.absence) says so;
+    the next transition's sink gets it once, to post as an Event, and the node takes part."""
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[2].gate_released = "request gate reopened at T after 600 s ..."
+    c = await coordinator(store, producers, membership, sink)
+    assert (await c.run_transition()).outcome == "committed"
+    assert sink.notices == [("GateReleased", "r2: request gate reopened at T after 600 s ...")]
+    assert_all_at(receivers, 1)
+    assert receivers[2].gate_released is None  # its prepare cleared it
+    assert (await c.run_transition()).outcome == "committed"
+    assert sink.notices == []
+
+
 async def test_silent_receiver_needs_an_operator(tmp_path: Path) -> None:
     store, receivers, producers, membership, sink = world(tmp_path)
     receivers[1].die_on_flush = True  # gone, but not confirmed dead: it could still write

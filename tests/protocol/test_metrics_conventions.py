@@ -51,6 +51,7 @@ RECEIVER_FAMILIES = [
     "kuberefit_receiver_apply_seconds",
     "kuberefit_receiver_stage_seconds",
     "kuberefit_receiver_gate_closed",
+    "kuberefit_receiver_gate_releases_total",
     "kuberefit_receiver_held_version",
     "kuberefit_receiver_last_commit_version",
     "kuberefit_receiver_last_commit_timestamp_seconds",

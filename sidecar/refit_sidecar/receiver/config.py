@@ -104,6 +104,15 @@ class ReceiverConfig(BaseModel):
     stop_timeout_s: float = Field(
         default=120.0, gt=0, description="How long stop waits for the apply in progress."
     )
+    gate_release_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="Operator absence: after this many seconds without a coordinator call "
+        "(a live one calls every few seconds during a transition), a request gate closed by "
+        "an attempt that wrote nothing reopens (the node serves its committed weights), and a "
+        "node holding partial writes reports NotReady until a coordinator restores it. 0: "
+        "never (the gate waits for a coordinator).",
+    )
     check_samples: int = Field(
         default=0, ge=-1, description="Post-apply checks per payload when prepare asks none."
     )

@@ -47,6 +47,13 @@ from refit_sidecar.codec.dtypes import dtype_from_name
 from refit_sidecar.codec.errors import SchemaError
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.receiver import flush
+from refit_sidecar.receiver.absence import (
+    CoordinatorContact,
+    Held,
+    may_release,
+    release_message,
+    stranded,
+)
 from refit_sidecar.receiver.admission import gate_refusal, prepare_refusal
 from refit_sidecar.receiver.apply_loop import run_apply_loop
 from refit_sidecar.receiver.config import ReceiverConfig
@@ -84,6 +91,8 @@ class ReceiverControl:
         self._lock = threading.RLock()
         # What holds the lock to read a checkpoint ("an audit of v3 against DIR"), else None.
         self._reading: str | None = None
+        #: Calls from a coordinator (the HTTP plane marks them; `absence`).
+        self.contact = CoordinatorContact()
 
     @contextlib.contextmanager
     def _unless_reading(self) -> Iterator[str | None]:
@@ -136,7 +145,54 @@ class ReceiverControl:
                 base_version=s.held_version,
                 prewarmed=bool(s.metas),
                 dropped=s.dropped,
+                gate_released=s.gate_released,
             )
+
+    # -- operator absence (`absence`) ------------------------------------------------------------
+    def _held(self) -> Held:
+        s = self.state
+        st = s.current
+        return Held(s.gate_closed, s.held_version, s.dirty, st.attempt if st else None)
+
+    def release_stale_gate(self) -> str | None:
+        """Reopen a gate closed by an attempt that wrote nothing once no coordinator called for
+        `gate_release_s` (the attempt is retired: a returning coordinator retries it). Returns
+        what the node says, or None when nothing was done. Skipped while a control call holds
+        the lock (something is happening)."""
+        s, limit = self.state, self.config.gate_release_s
+        silent = self.contact.silent_for()
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            with s.cond:
+                held = self._held()
+                if not may_release(held, silent, limit):
+                    return None
+                if s.current is not None and s.current.phase in ACTIVE:
+                    s.retire(s.current, f"no coordinator call for {silent:.0f} s")
+            self._set_gate(closed=False)
+            message = release_message(held, silent)
+            with s.cond:
+                s.gate_released = message
+            s.metrics.gate_releases.inc()
+            log.warning("receiver.gate_released", node=s.node, attempt=held.attempt, why=message)
+            return message
+        finally:
+            self._lock.release()
+
+    def absence(self) -> tuple[bool, str] | None:
+        """The readiness line of operator absence: (False, why) for a node holding partial
+        writes that no coordinator attends to, (True, what happened) after a gate release,
+        None otherwise."""
+        s = self.state
+        with s.cond:
+            held, released = self._held(), s.gate_released
+        why = stranded(held, self.contact.silent_for(), self.config.gate_release_s)
+        if why is not None:
+            return False, why
+        if released is not None:
+            return True, released
+        return None
 
     def prewarmed(self) -> PrewarmResponse | None:
         """The last prewarm's answer, without asking the runtime again (None if never
@@ -348,6 +404,7 @@ class ReceiverControl:
             st.threads.append(worker)
             with s.cond:
                 s.current = st
+                s.gate_released = None
                 s.metrics.attempts.labels("prepared").inc()
             worker.start()
             log.info(

@@ -3,7 +3,8 @@
 - `node_state.NodeState`: what the node holds, under one condition variable;
 - `intake.Intake`: ❺ payloads in (relay sink, S3 manifests), checked, deduplicated, staged;
 - `apply_loop`: ❻ one thread per attempt applies the queue in declared order;
-- `control.ReceiverControl`: the control state machine the coordinator drives.
+- `control.ReceiverControl`: the control state machine the coordinator drives;
+- `absence`: what the node does when no coordinator calls any more.
 
 `ReceiverNode` (`node.py`) adds the relay-tree node and the HTTP plane; tests use this in
 process.
@@ -59,6 +60,9 @@ class ReceiverCore:
                 )
             else:
                 out.append(("relay", True, f"relay-tree node bound at {node.bound}"))
+        absent = self.control.absence()
+        if absent is not None:  # operator absence: out of service, or a gate reopened
+            out.append(("coordinator", *absent))
         return out
 
     def close(self) -> None:

@@ -73,6 +73,12 @@ class ReceiverMetrics:
             "1 while the request gate is closed (the runtime serves no requests), else 0.",
             registry=reg,
         )
+        self.gate_releases = Counter(
+            "kuberefit_receiver_gate_releases",
+            "Request gates reopened without a coordinator: an attempt that wrote nothing held "
+            "the gate closed and no coordinator called for gate_release_s.",
+            registry=reg,
+        )
         self.last_commit_version = Gauge(
             "kuberefit_receiver_last_commit_version",
             "Version of the last commit notice or dense restore this node took (-1: none yet).",

@@ -54,6 +54,7 @@ class ReceiverNode:
         self.core.intake.tokens = self.tokens
         self.relay: RelayNode | None = None
         self._runner: web.AppRunner | None = None
+        self._absence: asyncio.Task[None] | None = None
         self.port = 0
 
     async def start(self) -> None:
@@ -86,6 +87,8 @@ class ReceiverNode:
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         self.port = int(sockets[0].getsockname()[1]) if sockets else self.config.port
+        if self.config.gate_release_s > 0:
+            self._absence = asyncio.create_task(self._watch_absence())
         log.info(
             "receiver.ready",
             node=self.config.node,
@@ -93,7 +96,20 @@ class ReceiverNode:
             relay=self.relay.bound if self.relay else None,
         )
 
+    async def _watch_absence(self) -> None:
+        """Operator absence (`receiver.absence`): look a few times per `gate_release_s`
+        whether a gate should reopen."""
+        every = min(5.0, self.config.gate_release_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await asyncio.to_thread(self.core.control.release_stale_gate)
+            except Exception as exc:  # the runtime did not answer: the next look tries again
+                log.warning("receiver.gate_release_failed", node=self.config.node, error=str(exc))
+
     async def close(self) -> None:
+        if self._absence is not None:
+            self._absence.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
         if self.relay is not None:

@@ -46,6 +46,8 @@ class NodeState:
         self.current: AttemptState | None = None
         self.obsolete = ObsoleteSet()
         self.dropped = 0
+        #: Why the gate was reopened without a coordinator (`absence`), until the next prepare.
+        self.gate_released: str | None = None
         self.set_held_metric()
 
     @property

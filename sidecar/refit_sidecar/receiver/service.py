@@ -72,6 +72,15 @@ OFFER_STATUS = {
     AckStatus.READY: 200,
 }
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+#: The routes only a coordinator calls: the time since the last one measures operator absence
+#: (not /metrics, audits or payload offers, which others send).
+COORDINATOR_ROUTES = frozenset(
+    f"{API_PREFIX}/{name}"
+    for name in (
+        "status", "prewarm", "prepare", "gate", "open-apply", "relay-flush", "flush", "stop",
+        "cleanup", "restore", "commit",
+    )
+)  # fmt: skip
 #: How long /readyz waits for the serving runtime's answer.
 READY_TIMEOUT_S = 2.0
 
@@ -121,7 +130,14 @@ def create_app(
             ):
                 status = 401
                 return unauthorized()
-            resp = await handler(request)
+            if path not in COORDINATOR_ROUTES:
+                resp = await handler(request)
+            else:  # operator absence is measured from these (`absence`)
+                core.control.contact.begin()
+                try:
+                    resp = await handler(request)
+                finally:
+                    core.control.contact.end()
             status = resp.status
             return resp
         except ValidationError as exc:
