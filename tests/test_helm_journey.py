@@ -350,6 +350,24 @@ class Journey:
         self.kubelet.stop()
 
 
+#: A trainer that ends: its publisher reaches the sidecar (from then on the sidecar knows it
+#: runs), then it closes it.
+JOB_TRAINER = """
+import time
+from refit_sidecar.trainer.errors import SidecarUnreachableError
+from refit_sidecar.trainer.publisher import Publisher, PublisherConfig
+publisher = Publisher(PublisherConfig.from_pod())
+for _ in range(600):
+    try:
+        print("sidecar at", publisher.status().committed_version, flush=True)
+        break
+    except SidecarUnreachableError:
+        time.sleep(0.2)
+publisher.close()
+print("trainer done", flush=True)
+"""
+
+
 def _containers(pod: dict[str, Any]) -> list[str]:
     return [c["name"] for c in pod["spec"]["containers"]]
 
@@ -752,16 +770,39 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
     (pod,) = [p for p in j.kubelet.pods if p.name == selftest]
     said = pod.processes["selftest"].log_path.read_text()
     assert "ok   the webhook injects kuberefit-sidecar" in said, said
-    # A trainer pod that ends (a Job's, restartPolicy Never) on this 1.20 API server, which has
-    # no native sidecars: its sidecar exits with the trainer (tests/sidecar/producer/
-    # test_trainer_exit.py runs that with real processes).
-    job_pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {**template["metadata"], "name": "batch-0"},
-        "spec": {**template["spec"], "restartPolicy": "Never"},
+    # A trainer Job on this 1.20 API server, which has no native sidecars: its pod (created from
+    # the Job's template, as the Job controller would) completes once its trainer exits: the
+    # sidecar, a regular container, exits 0 after it (the fallback path).
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "batch"},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "metadata": {
+                    "labels": {"app": "batch-trainer"},  # not the policy's trainers
+                    "annotations": template["metadata"]["annotations"],
+                },
+                "spec": {
+                    **template["spec"],
+                    "restartPolicy": "Never",
+                    "containers": [
+                        {
+                            "name": "trainer",
+                            "image": TRAINER_IMAGE,
+                            "command": ["python", "-c", JOB_TRAINER],
+                        }
+                    ],
+                },
+            },
+        },
     }
-    batch = yaml.safe_load(j.apply(job_pod, "--dry-run=server", "-o", "yaml"))
+    j.apply(job)
+    stored_job = j.api.sanitize_for_serialization(
+        client.BatchV1Api(j.api).read_namespaced_job("batch", j.ns).spec.template
+    )
+    batch = j.kubelet.create_from_template(j.ns, stored_job, "batch-")
     assert _containers(batch) == ["trainer", "kuberefit-sidecar"]
     assert not batch["spec"].get("initContainers")
     (sidecar,) = [c for c in batch["spec"]["containers"] if c["name"] == "kuberefit-sidecar"]
@@ -769,6 +810,8 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
         next(e["value"] for e in sidecar["env"] if e["name"] == "KUBEREFIT_CONFIG")
     )
     assert settings["exit_with_trainer"] == "when_gone"
+    assert j.kubelet.complete(j.ns, batch["metadata"]["name"], timeout=120) == 0
+    assert j.pod(batch["metadata"]["name"])["status"]["phase"] == "Succeeded"
 
     # -- helm uninstall: pods can still be created; CRDs and objects stay -------------------------
     assert j.operator is not None

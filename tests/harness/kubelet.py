@@ -27,6 +27,7 @@ import itertools
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -178,21 +179,30 @@ class LocalKubelet:
         env: Mapping[str, str] | None = None,
         timeout: float = 120,
     ) -> int:
-        """Run a pod that ends (a `helm test` hook's, a Job's) to completion: its containers one
-        after the other, then phase Succeeded (every exit 0) or Failed, as a kubelet reports it.
-        Returns the first non-zero exit code, else 0."""
+        """Run a pod that ends (a `helm test` hook's, a Job's) to completion: its containers
+        side by side, each until it exits (`timeout` for them all), then phase Succeeded (every
+        exit 0) or Failed, as a kubelet reports it. Returns the first non-zero exit code, else
+        0 (a container still running at the deadline is stopped and counts as 137)."""
         pod = self.get(namespace, name)
         meta, spec = pod["metadata"], pod["spec"]
         local = LocalPod(namespace, name, meta["uid"], next_pod_ip(), {})
         self.pods.append(local)
+        self.set_status(local, [c["name"] for c in spec["containers"]])
         local.volumes = self._volumes(pod)
-        codes: dict[str, int] = {}
         for container in spec["containers"]:
-            proc = self._process(pod, local, container, env or {}).launch()
+            proc = self._process(pod, local, container, env or {})
             local.processes[container["name"]] = proc
+            proc.launch()
+        deadline = time.monotonic() + timeout
+        codes: dict[str, int] = {}
+        for container_name, proc in local.processes.items():
             assert proc.proc is not None
             try:
-                codes[container["name"]] = proc.proc.wait(timeout=timeout)
+                codes[container_name] = proc.proc.wait(
+                    timeout=max(0.0, deadline - time.monotonic())
+                )
+            except subprocess.TimeoutExpired:
+                codes[container_name] = 137
             finally:
                 proc.stop()
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
