@@ -18,6 +18,7 @@ vLLM, ZeroMQ, numba or zstandard).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import secrets
@@ -44,6 +45,7 @@ from refit_tools.tiny_models import write_tiny_model
 from tests.harness.kube import KubeCluster
 from tests.harness.kubelet import LocalImage, LocalKubelet, LocalPod
 from tests.harness.operator_env import wait_for
+from tests.harness.service_proxy import ServiceProxy
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -85,6 +87,9 @@ class Journey:
         self.token = secrets.token_hex(16)
         self.ckpt = root / "checkpoints"
         self.webhook_port, self.metrics_port = free_ports(2)
+        # The webhook's Service (webhook.url points at it): the operator pods bind their own
+        # addresses and join it once ready, as the endpoints controller adds them.
+        self.service = ServiceProxy(self.webhook_port)
         self.operator: LocalPod | None = None
         self.started = time.time()
 
@@ -144,7 +149,13 @@ class Journey:
             env={"KUBECONFIG": str(kubeconfig)},
             ready={"operator": lambda p: http_ok(f"http://{p.ip}:{self.metrics_port}/readyz")},
         )
+        self.service.add((self.operator.ip, self.webhook_port))
         return self.operator
+
+    def stop_operator(self, pod: LocalPod) -> None:
+        """What deleting an operator pod does: it leaves the Service, then gets SIGTERM."""
+        self.service.remove((pod.ip, self.webhook_port))
+        pod.stop()
 
     def operator_checksums(self) -> dict[str, str]:
         (deployment,) = self.apps.list_namespaced_deployment(self.system).items
@@ -348,6 +359,39 @@ class Journey:
 
     def stop(self) -> None:
         self.kubelet.stop()
+        self.service.close()
+
+
+class PodStream:
+    """Creates an opted-in pod every 0.1 s from a thread until stopped: what a busy cluster
+    does while the operator is upgraded. Its pods match no policy selector (never run)."""
+
+    def __init__(self, j: Journey) -> None:
+        self.j = j
+        self.created: list[tuple[str, list[str]]] = []
+        self.refused: list[tuple[str, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for i in itertools.count():
+            if self._stop.wait(0.1):
+                return
+            pod = self.j.vllm_pod(f"stream-{i}", 1)
+            pod["metadata"]["labels"] = {"app": "stream"}
+            try:
+                stored = self.j.core.create_namespaced_pod(self.j.ns, pod)
+            except client.ApiException as exc:
+                self.refused.append((f"stream-{i}", str(exc.body)))
+                continue
+            self.created.append((f"stream-{i}", [c.name for c in stored.spec.containers]))
+
+    def stop(self, after_s: float) -> tuple[list[tuple[str, list[str]]], list[tuple[str, str]]]:
+        time.sleep(after_s)
+        self._stop.set()
+        self._thread.join(30)
+        return self.created, self.refused
 
 
 #: A trainer that ends: its publisher reaches the sidecar (from then on the sidecar knows it
@@ -711,7 +755,7 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
     assert "Committed" in described.split("Events:")[1]
 
     # -- the operator is down: failurePolicy Ignore admits the pod uninjected; it is reported ----
-    operator.stop()
+    j.stop_operator(operator)
     j.apply(j.vllm_pod("missed", 1))
     assert _containers(j.pod("missed")) == ["vllm"]
     j.start_operator()
@@ -729,11 +773,26 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
         timeout=60,
     )
 
-    # -- helm upgrade: same CA, same caBundle; injection keeps working ----------------------------
+    # -- helm upgrade while opted-in pods are being created: same CA, same caBundle, and the
+    # rolling update (maxSurge 1, maxUnavailable 0) as the Deployment and endpoints controllers
+    # run it: the new operator pod joins the Service once ready, then the old one leaves it and
+    # stops. Every pod created meanwhile is injected or refused with a message.
     upgraded = j.values()
     upgraded["sidecar"] = {"resources": {"requests": {"cpu": "2", "memory": "1Gi"}}}
     checksums_before = j.operator_checksums()
+    old_operator = j.operator
+    assert old_operator is not None
+    stream = PodStream(j)
     j.helm.upgrade(CHART, j.release, upgraded, namespace=j.system, timeout=60)
+    j.start_operator()  # the new ReplicaSet's pod, from the upgraded template
+    j.stop_operator(old_operator)
+    created, refused = stream.stop(after_s=2.0)
+    print(f"pods created during the upgrade: {len(created)} admitted, {len(refused)} refused")
+    assert len(created) + len(refused) >= 20, (created, refused)
+    assert [name for name, containers in created if "kuberefit-sidecar" not in containers] == []
+    assert all("denied the request" in message for _, message in refused), refused
+    for name, _ in created:
+        j.core.delete_namespaced_pod(name, j.ns, grace_period_seconds=0)
     assert _tls(j) == tls_before
     assert _webhook_config(j)["webhooks"][0]["clientConfig"]["caBundle"] == tls_before["ca.crt"]
     checksums = j.operator_checksums()  # new sidecar values roll the operator; the cert does not
@@ -815,7 +874,7 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
 
     # -- helm uninstall: pods can still be created; CRDs and objects stay -------------------------
     assert j.operator is not None
-    j.operator.stop()  # what deleting the Deployment does to its pod (first: no RBAC race)
+    j.stop_operator(j.operator)  # what deleting the Deployment does (first: no RBAC race)
     j.helm.uninstall(j.release, timeout=60)
     j.apply(j.vllm_pod("after", 1))
     assert _containers(j.pod("after")) == ["vllm"]

