@@ -19,18 +19,28 @@ from __future__ import annotations
 
 from refit_operator.discovery import PodView
 from refit_operator.policy_spec import PolicySpec
-from refit_protocol.producer_api import FixedSettings
+from refit_protocol.producer_api import FixedSettings, ProducerStatus
 
 #: The Event reason on a pod whose fixed settings differ from its policy's.
 RESTART_REQUIRED = "RestartRequired"
 
 
-def fixed_drift(view: PodView, spec: PolicySpec, fixed: FixedSettings | None) -> list[str]:
+#: What a trainer sidecar of a release before settings followed the policy is told.
+OLD_SIDECAR = (
+    "its sidecar image predates settings that follow the policy: it streams with the "
+    "spec.encoding and spec.bucketBytes it was injected with"
+)
+
+
+def fixed_drift(
+    view: PodView, spec: PolicySpec, fixed: FixedSettings | None, *, follows: bool = True
+) -> list[str]:
     """One line per setting `view`'s pod holds other than `spec` says (empty: none).
 
     `fixed`: what the pod's trainer sidecar reports (None for a rollout pod, or a trainer
-    sidecar not asked yet)."""
-    drift: list[str] = []
+    sidecar not asked yet); `follows`: whether that sidecar takes the stream settings with
+    each plan (False for an older sidecar, which reports none)."""
+    drift: list[str] = [] if follows else [OLD_SIDECAR]
     want = (spec.token_secret.name, spec.token_secret.key)
     if view.token_secret is not None and view.token_secret != want:
         drift.append(
@@ -62,35 +72,46 @@ def restart_message(view: PodView, drift: list[str]) -> str:
 
 class FixedSettingsWatch:
     """Which of a policy's pods hold fixed settings other than its spec, and which of those
-    were reported already (one Event per pod and difference, again after a change)."""
+    differences were reported already (an Event when a pod has one not reported before)."""
 
     def __init__(self) -> None:
         self._fixed: dict[str, FixedSettings | None] = {}  # pod uid -> its producer's report
+        self._follows: dict[str, bool] = {}  # pod uid -> its producer takes plan settings
         self._reported: set[tuple[str, str]] = set()
         #: One line per pod that differs (for the policy's SettingsApplied condition).
         self.current: tuple[str, ...] = ()
 
-    def saw(self, view: PodView, fixed: FixedSettings | None) -> None:
+    def saw(self, view: PodView, status: ProducerStatus) -> None:
         """What `view`'s trainer sidecar reported in its status."""
-        self._fixed[view.uid] = fixed
+        self._fixed[view.uid] = status.fixed
+        # A sidecar of the previous release reports no settings and refuses plans with them.
+        self._follows[view.uid] = status.settings is not None
+
+    def all_follow(self, pods: list[PodView]) -> bool:
+        """Whether every one of `pods` (the trainers) takes the stream settings with a plan:
+        only then do plans carry them."""
+        return all(self._follows.get(view.uid, False) for view in pods)
 
     def check(self, pods: list[PodView], spec: PolicySpec) -> list[tuple[PodView, str]]:
-        """Compare `pods` (the policy's injected pods) with `spec`; the (pod, message) pairs
-        not reported before."""
+        """Compare `pods` (the policy's injected pods) with `spec`; the (pod, message) pairs to
+        announce: pods with a difference not reported before (the message names them all)."""
         lines: list[str] = []
         new: list[tuple[PodView, str]] = []
         reported: set[tuple[str, str]] = set()
         for view in pods:
-            drift = fixed_drift(view, spec, self._fixed.get(view.uid))
+            drift = fixed_drift(
+                view, spec, self._fixed.get(view.uid), follows=self._follows.get(view.uid, True)
+            )
             if not drift:
                 continue
-            message = restart_message(view, drift)
             lines.append(f"{view.name}: {'; '.join(drift)}")
-            reported.add((view.uid, message))
-            if (view.uid, message) not in self._reported:
-                new.append((view, message))
+            keys = {(view.uid, line) for line in drift}
+            if not keys <= self._reported:
+                new.append((view, restart_message(view, drift)))
+            reported |= keys
         alive = {view.uid for view in pods}
         self._fixed = {uid: f for uid, f in self._fixed.items() if uid in alive}
+        self._follows = {uid: f for uid, f in self._follows.items() if uid in alive}
         self._reported = reported
         self.current = tuple(lines)
         return new

@@ -296,14 +296,15 @@ class PolicyRunner:
         self.coordinator.config = spec.coordinator_config()
         if await recorder.open():
             metrics.TAKEOVERS.labels(**self.labels).inc()
+        # Sidecars of the previous release take no settings with a plan (reported instead).
+        follow = self._fixed_settings.all_follow(list(found.ready_trainers))
+        settings = spec.stream_settings() if follow else None
         self._current = recorder.name
         self._current_summary = f"v{kv.version} -> v{kv.version + 1}"
         await self._write_status(obj, self._observed(spec, found, state))
         try:
             result = await self._run_while_leader(
-                self.coordinator.run_transition(
-                    frozenset(membership.incompatible), spec.stream_settings()
-                ),
+                self.coordinator.run_transition(frozenset(membership.incompatible), settings),
                 kv.version,
             )
         except asyncio.CancelledError:
@@ -525,7 +526,7 @@ class PolicyRunner:
                 why = str(exc) or f"no answer within {timeout:g}s"
                 self._producer_error = f"trainer pod {pod.name}: {why}"
                 return None
-            self._fixed_settings.saw(pod, status.fixed)
+            self._fixed_settings.saw(pod, status)
             if status.producers is not None and status.producers != spec.producers:
                 self._producer_error = (
                     f"trainer pod {pod.name} splits the checkpoint among {status.producers} "

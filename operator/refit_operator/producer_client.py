@@ -60,7 +60,9 @@ class HttpProducerClient:
         headers = bearer_header(self._tokens.sending())
         data = None
         if body is not None:
-            data = body.model_dump_json().encode()
+            # Optional fields newer than the sidecar (e.g. AttemptPlan.settings) are left out
+            # when unset, so a sidecar of the previous release still takes the request.
+            data = body.model_dump_json(exclude_none=True).encode()
             headers["Content-Type"] = "application/json"
         url = f"{self.base_url}{PRODUCER_PREFIX}{path}"
         try:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from refit_operator.discovery import PodView, pod_view
-from refit_operator.pod_settings import FixedSettingsWatch, fixed_drift
+from refit_operator.pod_settings import OLD_SIDECAR, FixedSettingsWatch, fixed_drift
 from refit_operator.policy_spec import PolicySpec, parse_spec
-from refit_protocol.producer_api import FixedSettings
+from refit_protocol.producer_api import FixedSettings, ProducerStatus, StreamSettings
 
 
 def _spec(**extra: Any) -> PolicySpec:
@@ -39,6 +39,19 @@ def _view(name: str, secret: str = "alpha-token", key: str = "token") -> PodView
 DEFAULTS = FixedSettings(chunk_bytes="auto", baseline_storage="file")
 
 
+def _status(fixed: FixedSettings | None, *, current: bool = True) -> ProducerStatus:
+    """A trainer sidecar's status: of this release (`current`: it reports the settings in
+    effect), or of the previous one (neither settings nor fixed settings)."""
+    settings = StreamSettings(zstd_level=1, shuffle=True, bucket_bytes="auto")
+    return ProducerStatus(
+        producer=0,
+        committed_version=0,
+        committed_baseline="g",
+        settings=settings if current else None,
+        fixed=fixed if current else None,
+    )
+
+
 def test_a_pod_that_matches_its_policy_has_no_drift() -> None:
     view = _view("t0")
     assert view.token_secret == ("alpha-token", "token")
@@ -66,7 +79,9 @@ def test_each_fixed_setting_is_named() -> None:
 def test_the_watch_reports_each_difference_once_and_forgets_gone_pods() -> None:
     watch = FixedSettingsWatch()
     stale, fresh = _view("t0", secret="kuberefit-token"), _view("t1")
-    watch.saw(fresh, FixedSettings(chunk_bytes=1 << 20, baseline_storage="file"))
+    watch.saw(fresh, _status(FixedSettings(chunk_bytes=1 << 20, baseline_storage="file")))
+    watch.saw(stale, _status(FixedSettings(chunk_bytes=1 << 20, baseline_storage="file")))
+    assert watch.all_follow([stale, fresh])
     new = watch.check([stale, fresh], _spec())
     assert [v.name for v, _ in new] == ["t0", "t1"]
     assert "delete the pod" in new[0][1].lower()
@@ -74,7 +89,7 @@ def test_the_watch_reports_each_difference_once_and_forgets_gone_pods() -> None:
     assert watch.current[0].startswith("t0: spec.tokenSecret")
     assert watch.check([stale, fresh], _spec()) == []  # reported already
     assert len(watch.current) == 2  # still listed for the condition
-    # The policy changes to what t1 holds: only t0 is left, and is not reported again.
+    # The policy changes to what both hold: t0's token Secret is left, reported already.
     assert watch.check([stale, fresh], _spec(chunkBytes=1 << 20)) == []
     assert [line.split(":")[0] for line in watch.current] == ["t0"]
     # t0 is recreated with the policy's Secret (a new pod): nothing left.
@@ -82,3 +97,18 @@ def test_the_watch_reports_each_difference_once_and_forgets_gone_pods() -> None:
     assert watch.current == ()
     # A difference that comes back is reported again.
     assert [v.name for v, _ in watch.check([fresh], _spec())] == ["t1"]
+
+
+def test_a_sidecar_of_the_previous_release_gets_no_settings_and_is_named() -> None:
+    """Plans carry the stream settings only when every trainer sidecar takes them (an older
+    one refuses unknown fields); the older one is reported until it is recreated."""
+    watch = FixedSettingsWatch()
+    old, new = _view("t0"), _view("t1")
+    watch.saw(old, _status(None, current=False))
+    watch.saw(new, _status(DEFAULTS))
+    assert not watch.all_follow([old, new])
+    assert watch.all_follow([new])
+    assert fixed_drift(old, _spec(), None, follows=False) == [OLD_SIDECAR]
+    (reported,) = watch.check([old, new], _spec())
+    assert reported[0].name == "t0"
+    assert "predates settings that follow the policy" in reported[1]
