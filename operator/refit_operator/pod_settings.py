@@ -12,7 +12,8 @@ wrote them into the pod or its sidecar built state from them:
 A pod created before its policy (with the chart's defaults) or before a change of these has
 other values; it is never silently different: the operator names each such setting in an
 Event on the pod and in the policy's `SettingsApplied` condition. Deleting the pod applies
-them (its controller creates one that injection gives the policy's settings).
+them (its controller creates one that injection gives the policy's settings). So is a trainer
+sidecar of the previous release, which takes no settings with a plan (plans then carry none).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from refit_protocol.producer_api import FixedSettings, ProducerStatus
 
 #: The Event reason on a pod whose fixed settings differ from its policy's.
 RESTART_REQUIRED = "RestartRequired"
-
 
 #: What a trainer sidecar of a release before settings followed the policy is told.
 OLD_SIDECAR = (
