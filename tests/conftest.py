@@ -8,9 +8,10 @@ is missing fails the test with instructions; nothing is skipped (in CI or elsewh
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
@@ -137,3 +138,10 @@ def tiny_models(artifacts_dir: Path) -> dict[str, Path]:
         family: write_tiny_model(root / family, family, seed=1)  # type: ignore[arg-type]
         for family in ("qwen3", "qwen3_moe")
     }
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    """One aiohttp client session for a test's HTTP clients (closed after the test)."""
+    async with aiohttp.ClientSession() as s:
+        yield s

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import shutil
 import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -51,12 +50,6 @@ def write_v0(tmp_path: Path) -> Path:
     v0.mkdir(parents=True)
     save_file(canonical(0, tensors=2, numel=8), str(v0 / "model.safetensors"))
     return v0
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def test_a_missing_initial_checkpoint_refuses_the_start(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ restarted operator relearns a node's loader classification without asking its ru
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,12 +46,6 @@ async def _node(held: int | None) -> tuple[ReceiverNode, TinyModel, CountingInPr
     node = ReceiverNode(cfg, applier)
     await node.start()
     return node, model, applier
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def _pod(port: int, uid: str = "uid-1", restarts: int = 0, **kw: object) -> PodView:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -103,12 +102,6 @@ def exposition(registry: CollectorRegistry) -> str:
 
 def labels_of(text: str, family: str, label: str) -> set[str]:
     return {lab[label] for lab in parse_exposition(text)[family].labels if label in lab}
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def test_receiver_metrics(tmp_path: Path, session: aiohttp.ClientSession) -> None:

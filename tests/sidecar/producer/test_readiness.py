@@ -6,7 +6,6 @@ body (`ErrorBody`)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -46,12 +45,6 @@ def config(tmp_path: Path, reference: Path | None = None) -> ProducerProcessConf
         baseline={"directory": str(tmp_path / "baseline")},
         staging=staging,
     )
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def test_readyz_names_a_missing_inbox(tmp_path: Path, session: aiohttp.ClientSession) -> None:

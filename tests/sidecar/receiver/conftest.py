@@ -1,12 +1,11 @@
-"""One in-process receiver node (HTTP on a free port, token `NODE_TOKEN`) and a client session,
-shared by the service tests of this folder."""
+"""One in-process receiver node (HTTP on a free port, token `NODE_TOKEN`), shared by the service
+tests of this folder (their client session is tests/conftest.py's)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 from pydantic import SecretStr
 
@@ -24,9 +23,3 @@ async def node(tmp_path: Path) -> AsyncIterator[ReceiverNode]:
         yield n
     finally:
         await n.close()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s

@@ -187,6 +187,16 @@ def recording_applier(
     return RecordingApplier(TinyModel(canonical(seed, tensors, numel)), log_path, with_fingerprint)
 
 
+def recording_settings(i: int, log: Path) -> dict[str, object]:
+    """Applier settings of node `i` of a test cluster (`tests.harness.receivers.start_cluster`): the
+    recording applier, logging to `log`."""
+    return {
+        "kind": "factory",
+        "factory": "tests.sidecar.receiver.models:recording_applier",
+        "options": {"log_path": str(log), "seed": 0},
+    }
+
+
 def slow_applier(
     log_path: str,
     delay_s: float,

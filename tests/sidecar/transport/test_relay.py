@@ -11,7 +11,6 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 import pytest
@@ -42,6 +41,7 @@ from tests.sidecar.receiver.models import (
     payloads,
     perturb,
     read_applied,
+    recording_settings,
 )
 
 CLIENT = DealerConfig(ack_timeout_s=3.0, max_retries=2, unknown_attempt_timeout_s=5.0)
@@ -56,17 +56,9 @@ class Held:
     weights: dict[str, torch.Tensor]
 
 
-def recording(i: int, log: Path) -> dict[str, object]:
-    return {
-        "kind": "factory",
-        "factory": "tests.sidecar.receiver.models:recording_applier",
-        "options": {"log_path": str(log), "seed": 0},
-    }
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(tmp_path_factory.mktemp("relay7"), 7, applier=recording)
+    c = start_cluster(tmp_path_factory.mktemp("relay7"), 7, applier=recording_settings)
     try:
         c.each(lambda n: n.ctl.prewarm(metas(canonical(0))))
         yield c

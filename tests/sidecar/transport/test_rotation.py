@@ -31,20 +31,13 @@ from tests.sidecar.receiver.models import (
     payloads,
     perturb,
     read_applied,
+    recording_settings,
 )
 
 GRACE_S = 2.0
 A, B = "rotation-token-a-5d1c0f", "rotation-token-b-93e7aa"
 CLIENT = DealerConfig(ack_timeout_s=3.0, max_retries=2, unknown_attempt_timeout_s=5.0)
 REFUSED = 'kuberefit_relay_frames_dropped_total{reason="handshake'
-
-
-def recording(i: int, log: Path) -> dict[str, object]:
-    return {
-        "kind": "factory",
-        "factory": "tests.sidecar.receiver.models:recording_applier",
-        "options": {"log_path": str(log), "seed": 0},
-    }
 
 
 class Rotation:
@@ -57,7 +50,7 @@ class Rotation:
         self.cluster: Cluster = start_cluster(
             workdir,
             3,
-            applier=recording,
+            applier=recording_settings,
             token=A,
             token_file=lambda i: self.files[i],
             token_rotation_grace_s=GRACE_S,
