@@ -186,16 +186,7 @@ class LocalKubelet:
         side by side, each until it exits (`timeout` for them all), then phase Succeeded (every
         exit 0) or Failed, as a kubelet reports it. Returns the first non-zero exit code, else
         0 (a container still running at the deadline is stopped and counts as 137)."""
-        pod = self.get(namespace, name)
-        meta, spec = pod["metadata"], pod["spec"]
-        local = LocalPod(namespace, name, meta["uid"], next_pod_ip(), {})
-        self.pods.append(local)
-        self.set_status(local, [c["name"] for c in spec["containers"]])
-        local.volumes = self._volumes(pod)
-        for container in spec["containers"]:
-            proc = self._process(pod, local, container, env or {})
-            local.processes[container["name"]] = proc
-            proc.launch()
+        local = self.run(namespace, name, env=env, timeout=timeout)
         deadline = time.monotonic() + timeout
         codes: dict[str, int] = {}
         for container_name, proc in local.processes.items():

@@ -259,6 +259,7 @@ def _build(
         ops += wiring.replace
         ops += _append(paired.args, f"{base}/args", wiring.append_args)
     if native:  # started before, stopped after the pod's containers; never holds a Job up
+        sidecar["restartPolicy"] = "Always"
         ops += _append(spec.init_containers, "/spec/initContainers", [sidecar])
     else:
         ops.append({"op": "add", "path": "/spec/containers/-", "value": sidecar})
@@ -384,10 +385,7 @@ def _producer(
         settings["exit_with_trainer"] = exit_with_trainer
     ports = [{"name": CONTROL_PORT, "containerPort": cfg.ports.producer, "protocol": "TCP"}]
     command = ["kuberefit", "producer", "serve"]
-    sidecar = _sidecar(cfg, command, _common_env(cfg, token_file, settings), ports, resources)
-    if cfg.native_sidecars == "on":
-        sidecar["restartPolicy"] = "Always"
-    return sidecar
+    return _sidecar(cfg, command, _common_env(cfg, token_file, settings), ports, resources)
 
 
 def _producer_index(pod: Pod, policy: PolicyFacts) -> int:
