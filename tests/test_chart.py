@@ -101,6 +101,10 @@ def render(chart: helm_python.Chart, values: dict[str, Any] | None = None) -> Re
     )
 
 
+def pod_spec_of(out: Rendered) -> dict[str, Any]:
+    return dict(out.get("Deployment", f"{FULLNAME}-operator")["spec"]["template"]["spec"])
+
+
 def operator_container(out: Rendered) -> dict[str, Any]:
     pod = out.get("Deployment", f"{FULLNAME}-operator")["spec"]["template"]["spec"]
     [container] = pod["containers"]
@@ -173,7 +177,10 @@ def test_operator_deployment(chart: helm_python.Chart) -> None:
         "--webhook-bind=0.0.0.0:9443",
         "--webhook-cert-dir=/etc/kuberefit/webhook-tls",
         "--injection-config=/etc/kuberefit/injection/injection.json",
+        "--webhook-drain-seconds=5",
     ]
+    # A stopping pod drains its webhook (5 s) within its grace period (30 s).
+    assert pod_spec_of(out)["terminationGracePeriodSeconds"] == 30
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
@@ -484,6 +491,8 @@ def test_webhook_disabled_renders_no_webhook(chart: helm_python.Chart) -> None:
         {"logLevel": "verbose"},
         {"image": {"pullPolicy": "Sometimes"}},
         {"webhook": {"url": "http://insecure.example"}},
+        {"webhook": {"drainSeconds": -1}},
+        {"operator": {"terminationGracePeriodSeconds": 0}},
         {"operatr": {}},
     ],
 )
@@ -701,6 +710,22 @@ def test_schema_covers_every_value(chart: helm_python.Chart) -> None:
             node = resolve(node)
             assert key in node.get("properties", {}), f"values.schema.json lacks {path}"
             node = node["properties"][key]
+
+
+def test_a_drain_longer_than_the_grace_period_is_refused_with_the_fix(
+    chart: helm_python.Chart,
+) -> None:
+    with pytest.raises(helm_python.HelmError, match=r"webhook\.drainSeconds \(30\) must be below"):
+        render(chart, {"webhook": {"drainSeconds": 30}})
+    out = render(chart, {"webhook": {"drainSeconds": 0.5}, "operator": {"replicas": 3}})
+    assert "--webhook-drain-seconds=0.5" in operator_container(out)["args"]
+    longer = render(
+        chart, {"webhook": {"drainSeconds": 30}, "operator": {"terminationGracePeriodSeconds": 60}}
+    )
+    assert pod_spec_of(longer)["terminationGracePeriodSeconds"] == 60
+    # Without the webhook there is nothing to drain, and no flag.
+    off = render(chart, {"webhook": {"enabled": False, "drainSeconds": 30}})
+    assert not any(a.startswith("--webhook") for a in operator_container(off)["args"])
 
 
 def test_an_existing_service_account_must_be_named(chart: helm_python.Chart) -> None:

@@ -153,9 +153,13 @@ class Journey:
         return self.operator
 
     def stop_operator(self, pod: LocalPod) -> None:
-        """What deleting an operator pod does: it leaves the Service, then gets SIGTERM."""
+        """What deleting an operator pod does: it leaves the Service, then gets SIGTERM. It
+        drains its webhook and stops within the chart's grace period, with exit 0."""
         self.service.remove((pod.ip, self.webhook_port))
         pod.stop()
+        proc = pod.processes["operator"].proc
+        assert proc is not None
+        assert proc.returncode == 0, pod.processes["operator"].log_path.read_text()[-2000:]
 
     def operator_checksums(self) -> dict[str, str]:
         (deployment,) = self.apps.list_namespaced_deployment(self.system).items

@@ -201,6 +201,15 @@ def operator_group() -> None:
     help="JSON of what the webhook injects (the chart's injection.json). Default: the chart's "
     "default values.",
 )
+@click.option(
+    "--webhook-drain-seconds",
+    type=click.FloatRange(min=0, max=300),
+    default=5.0,
+    show_default=True,
+    help="On SIGTERM, keep answering admission reviews this long, each answer closing its "
+    "connection, so the API server moves to the replicas that stay (keep it below the pod's "
+    "terminationGracePeriodSeconds).",
+)
 @service_command
 def operator_serve(
     namespaces: tuple[str, ...],
@@ -213,6 +222,7 @@ def operator_serve(
     webhook_bind: str | None,
     webhook_cert_dir: Path | None,
     injection_config: Path | None,
+    webhook_drain_seconds: float,
 ) -> None:
     """Run the kopf operator: one coordinator per RefitPolicy, pods discovered by annotation.
 
@@ -231,6 +241,7 @@ def operator_serve(
         "metrics_token_file": metrics_token_file,
         "lease_s": lease_seconds,
         "poll_s": poll_seconds,
+        "webhook_drain_s": webhook_drain_seconds,
     }
     if webhook_bind is not None:
         fields["webhook_host"], fields["webhook_port"] = _host_port(webhook_bind, "--webhook-bind")

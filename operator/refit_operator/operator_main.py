@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 from pathlib import Path
 
 import structlog
@@ -21,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from refit_operator import metrics as _metrics  # noqa: F401 - the families /metrics serves
 from refit_operator.injection.config import load_injection_config, with_native_sidecars
+from refit_operator.server_thread import ServerThread
+from refit_operator.webhook import DEFAULT_DRAIN_S
 from refit_protocol.auth import bearer_ok, require_token_or_loopback, resolve_token
 from refit_protocol.http_log import request_logger
 from refit_protocol.service_http import (
@@ -78,6 +81,13 @@ class OperatorConfig(BaseModel):
     injection_config: Path | None = Field(
         None, description="What the webhook injects (the chart's injection.json)."
     )
+    webhook_drain_s: float = Field(
+        DEFAULT_DRAIN_S,
+        ge=0,
+        le=300,
+        description="Seconds a stopping operator keeps answering admission reviews, each answer "
+        "closing its connection, so that the API server moves to the replicas that stay.",
+    )
 
     def leases_in(self) -> str:
         """The Leases' namespace, or ValueError naming the fix."""
@@ -91,14 +101,19 @@ class OperatorConfig(BaseModel):
         )
 
 
-def health_app(ready: asyncio.Event, token: str | None) -> web.Application:
+def health_app(
+    ready: threading.Event, token: str | None, stopping: threading.Event | None = None
+) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
     async def readyz(_: web.Request) -> web.Response:
         started = ready.is_set()
         detail = "started, indices filled" if started else "starting: kopf's indices not filled"
-        return readiness_response(Readiness.of([("kopf", started, detail)]))
+        checks = [("kopf", started, detail)]
+        if stopping is not None and stopping.is_set():
+            checks.append(("stopping", False, "stopping: the webhook drains"))
+        return readiness_response(Readiness.of(checks))
 
     async def metrics(request: web.Request) -> web.Response:
         if not bearer_ok(token, request.headers.get("Authorization", "")):
@@ -113,7 +128,7 @@ def health_app(ready: asyncio.Event, token: str | None) -> web.Application:
 
 
 async def run(config: OperatorConfig) -> None:
-    """Run until SIGTERM/SIGINT (kopf handles the signals)."""
+    """Run until SIGTERM/SIGINT (kopf handles the signals), then drain the webhook."""
     import kopf
 
     from refit_operator.kube.api import KubeApi
@@ -144,31 +159,54 @@ async def run(config: OperatorConfig) -> None:
             server=f"{major}.{minor}",
             native_sidecars=injection.native_sidecars,
         )
-    ready = asyncio.Event()
-    runner = web.AppRunner(health_app(ready, token), access_log=None, handle_signals=False)
-    await runner.setup()
-    await web.TCPSite(runner, config.metrics_host, config.metrics_port).start()
-    webhook = None
-    if config.webhook_host is not None and config.webhook_cert_dir is not None:
-        webhook = await serve_webhook(
-            api, injection, config.webhook_host, config.webhook_port, config.webhook_cert_dir
-        )
-    log.info(
-        "operator.starting",
-        identity=config.identity,
-        namespaces=config.namespaces or "cluster-wide",
-        metrics=f"{config.metrics_host}:{config.metrics_port}",
-    )
+    # The servers run on their own loop: kopf's shutdown would cancel their connections.
+    servers = ServerThread()
+    ready, stopping = threading.Event(), threading.Event()
     try:
-        await kopf.operator(
-            registry=registry,
-            standalone=True,
-            clusterwide=not config.namespaces,
-            namespaces=config.namespaces,
-            memo=Memo(api=api, settings=settings),
-            ready_flag=ready,
+        runner = await servers.call(
+            _serve_health(
+                health_app(ready, token, stopping), config.metrics_host, config.metrics_port
+            )
         )
+        webhook = None
+        if config.webhook_host is not None and config.webhook_cert_dir is not None:
+            webhook = await servers.call(
+                serve_webhook(
+                    api,
+                    injection,
+                    config.webhook_host,
+                    config.webhook_port,
+                    config.webhook_cert_dir,
+                )
+            )
+        log.info(
+            "operator.starting",
+            identity=config.identity,
+            namespaces=config.namespaces or "cluster-wide",
+            metrics=f"{config.metrics_host}:{config.metrics_port}",
+        )
+        try:
+            await kopf.operator(
+                registry=registry,
+                standalone=True,
+                clusterwide=not config.namespaces,
+                namespaces=config.namespaces,
+                memo=Memo(api=api, settings=settings),
+                ready_flag=ready,
+            )
+        finally:
+            stopping.set()
+            log.info("operator.stopping", webhook_drain_s=config.webhook_drain_s if webhook else 0)
+            if webhook is not None:
+                await servers.call(webhook.stop(config.webhook_drain_s))
+            await servers.call(runner.cleanup())
     finally:
-        if webhook is not None:
-            await webhook.stop()
-        await runner.cleanup()
+        await servers.close()
+        log.info("operator.stopped")
+
+
+async def _serve_health(app: web.Application, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

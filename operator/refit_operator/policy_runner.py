@@ -134,6 +134,7 @@ class PolicyRunner:
     async def run(self) -> None:
         log.info("policy.started", namespace=self.namespace, policy=self.name)
         lease: asyncio.Task[None] | None = None
+        cancelled = False  # a graceful stop ends its pass; a cancelled one is cut mid-pass
         try:
             async with aiohttp.ClientSession() as session:
                 self.session = session
@@ -149,13 +150,18 @@ class PolicyRunner:
                     else:
                         self._error = ""
                     await self._sleep(self.settings.poll_s)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             if lease is not None:
                 lease.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await lease
             metrics.LEADER.labels(**self.labels).set(0)
-            log.info("policy.stopped", namespace=self.namespace, policy=self.name)
+            log.info(
+                "policy.stopped", namespace=self.namespace, policy=self.name, cancelled=cancelled
+            )
 
     async def step(self) -> None:
         """One pass (see the module docstring)."""

@@ -12,6 +12,13 @@ Anyone who reaches the port may post anything, so the answer is always an Admiss
 `MAX_REVIEW_BYTES` (refused while it is read), 400 for one that is not an AdmissionReview of a
 Pod (`injection.parse_review`: strict JSON, bounded nesting, one validated model; the message
 names the field). A failure while deciding denies the pod with a reason, never a 500.
+
+Stopping never costs a pod its sidecar (`WebhookServer.stop`): the API server keeps its
+connections to this pod open after the pod has left the Service, and a connection the server
+closes just as a review is sent on it fails that review, which `failurePolicy: Ignore` turns into
+a pod admitted without its sidecar. So the server first drains: for `--webhook-drain-seconds` it
+keeps answering, new connections included, and every answer says `Connection: close`, so the API
+server drops each connection after its review and opens the next one to a pod that stays.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pathlib import Path
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from refit_operator.admission_reads import PolicyReads, review_deadline
 from refit_operator.injection import (
@@ -57,6 +65,8 @@ CERT_RELOAD_S = 60.0
 #: What the API server waits for the webhook when its review names no `timeout` (the chart's
 #: webhook.timeoutSeconds default); a review's policy read gets most of it (`review_deadline`).
 DEFAULT_TIMEOUT_S = 5.0
+#: How long a stopping webhook keeps answering with `Connection: close` (`WebhookServer.stop`).
+DEFAULT_DRAIN_S = 5.0
 #: Distinct policies read at once: a flood of reviews may not starve the policy loops' threads.
 POLICY_READS_AT_ONCE = 8
 
@@ -135,6 +145,35 @@ async def policy_facts(
     return PolicyLookup(facts, [])
 
 
+class Drain:
+    """Whether the server is draining: from then on each answer closes its connection."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def begin(self) -> None:
+        if self.since is None:
+            self.since = asyncio.get_running_loop().time()
+            log.info("webhook.draining")
+
+    def remaining(self, drain_s: float) -> float:
+        """Seconds of `drain_s` still to go (the drain begins now if it has not)."""
+        self.begin()
+        assert self.since is not None
+        return max(0.0, self.since + drain_s - asyncio.get_running_loop().time())
+
+
+DRAIN = web.AppKey("drain", Drain)
+
+
+@web.middleware
+async def close_while_draining(request: web.Request, handler: Handler) -> web.StreamResponse:
+    response = await handler(request)
+    if request.app[DRAIN].since is not None:
+        response.force_close()  # `Connection: close`: the next review takes a new connection
+    return response
+
+
 def webhook_app(api: KubeApi, config: InjectionConfig) -> web.Application:
     reads = PolicyReads(api.get_policy, at_once=POLICY_READS_AT_ONCE)
 
@@ -186,8 +225,10 @@ def webhook_app(api: KubeApi, config: InjectionConfig) -> web.Application:
         return decision
 
     app = web.Application(
-        middlewares=[request_logger("webhook"), json_errors], client_max_size=MAX_REVIEW_BYTES
+        middlewares=[close_while_draining, request_logger("webhook"), json_errors],
+        client_max_size=MAX_REVIEW_BYTES,
     )
+    app[DRAIN] = Drain()
     app.router.add_post(PATH, mutate)
     return app
 
@@ -236,12 +277,18 @@ class WebhookServer:
 
     runner: web.AppRunner
     reloader: asyncio.Task[None]
+    drain: Drain
 
-    async def stop(self) -> None:
+    async def stop(self, drain_s: float = DEFAULT_DRAIN_S) -> None:
+        """Answer for `drain_s` more seconds, each answer closing its connection (the module
+        docstring says why), then close: reviews in flight are answered, idle connections
+        closed."""
+        await asyncio.sleep(self.drain.remaining(drain_s))
         self.reloader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.reloader
         await self.runner.cleanup()
+        log.info("webhook.stopped")
 
 
 async def serve_webhook(
@@ -249,7 +296,8 @@ async def serve_webhook(
 ) -> WebhookServer:
     """Start the HTTPS server on host:port with the certificate in `cert_dir`."""
     cert = ServingCert(cert_dir)
-    runner = web.AppRunner(webhook_app(api, config), access_log=None, handle_signals=False)
+    app = webhook_app(api, config)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     await web.TCPSite(runner, host, port, ssl_context=cert.context).start()
 
@@ -259,4 +307,5 @@ async def serve_webhook(
             cert.reload_if_changed()
 
     log.info("webhook.serving", bind=f"{host}:{port}", path=PATH)
-    return WebhookServer(runner, asyncio.get_running_loop().create_task(reload_loop()))
+    reloader = asyncio.get_running_loop().create_task(reload_loop())
+    return WebhookServer(runner, reloader, app[DRAIN])

@@ -86,10 +86,13 @@ class LocalPod:
     ip: str
     volumes: dict[str, Path]
     processes: dict[str, ManagedProcess] = field(default_factory=dict)
+    #: SIGTERM to SIGKILL: the pod's terminationGracePeriodSeconds where it sets one, else 10 s
+    #: (the harness's default, shorter than the kubelet's 30 s to keep teardowns quick).
+    grace_s: float = 10.0
 
     def stop(self) -> None:
         for proc in reversed(list(self.processes.values())):
-            proc.stop()
+            proc.stop(grace=self.grace_s)
         for path in self.volumes.values():
             if str(path).startswith("/dev/shm/"):
                 shutil.rmtree(path, ignore_errors=True)
@@ -158,6 +161,8 @@ class LocalKubelet:
         pod = self.get(namespace, name)
         meta, spec = pod["metadata"], pod["spec"]
         local = LocalPod(namespace, name, meta["uid"], next_pod_ip(), {})
+        if spec.get("terminationGracePeriodSeconds") is not None:
+            local.grace_s = float(spec["terminationGracePeriodSeconds"])
         self.pods.append(local)
         self.set_status(local, [c["name"] for c in spec["containers"]])
         local.volumes = self._volumes(pod)

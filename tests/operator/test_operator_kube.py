@@ -7,6 +7,8 @@ every test here; the refit path itself is the e2e (tests/test_operator_e2e.py).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import signal
 import urllib.request
 import uuid
@@ -205,9 +207,32 @@ def _maybe(env: OperatorEnv, plural: str, name: str) -> dict | None:  # type: ig
 
 
 def test_sigterm_stops_an_operator_with_exit_0(env: OperatorEnv) -> None:
-    """As the sidecars and the coordinator: SIGTERM is a normal stop (`--help` says so)."""
+    """As the sidecars and the coordinator: SIGTERM is a normal stop (`--help` says so). Each
+    policy loop is asked to stop and ends its pass; none is cut off by kopf's cancellation of
+    leftover tasks (which is what happened while the loops were out of the cleanup's reach)."""
+    env.apply(env.policy("graceful", {}))
     standby = env.start_operator("stopped-by-sigterm")
     env.operators.remove(standby)
+
+    def started() -> list[dict]:  # type: ignore[type-arg]
+        return [e for e in _events(standby, "policy.started") if e["policy"] == "graceful"]
+
+    wait_for("the standby's loop of policy graceful", started)
     standby.kill(signal.SIGTERM)
     assert standby.proc is not None
     assert standby.proc.wait(timeout=60) == 0, standby.log_path.read_text()[-2000:]
+    stopped = _events(standby, "policy.stopped")
+    assert stopped, standby.log_path.read_text()[-2000:]
+    assert [e["cancelled"] for e in stopped] == [False] * len(stopped)
+    assert {e["policy"] for e in stopped} >= {"graceful"}
+    assert _events(standby, "operator.stopped")
+
+
+def _events(proc: ManagedProcess, event: str) -> list[dict]:  # type: ignore[type-arg]
+    found = []
+    for line in proc.log_path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("event") == event:
+                found.append(record)
+    return found

@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import shutil
+import ssl
 import time
 import uuid
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -22,8 +25,9 @@ from kubernetes.client.rest import ApiException
 
 from refit_operator.admission_reads import PolicyReads, review_deadline
 from refit_operator.injection import InjectionConfig
-from refit_operator.kube.api import NotFoundError
-from refit_operator.webhook import PATH, POLICY_READS_AT_ONCE, webhook_app
+from refit_operator.kube.api import KubeApi, NotFoundError
+from refit_operator.webhook import PATH, POLICY_READS_AT_ONCE, serve_webhook, webhook_app
+from tests.harness.pki import TestCA
 
 BURST = 40
 
@@ -177,3 +181,48 @@ async def test_a_namespace_the_operator_does_not_serve_is_refused_with_the_fix()
     message = response["status"]["message"]
     assert message.startswith("KubeRefit does not serve namespace rl"), message
     assert "operator.watchNamespaces" in message
+
+
+async def test_a_stopping_webhook_answers_through_its_drain_closing_each_connection(
+    tmp_path: Path,
+) -> None:
+    """The API server keeps connections to a pod that has left the Service; one closed just as
+    a review is sent on it fails the review (`failurePolicy: Ignore`: a pod without its
+    sidecar). So a stopping webhook answers for its drain, new connections included, each answer
+    with `Connection: close`, and only then closes."""
+    ca = TestCA(tmp_path / "pki")
+    pair = ca.issue("webhook")
+    cert_dir = tmp_path / "tls"
+    cert_dir.mkdir()
+    shutil.copy(pair.cert_path, cert_dir / "tls.crt")
+    shutil.copy(pair.key_path, cert_dir / "tls.key")
+    server = await serve_webhook(
+        cast(KubeApi, SlowApiServerFault(0.0)), InjectionConfig(), "127.0.0.1", 0, cert_dir
+    )
+    port = server.runner.addresses[0][1]
+    url = f"https://127.0.0.1:{port}{PATH}?timeout=5s"
+    tls = ssl.create_default_context(cafile=str(ca.cert_path))
+
+    async def review(session: aiohttp.ClientSession) -> tuple[str, dict[str, Any]]:
+        async with session.post(url, data=_review("alpha"), ssl=tls) as response:
+            assert response.status == 200
+            answer = (await response.json())["response"]
+            return response.headers.get("Connection", "keep-alive").lower(), answer
+
+    async with aiohttp.ClientSession() as pooled, aiohttp.ClientSession() as fresh:
+        connection, answer = await review(pooled)
+        assert connection == "keep-alive"  # serving: connections are reused
+        assert answer["allowed"] is True
+        started = time.monotonic()
+        stopping = asyncio.create_task(server.stop(drain_s=1.5))
+        await asyncio.sleep(0.2)
+        for session in (pooled, fresh):  # the kept connection, and one opened while draining
+            connection, answer = await review(session)
+            assert connection == "close"
+            assert answer["allowed"] is True
+            assert _patched_token_secret(answer) == "alpha-token"
+        assert not stopping.done()
+        await stopping
+        assert time.monotonic() - started >= 1.5
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await review(fresh)

@@ -45,13 +45,25 @@ registry = kopf.OperatorRegistry()
 
 
 @dataclass
+class Loops:
+    """The policy loops, made by the first policy event (they need kopf's index)."""
+
+    tasks: PolicyTasks | None = None
+
+
+@dataclass
 class Memo:
-    """What every handler shares (kopf passes it as `memo`)."""
+    """What every handler shares (kopf passes it as `memo`).
+
+    kopf hands each resource object a shallow copy of this memo, so a handler that assigns an
+    attribute changes its object's copy only. What the handlers must share lives in mutable
+    fields (`warned_pods`, `loops`) that every copy refers to: the cleanup handler, which gets
+    the original, must find the loops a policy event started to stop them gracefully."""
 
     api: KubeApi
     settings: RunnerSettings
     warned_pods: set[tuple[str, str]] = field(default_factory=set)
-    tasks: PolicyTasks | None = None  # made by the first policy event (it needs kopf's index)
+    loops: Loops = field(default_factory=Loops)
 
 
 @kopf.on.startup(registry=registry)
@@ -108,10 +120,11 @@ async def coordinate(
     policy_pods: kopf.Index[tuple[str, str], Any],
     **_: Any,
 ) -> None:
-    if memo.tasks is None:
-        memo.tasks = PolicyTasks(_policy_loop(memo, policy_pods))
+    loops = memo.loops
+    if loops.tasks is None:
+        loops.tasks = PolicyTasks(_policy_loop(memo, policy_pods))
     raw = dict(body)
-    if await memo.tasks.observe(raw, deleted=type == "DELETED"):
+    if await loops.tasks.observe(raw, deleted=type == "DELETED"):
         metrics.forget_policy(namespace, name)  # its series would stay forever otherwise
     finalizers = list(body.get("metadata", {}).get("finalizers") or [])
     if FINALIZER in finalizers and type != "DELETED":
@@ -125,8 +138,8 @@ async def coordinate(
 
 @kopf.on.cleanup(registry=registry)
 async def stop_coordinators(memo: Memo, **_: Any) -> None:
-    if memo.tasks is not None:
-        await memo.tasks.stop_all()
+    if memo.loops.tasks is not None:
+        await memo.loops.tasks.stop_all()
 
 
 @kopf.on.event("pods", annotations={POLICY: kopf.PRESENT}, registry=registry)
