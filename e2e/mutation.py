@@ -35,16 +35,16 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "codec-locations": (
         ["refit_sidecar/codec/locations.py"],
         [
-            "tests/sidecar/test_codec_locations.py",
-            "tests/sidecar/test_codec_roundtrip.py",
-            "tests/sidecar/test_codec_wire.py",
+            "tests/sidecar/codec/test_locations.py",
+            "tests/sidecar/codec/test_roundtrip.py",
+            "tests/sidecar/codec/test_wire.py",
         ],
     ),
     "codec-wire": (
         ["refit_sidecar/codec/wire.py"],
         [
-            "tests/sidecar/test_codec_wire.py",
-            "tests/sidecar/test_codec_limits.py",
+            "tests/sidecar/codec/test_wire.py",
+            "tests/sidecar/codec/test_limits.py",
             "tests/sidecar/codec/test_mac.py",
         ],
     ),

@@ -20,22 +20,14 @@ from aiohttp import web
 
 from refit_operator.commit_store import CommitStore
 from refit_operator.metrics import CoordinatorMetrics
-from refit_protocol.auth import require_token_or_loopback, ring_accepts_bearer
+from refit_protocol.auth import require_token_or_loopback
 from refit_protocol.errors import listen_error
 from refit_protocol.http_log import request_logger
-from refit_protocol.service_http import (
-    Handler,
-    ReadinessProbe,
-    json_errors,
-    metrics_response,
-    readiness_response,
-    unauthorized,
-)
+from refit_protocol.service_http import ReadinessProbe, add_probe_routes, bearer_guard, json_errors
 from refit_protocol.tokens import TokenRing
 
 log = structlog.get_logger("kuberefit.coordinator_service")
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 #: How long /readyz waits for the commit store.
 STORE_TIMEOUT_S = 2.0
 Check = tuple[str, bool, str]
@@ -90,30 +82,11 @@ class CoordinatorReadiness:
 def coordinator_app(
     metrics: CoordinatorMetrics, readiness: CoordinatorReadiness, tokens: TokenRing
 ) -> web.Application:
-    @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS and not ring_accepts_bearer(
-            tokens, request.headers.get("Authorization", "")
-        ):
-            return unauthorized()
-        return await handler(request)
-
-    async def healthz(_: web.Request) -> web.Response:
-        """Liveness only: the process's event loop answers."""
-        return web.json_response({"ok": True})
-
+    app = web.Application(
+        middlewares=[request_logger("coordinator"), json_errors, bearer_guard(tokens)]
+    )
     probe = ReadinessProbe(readiness.checks, timeout_s=STORE_TIMEOUT_S + 2.0)
-
-    async def readyz(_: web.Request) -> web.Response:
-        return readiness_response(await probe())
-
-    async def metrics_text(_: web.Request) -> web.Response:
-        return metrics_response(metrics.registry)
-
-    app = web.Application(middlewares=[request_logger("coordinator"), json_errors, guard])
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics_text)
+    add_probe_routes(app, probe, metrics.registry)
     return app
 
 

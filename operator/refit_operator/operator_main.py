@@ -24,15 +24,10 @@ from refit_operator import metrics as _metrics  # noqa: F401 - the families /met
 from refit_operator.injection.config import load_injection_config, with_native_sidecars
 from refit_operator.server_thread import ServerThread
 from refit_operator.webhook import DEFAULT_DRAIN_S
-from refit_protocol.auth import bearer_ok, require_token_or_loopback, resolve_token
+from refit_protocol.auth import require_token_or_loopback, resolve_token
 from refit_protocol.http_log import request_logger
-from refit_protocol.service_http import (
-    Readiness,
-    json_errors,
-    metrics_response,
-    readiness_response,
-    unauthorized,
-)
+from refit_protocol.service_http import Readiness, add_probe_routes, bearer_guard, json_errors
+from refit_protocol.tokens import as_ring
 
 log = structlog.get_logger("kuberefit.operator")
 
@@ -104,26 +99,20 @@ class OperatorConfig(BaseModel):
 def health_app(
     ready: threading.Event, token: str | None, stopping: threading.Event | None = None
 ) -> web.Application:
-    async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
+    """`/healthz`, `/readyz` (kopf started, not stopping) and `/metrics` (bearer `token`)."""
 
-    async def readyz(_: web.Request) -> web.Response:
+    async def readiness() -> Readiness:
         started = ready.is_set()
         detail = "started, indices filled" if started else "starting: kopf's indices not filled"
         checks = [("kopf", started, detail)]
         if stopping is not None and stopping.is_set():
             checks.append(("stopping", False, "stopping: the webhook drains"))
-        return readiness_response(Readiness.of(checks))
+        return Readiness.of(checks)
 
-    async def metrics(request: web.Request) -> web.Response:
-        if not bearer_ok(token, request.headers.get("Authorization", "")):
-            return unauthorized()
-        return metrics_response(REGISTRY)
-
-    app = web.Application(middlewares=[request_logger("operator"), json_errors])
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
+    app = web.Application(
+        middlewares=[request_logger("operator"), json_errors, bearer_guard(as_ring(token))]
+    )
+    add_probe_routes(app, readiness, REGISTRY)
     return app
 
 

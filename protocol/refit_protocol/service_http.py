@@ -1,5 +1,5 @@
-"""What every KubeRefit HTTP service answers the same way (aiohttp): error bodies, `/readyz`
-and `/metrics`.
+"""What every KubeRefit HTTP service answers the same way (aiohttp): error bodies, the bearer
+guard, `/healthz`, `/readyz` and `/metrics` (`add_probe_routes`).
 
 - Errors: `ErrorBody` (`refit_protocol.errors`): `{"error", "code", "details"}`;
   `error_response` builds one, `json_errors` turns aiohttp's own refusals (unknown path,
@@ -8,23 +8,30 @@ and `/metrics`.
   "detail": str}}}` with 200 when every check passes, else 503; each failed check's detail
   names what is missing. `/healthz` stays liveness: the process answers, nothing more.
 - Metrics (`/metrics`, bearer token): the process's registry in Prometheus text format.
+- The guard (`bearer_guard`): every path but `OPEN_PATHS` needs a token the ring accepts (a
+  service whose guard does more, e.g. counts answers per route, checks `OPEN_PATHS` itself).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from refit_protocol.auth import ring_accepts_bearer
 from refit_protocol.errors import ErrorBody
+from refit_protocol.tokens import TokenRing
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: What every service answers without a token: liveness and readiness (the kubelet's probes).
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 #: What a bearer-token refusal says on every plane.
 UNAUTHORIZED_MESSAGE = "missing or invalid bearer token"
 WWW_AUTHENTICATE = {"WWW-Authenticate": 'Bearer realm="kuberefit"'}
@@ -45,6 +52,20 @@ def error_response(
 
 def unauthorized() -> web.Response:
     return error_response(401, UNAUTHORIZED_MESSAGE, headers=WWW_AUTHENTICATE)
+
+
+def bearer_guard(ring: TokenRing) -> Middleware:
+    """A middleware: a path outside `OPEN_PATHS` without a token the ring accepts gets 401."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS and not ring_accepts_bearer(
+            ring, request.headers.get("Authorization", "")
+        ):
+            return unauthorized()
+        return await handler(request)
+
+    return guard
 
 
 @web.middleware
@@ -96,6 +117,33 @@ def metrics_response(registry: CollectorRegistry) -> web.Response:
     return web.Response(
         body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
     )
+
+
+def add_probe_routes(
+    app: web.Application,
+    readiness: Callable[[], Awaitable[Readiness]],
+    registry: CollectorRegistry,
+    *,
+    alive: Mapping[str, Any] | None = None,
+) -> None:
+    """`/healthz` (liveness only: the event loop answers, with `{"ok": true}` and `alive`),
+    `/readyz` (`readiness()`'s answer: a `ReadinessProbe` where checks cost anything) and
+    `/metrics` (`registry`), the same on every service. Who may call which is the guard's
+    business (`OPEN_PATHS`)."""
+    body = {"ok": True, **(alive or {})}
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response(body)
+
+    async def readyz(_: web.Request) -> web.Response:
+        return readiness_response(await readiness())
+
+    async def metrics(_: web.Request) -> web.Response:
+        return metrics_response(registry)
+
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
 
 
 Check = tuple[str, bool, str]

@@ -1,6 +1,7 @@
 """What every HTTP plane shares: `/readyz` runs one check at a time on its own thread and
 reuses the answer briefly (callers without a token cannot hammer the dependencies or tie up
-the service's threads), with a deadline; aiohttp's own refusals keep their headers."""
+the service's threads), with a deadline; aiohttp's own refusals keep their headers; the probe
+routes and the bearer guard are one skeleton."""
 
 from __future__ import annotations
 
@@ -10,8 +11,17 @@ import threading
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry, Counter
 
-from refit_protocol.service_http import ReadinessProbe, json_errors
+from refit_protocol.auth import http_bearer
+from refit_protocol.service_http import (
+    Readiness,
+    ReadinessProbe,
+    add_probe_routes,
+    bearer_guard,
+    json_errors,
+)
+from refit_protocol.tokens import TokenRing
 
 
 class _TtlClock:
@@ -85,3 +95,39 @@ async def test_a_refusal_keeps_its_headers() -> None:
         assert resp.status == 405
         assert resp.headers["Allow"] == "GET,HEAD" or "GET" in resp.headers["Allow"]
         assert (await resp.json())["code"]
+
+
+async def test_the_probe_routes_behind_the_bearer_guard() -> None:
+    """The skeleton every service shares: liveness and readiness open (the kubelet has no
+    token), metrics and everything else behind a token the ring accepts, in either form."""
+    registry = CollectorRegistry()
+    Counter("kuberefit_test_total", "A counter.", registry=registry).inc()
+    ready = [False]
+
+    async def readiness() -> Readiness:
+        return Readiness.of([("dependency", ready[0], "answers" if ready[0] else "missing")])
+
+    async def other(_: web.Request) -> web.Response:
+        return web.json_response({"other": True})
+
+    token = "t" * 32
+    app = web.Application(middlewares=[json_errors, bearer_guard(TokenRing(token))])
+    add_probe_routes(app, readiness, registry, alive={"node": "n0"})
+    app.router.add_get("/v1/other", other)
+    async with TestClient(TestServer(app)) as client:
+        assert await (await client.get("/healthz")).json() == {"ok": True, "node": "n0"}
+        not_ready = await client.get("/readyz")
+        assert not_ready.status == 503
+        assert (await not_ready.json())["checks"]["dependency"]["detail"] == "missing"
+        ready[0] = True
+        assert (await client.get("/readyz")).status == 200
+        for path in ("/metrics", "/v1/other"):
+            refused = await client.get(path)
+            assert refused.status == 401
+            assert refused.headers["WWW-Authenticate"].startswith("Bearer")
+            wrong = await client.get(path, headers={"Authorization": "Bearer " + "x" * 32})
+            assert wrong.status == 401
+        for form in (token, http_bearer(token)):
+            answer = await client.get("/metrics", headers={"Authorization": f"Bearer {form}"})
+            assert answer.status == 200
+            assert "kuberefit_test_total 1.0" in await answer.text()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -34,11 +33,12 @@ from refit_protocol.producer_api import (
     ProducerStatus,
 )
 from refit_protocol.service_http import (
+    OPEN_PATHS,
+    Handler,
     ReadinessProbe,
+    add_probe_routes,
     error_response,
     json_errors,
-    metrics_response,
-    readiness_response,
     unauthorized,
 )
 from refit_protocol.tokens import TokenRing, as_ring
@@ -47,11 +47,9 @@ from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.trainer.errors import CandidateMismatchError, StagingError, StagingStateError
 from refit_sidecar.trainer.manifest import to_wire
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: Largest request body (a stage request carries the manifest of the whole export).
 MAX_REQUEST_BYTES = 256 << 20
 _OK = {"ok": True}
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 
 
 def create_producer_app(
@@ -139,18 +137,6 @@ def create_producer_app(
         service.learn_committed(req.record())
         return web.json_response(_OK)
 
-    async def healthz(_: web.Request) -> web.Response:
-        """Liveness only: this process serves requests."""
-        return web.json_response(_OK)
-
-    probe = ReadinessProbe(service.readiness, timeout_s=5.0, blocking=True)
-
-    async def readyz(_: web.Request) -> web.Response:
-        return readiness_response(await probe())
-
-    async def metrics_text(_: web.Request) -> web.Response:
-        return metrics_response(metrics.registry)
-
     # A candidate's manifest names every tensor of the export (~100 bytes each): allow large
     # models' manifests, well above aiohttp's 1 MiB default.
     app = web.Application(
@@ -169,9 +155,8 @@ def create_producer_app(
     app.router.add_post(f"{p}/candidate/chunk", candidate_chunk)
     app.router.add_post(f"{p}/candidate", candidate_stage)
     app.router.add_post(f"{p}/candidate/abort", candidate_abort)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics_text)
+    probe = ReadinessProbe(service.readiness, timeout_s=5.0, blocking=True)
+    add_probe_routes(app, probe, metrics.registry)
     metrics.preset_routes(
         sorted({str(r.resource.canonical) for r in app.router.routes() if r.resource} - OPEN_PATHS)
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -42,11 +42,12 @@ from refit_protocol.receiver_api import (
     StreamEnd,
 )
 from refit_protocol.service_http import (
+    OPEN_PATHS,
+    Handler,
     ReadinessProbe,
+    add_probe_routes,
     error_response,
     json_errors,
-    metrics_response,
-    readiness_response,
     unauthorized,
 )
 from refit_protocol.tokens import TokenRing, as_ring
@@ -56,7 +57,6 @@ from refit_sidecar.transport.relay.frames import AckStatus
 
 log = structlog.get_logger("kuberefit.receiver.http")
 M = TypeVar("M", bound=BaseModel)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 CORE: web.AppKey[ReceiverCore] = web.AppKey("core", ReceiverCore)
 POOL: web.AppKey[ThreadPoolExecutor] = web.AppKey("pool", ThreadPoolExecutor)
@@ -71,7 +71,6 @@ OFFER_STATUS = {
     AckStatus.REJECTED: 422,
     AckStatus.READY: 200,
 }
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 #: The routes only a coordinator calls: the time since the last one measures operator absence
 #: (not /metrics, audits or payload offers, which others send).
 COORDINATOR_ROUTES = frozenset(
@@ -83,10 +82,6 @@ COORDINATOR_ROUTES = frozenset(
 )  # fmt: skip
 #: How long /readyz waits for the serving runtime's answer.
 READY_TIMEOUT_S = 2.0
-
-
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.json_response(data, status=status, dumps=lambda d: json.dumps(d))
 
 
 def _model(obj: BaseModel, status: int = 200) -> web.Response:
@@ -170,18 +165,6 @@ def create_app(
     async def blocking(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(app[POOL], fn, *args)
 
-    async def healthz(_: web.Request) -> web.Response:
-        """Liveness only: this process serves requests (not that the runtime does)."""
-        return _json({"ok": True, "node": core.node})
-
-    probe = ReadinessProbe(core.readiness, timeout_s=READY_TIMEOUT_S + 1.0, blocking=True)
-
-    async def readyz(_: web.Request) -> web.Response:
-        return readiness_response(await probe())
-
-    async def metrics(_: web.Request) -> web.Response:
-        return metrics_response(core.metrics.registry)
-
     async def status(_: web.Request) -> web.Response:
         return _model(core.control.status())
 
@@ -249,9 +232,9 @@ def create_app(
         return _model(ManifestResponse(node=core.node, status=verdict.value, error=error), code)
 
     p = API_PREFIX
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
+    # /healthz is liveness only: this process serves requests (not that the runtime does).
+    probe = ReadinessProbe(core.readiness, timeout_s=READY_TIMEOUT_S + 1.0, blocking=True)
+    add_probe_routes(app, probe, core.metrics.registry, alive={"node": core.node})
     app.router.add_get(f"{p}/status", status)
     app.router.add_post(f"{p}/prewarm", prewarm)
     app.router.add_get(f"{p}/prewarm", prewarmed)

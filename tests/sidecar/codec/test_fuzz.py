@@ -19,7 +19,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refit_sidecar.bits import int_view
 from refit_sidecar.codec import (
     CodecConfig,
     CodecError,
@@ -41,6 +40,7 @@ from tests.sidecar.codec.craft import (
     raw_block,
     rle_block,
 )
+from tests.sidecar.codec.items import same_bits
 
 #: Per-decode CPU-time bound: the payloads here are a few KiB, a real decode takes milliseconds.
 DECODE_S = 2.0
@@ -95,24 +95,6 @@ def items(draw: st.DrawFn) -> list[Item]:
             locs = torch.tensor(chosen, dtype=torch.int64)
             out.append(Item(meta, op, None, locs, _values(dtype, len(chosen), seed)))
     return out
-
-
-def _same_bits(a: list[Item], b: list[Item]) -> bool:
-    for x, y in zip(a, b, strict=True):
-        if (x.meta, x.op) != (y.meta, y.op):
-            return False
-        if not np.array_equal(int_view(x.values).numpy(), int_view(y.values).numpy()):
-            return False
-        if not np.array_equal(_positions(x), _positions(y)):
-            return False
-    return True
-
-
-def _positions(it: Item) -> np.ndarray:
-    if it.locations is not None:
-        return it.locations.numpy()
-    assert it.range_start is not None
-    return np.arange(it.range_start, it.range_start + it.count)
 
 
 def _decode_typed(data: bytes, key: bytes | None) -> None:
@@ -277,8 +259,8 @@ def test_valid_payloads_round_trip_bit_exactly(
     known = {i.meta.name: i.meta for i in its}
     decoded = decode_payload(p.body, expected_digest=p.digest, known=known, mac_key=key)
     assert decoded.header == header
-    assert _same_bits(decoded.items, its)
+    assert same_bits(decoded.items, its)
     for d in decoded.items:
         assert d.values.numpy().flags.writeable  # tensors of their own, not views of bytes
     if keyed:  # a keyless decoder (tests, benches) reads it too
-        assert _same_bits(decode_payload(p.body).items, its)
+        assert same_bits(decode_payload(p.body).items, its)

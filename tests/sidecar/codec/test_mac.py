@@ -11,12 +11,10 @@ from __future__ import annotations
 import hashlib
 import struct
 
-import numpy as np
 import pytest
 import torch
 import zstandard
 
-from refit_sidecar.bits import int_view
 from refit_sidecar.codec import (
     AuthenticationError,
     CodecError,
@@ -48,6 +46,7 @@ from tests.sidecar.codec.craft import (
     claim_frame,
     payload,
 )
+from tests.sidecar.codec.items import same_bits
 
 
 def _items(seed: int = 0) -> list[Item]:
@@ -71,18 +70,6 @@ PLAIN = encode_payload(HEADER, _items())
 SIGNED = PREAMBLE + len(HEADER.attempt)  # bytes covered by the MAC before the MAC field
 
 
-def _same_bits(a: list[Item], b: list[Item]) -> bool:
-    return all(
-        x.meta == y.meta
-        and x.op == y.op
-        and x.range_start == y.range_start
-        and np.array_equal(int_view(x.values).numpy(), int_view(y.values).numpy())
-        and (x.locations is None) == (y.locations is None)
-        and (x.locations is None or torch.equal(x.locations, y.locations))
-        for x, y in zip(a, b, strict=True)
-    )
-
-
 def test_keyed_round_trip_is_bit_exact_and_the_digest_is_unchanged() -> None:
     body = KEYED.body
     assert struct.unpack_from("<H", body, FLAGS_AT)[0] == 1
@@ -100,12 +87,12 @@ def test_keyed_round_trip_is_bit_exact_and_the_digest_is_unchanged() -> None:
         decode_payload(body, mac_key=KEY, expected_digest=KEYED.digest),
         decode_payload(body),  # a decoder without a key skips the MAC
     ):
-        assert _same_bits(decoded.items, _items())
+        assert same_bits(decoded.items, _items())
     verify_mac(body, KEY)
 
 
 def test_without_a_key_both_forms_decode_with_a_key_only_the_sealed_one() -> None:
-    assert _same_bits(decode_payload(PLAIN.body).items, _items())
+    assert same_bits(decode_payload(PLAIN.body).items, _items())
     with pytest.raises(AuthenticationError, match="no MAC"):
         decode_payload(PLAIN.body, mac_key=KEY)
     with pytest.raises(AuthenticationError, match="no MAC"):
@@ -179,7 +166,7 @@ def test_a_body_swapped_in_from_another_payload_is_refused_even_with_a_recompute
     # The same forgery against the digest alone succeeds: the reason for the MAC.
     unsigned = bytes(other.body[:SIGNED]) + body
     unsigned = unsigned[:FLAGS_AT] + b"\0\0" + unsigned[FLAGS_AT + 2 :]
-    assert _same_bits(decode_payload(unsigned).items, _items(seed=1))
+    assert same_bits(decode_payload(unsigned).items, _items(seed=1))
     with pytest.raises(AuthenticationError):
         decode_payload(unsigned, mac_key=KEY)
 
