@@ -120,8 +120,8 @@ async def run(config: OperatorConfig) -> None:
     """Run until SIGTERM/SIGINT (kopf handles the signals), then drain the webhook."""
     import kopf
 
+    from refit_operator.handlers import Memo, registry
     from refit_operator.kube.api import KubeApi
-    from refit_operator.kube.handlers import Memo, registry
     from refit_operator.policy_runner import RunnerSettings
     from refit_operator.webhook import serve_webhook
 
