@@ -34,7 +34,11 @@ async def _cancel_like_kopf(before: set[asyncio.Task[object]]) -> None:
     await asyncio.gather(*hung, return_exceptions=True)
 
 
-async def _kept_alive_survives(start: Callable[[], Awaitable[web.AppRunner]]) -> bool:
+async def _kept_alive_survives(
+    start: Callable[[], Awaitable[web.AppRunner]],
+    cleanup: Callable[[web.AppRunner], Awaitable[None]] = lambda runner: runner.cleanup(),
+) -> bool:
+    """Serve, answer once on a kept-alive connection, cancel like kopf, ask again on it."""
     before = asyncio.all_tasks()
     runner = await start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
@@ -49,7 +53,7 @@ async def _kept_alive_survives(start: Callable[[], Awaitable[web.AppRunner]]) ->
             except (TimeoutError, aiohttp.ClientError):
                 return False
     finally:
-        await runner.cleanup()
+        await cleanup(runner)
 
 
 async def test_a_connection_of_a_server_on_kopfs_loop_hangs_once_kopf_stops() -> None:
@@ -59,16 +63,9 @@ async def test_a_connection_of_a_server_on_kopfs_loop_hangs_once_kopf_stops() ->
 async def test_a_server_on_its_own_thread_keeps_answering_on_the_same_connection() -> None:
     servers = ServerThread()
     try:
-        runner = await servers.call(_serve())
-        before = asyncio.all_tasks()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
-        async with aiohttp.ClientSession() as session:
-            async with session.post(url) as response:
-                assert await response.text() == "ok"
-            await _cancel_like_kopf(before)
-            async with session.post(url, timeout=aiohttp.ClientTimeout(total=2)) as response:
-                assert await response.text() == "ok"
-        await servers.call(runner.cleanup())
+        assert await _kept_alive_survives(
+            lambda: servers.call(_serve()), lambda runner: servers.call(runner.cleanup())
+        )
     finally:
         await servers.close()
     assert servers.loop.is_closed()
