@@ -17,14 +17,12 @@ process and deleted with it, so a crash cannot leave candidate bits behind as a 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -33,10 +31,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
 
-from refit_protocol.config_files import AUTO, ConfigPath, SizeOrAuto
+from refit_protocol.config_files import AUTO
+from refit_sidecar.baseline.chunk_writer import ChunkWriter, PendingTensor, all_done
 from refit_sidecar.baseline.chunks import ExportChunk, owner_of, plan_chunks
+
+# Re-exported: the settings and the errors were defined here, and are still imported from here.
+from refit_sidecar.baseline.config import BaselineConfig as BaselineConfig
+from refit_sidecar.baseline.errors import BaselineError as BaselineError
+from refit_sidecar.baseline.errors import BaselinePoisonedError as BaselinePoisonedError
+from refit_sidecar.baseline.errors import ExportMismatchError as ExportMismatchError
+from refit_sidecar.baseline.errors import PendingStateError as PendingStateError
 from refit_sidecar.baseline.sizing import resolve_sizes
 from refit_sidecar.baseline.storage import ChunkStore
 from refit_sidecar.bitdiff import (
@@ -60,69 +65,6 @@ from refit_sidecar.codec.records import (
 )
 
 log = structlog.get_logger(__name__)
-
-
-class BaselineConfig(BaseModel):
-    """Where and how the source baseline is kept, and how the export is chunked."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    directory: ConfigPath | None = Field(
-        default=None,
-        description="Directory for the file-backed baseline (a private subdirectory is created "
-        "in it); None uses the system temp directory.",
-    )
-    in_memory: bool = Field(default=False, description="Keep the baseline in RAM, not in files.")
-    export_chunk_bytes: SizeOrAuto = Field(
-        default=AUTO,
-        description="Export chunk limit in bytes; `auto` sizes it from the checkpoint so each "
-        "producer's share makes ~16 chunks, 4-256 MiB (refit_sidecar/baseline/sizing.py; "
-        "256 MiB without staging.reference_checkpoint). Must come out the same on every "
-        "producer because ownership depends on it.",
-    )
-    commit_workers: int = Field(
-        default=2, ge=1, description="Threads writing new bits into the baseline (and undoing)."
-    )
-    early_update: bool = Field(
-        default=True,
-        description="Write each compared chunk's new bits into the baseline while its payloads "
-        "travel, so the commit only waits for writes still running; a discard writes the old "
-        "bits back from the XOR masks. False: write them all at commit (the paper's order; the "
-        "commit then costs a pass over every changed element).",
-    )
-    reuse_delta_buffers: bool = Field(
-        default=True,
-        description="Keep a committed or discarded delta's buffers (about 12 bytes per changed "
-        "BF16 element, plus 1/8 spare) and compare the next export into them, instead of "
-        "fresh memory whose page faults cost about a sixth of the encode time.",
-    )
-
-
-class BaselineError(RuntimeError):
-    """Base class of baseline errors; the baseline's committed bits are unchanged."""
-
-
-class ExportMismatchError(BaselineError):
-    """A chunk does not match the export plan (names, shapes, dtypes, chunking or ownership)."""
-
-
-class PendingStateError(BaselineError):
-    """The call does not fit the pending-delta state (other attempt pending, incomplete, ...)."""
-
-
-class BaselinePoisonedError(BaselineError):
-    """A commit failed part way; the baseline must be rebuilt from a fresh first export."""
-
-
-@dataclass(frozen=True)
-class PendingTensor:
-    """Exact new bits of one tensor's changed elements (and their XOR with the committed bits,
-    which undoes an early update), kept until commit or discard."""
-
-    meta: TensorMeta
-    locations: npt.NDArray[np.int64]
-    new_bits: npt.NDArray[Any]
-    xor_bits: npt.NDArray[Any]
 
 
 @dataclass(frozen=True)
@@ -170,12 +112,9 @@ class SourceBaseline:
         self._buffers: dict[int, dict[str, DiffBuffers]] = {}
         self._spare: dict[int, dict[str, DiffBuffers]] = {}
         self._in_progress: set[int] = set()
-        #: The last write, commit or undo submitted for each chunk (the next compare waits for
-        #: it), and how many were submitted (`stored_bits` checks its snapshot against it).
-        self._commits: dict[int, Future[None]] = {}
-        self._epoch: dict[int, int] = {}
-        self._executor: ThreadPoolExecutor | None = None
-        self._poisoned: BaseException | None = None
+        #: Early writes, commits and undos of the stores, queued under `_lock` (the next compare
+        #: of a chunk waits for its last one; `stored_bits` checks its snapshot by the epoch).
+        self._writer = ChunkWriter(self._stores, workers=self.config.commit_workers)
 
     # ------------------------------------------------------------------------------ first export
     def load_initial(self, chunks: Iterable[ExportChunk]) -> dict[str, TensorMeta]:
@@ -272,8 +211,8 @@ class SourceBaseline:
         view = self._stores[index].views[name]
         while True:
             with self._lock:
-                epoch = self._epoch.get(index, 0)
-                last = self._commits.get(index)
+                epoch = self._writer.epoch(index)
+                last = self._writer.last(index)
                 live = not self.config.early_update or (
                     self._attempt is None and index not in self._in_progress
                 )
@@ -287,7 +226,7 @@ class SourceBaseline:
                 return out
             out = view.copy()
             with self._lock:  # nothing was written or undone meanwhile: the snapshot holds
-                if self._epoch.get(index, 0) == epoch:
+                if self._writer.epoch(index) == epoch:
                     break
         for p in written:
             out[p.locations] = p.new_bits ^ p.xor_bits
@@ -323,7 +262,7 @@ class SourceBaseline:
             raise ExportMismatchError(f"chunk {chunk.index} differs from the first export")
         self._reserve(attempt, chunk.index)
         try:
-            self._wait_commit(chunk.index)
+            self._writer.wait(chunk.index)
             with self._lock:  # after the commit: it frees the buffers of the last delta
                 spare = self._spare.pop(chunk.index, {})
             store = self._stores[chunk.index]
@@ -356,12 +295,12 @@ class SourceBaseline:
             self._in_progress.discard(chunk.index)
             if self._attempt != attempt:
                 raise PendingStateError(f"attempt {attempt} was discarded during compare")
-            if self._poisoned is not None:  # an earlier early write failed
-                raise BaselinePoisonedError("a baseline write failed") from self._poisoned
+            if self._writer.poisoned is not None:  # an earlier early write failed
+                raise BaselinePoisonedError("a baseline write failed") from self._writer.poisoned
             self._pending[chunk.index] = tuple(pending)
             self._buffers[chunk.index] = used
             if pending and self.config.early_update:
-                self._submit(chunk.index, self._write, chunk.index, tuple(pending))
+                self._writer.submit(chunk.index, tuple(pending))
         changed = sum(p.locations.size for p in pending)
         return ChunkDelta(chunk.index, chunk.nbytes, total, changed, tuple(items))
 
@@ -380,8 +319,8 @@ class SourceBaseline:
 
     def _reserve(self, attempt: str, index: int) -> None:
         with self._lock:
-            if self._poisoned is not None:
-                raise BaselinePoisonedError("a commit failed; re-initialize") from self._poisoned
+            if (poisoned := self._writer.poisoned) is not None:
+                raise BaselinePoisonedError("a commit failed; re-initialize") from poisoned
             if self._attempt is None:
                 self._attempt = attempt
             elif self._attempt != attempt:
@@ -452,65 +391,18 @@ class SourceBaseline:
             futures: list[Future[None]] = []
             for i, tensors in pending.items():
                 if tensors:
-                    # Early: the chunk's writes were submitted at compare time, so this task
-                    # (queued after them: the pool runs tasks in order) only waits for them.
-                    fut = self._submit(
-                        i,
-                        self._settle,
-                        i,
-                        self._commits.get(i) if early else None,
-                        () if early else tensors,
-                        buffers.pop(i, {}),
-                    )
-                    futures.append(fut)
+                    # Early: the chunk's writes were submitted at compare time, so this one only
+                    # waits for them (the writer runs a chunk's writes in order).
+                    free = partial(self._free, i, buffers.pop(i, {}))
+                    futures.append(self._writer.submit(i, () if early else tensors, then=free))
             self._spare.update(buffers)  # chunks without changes: nothing reads them
         log.info("baseline.commit", attempt=attempt, chunks=len(futures), early=early)
-        return _gather(futures)
+        return all_done(futures)
 
-    def _pool(self) -> ThreadPoolExecutor:
-        """The commit threads (call with the lock held)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                self.config.commit_workers,
-                thread_name_prefix="baseline-commit",
-                initializer=_yield_to_the_pipeline,
-            )
-        return self._executor
-
-    def _submit(self, index: int, fn: Callable[..., None], *args: Any) -> Future[None]:
-        """Queue a write, commit or undo of chunk `index` (call with the lock held)."""
-        fut = self._pool().submit(fn, *args)
-        self._commits[index] = fut
-        self._epoch[index] = self._epoch.get(index, 0) + 1
-        return fut
-
-    def _write(self, index: int, tensors: Sequence[PendingTensor], *, old: bool = False) -> None:
-        """Put the new bits of a chunk's changed elements into its store (`old`: put the
-        committed bits back, new bits XOR mask)."""
-        store = self._stores[index]
-        try:
-            for p in tensors:
-                bits = p.new_bits ^ p.xor_bits if old else p.new_bits
-                store.views[p.meta.name][p.locations] = bits
-        except BaseException as exc:
-            self._poisoned = exc
-            raise
-
-    def _settle(
-        self,
-        index: int,
-        written: Future[None] | None,
-        tensors: Sequence[PendingTensor],
-        buffers: dict[str, DiffBuffers],
-        *,
-        undo: bool = False,
-    ) -> None:
-        """Commit (or, `undo`, discard) one chunk: wait for its early writes, write what is
-        left (new bits; old bits when undoing), then free its buffers."""
-        if written is not None:
-            written.result()
-        self._write(index, tensors, old=undo)
-        with self._lock:  # written: the delta's buffers are free for the next compare
+    def _free(self, index: int, buffers: dict[str, DiffBuffers]) -> None:
+        """A commit or undo of chunk `index` was written: its delta's buffers are free for the
+        next compare."""
+        with self._lock:
             self._spare[index] = buffers
 
     def discard(self, attempt: str) -> None:
@@ -527,33 +419,20 @@ class SourceBaseline:
                 if self.config.early_update:
                     for i, tensors in pending.items():
                         if tensors:  # the next compare of chunk i waits for this
-                            last = self._commits.get(i)
-                            buf = buffers.pop(i, {})
-                            self._submit(i, partial(self._settle, undo=True), i, last, tensors, buf)
+                            free = partial(self._free, i, buffers.pop(i, {}))
+                            self._writer.submit(i, tensors, undo=True, then=free)
                 self._spare.update(buffers)
-
-    def _wait_commit(self, index: int) -> None:
-        fut = self._commits.get(index)
-        if fut is not None:
-            fut.result()
-
-    def _wait_commits(self) -> None:
-        for fut in list(self._commits.values()):
-            fut.result()
 
     def wait_committed(self) -> None:
         """Block until every started commit has been written."""
-        self._wait_commits()
+        self._writer.wait_all()
 
     def close(self) -> None:
         """Wait for commits, release storage and delete the baseline files."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._writer.close()
         with self._lock:  # nothing is pending any more: a later discard has nothing to undo
             self._attempt = None
             self._pending = {}
-            self._commits = {}
         for store in self._stores.values():
             store.close()
         self._stores.clear()
@@ -563,46 +442,3 @@ class SourceBaseline:
             self._remove_dir()
             self._remove_dir = None
             self._dir = None
-
-
-#: Niceness of the commit threads: early writes run beside the compare and seal threads and
-#: should take the cores they leave idle while payloads wait on the link, not delay a payload.
-COMMIT_THREAD_NICENESS = 10
-
-
-def _yield_to_the_pipeline() -> None:
-    """Lower this commit thread's CPU priority (Linux: per thread; elsewhere nothing)."""
-    with contextlib.suppress(AttributeError, OSError):
-        tid = threading.get_native_id()
-        os.setpriority(
-            os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMMIT_THREAD_NICENESS
-        )
-
-
-def _gather(futures: list[Future[None]]) -> Future[None]:
-    """One future that completes when all `futures` have (with the first exception, if any)."""
-    done: Future[None] = Future()
-    remaining = len(futures)
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-    if remaining == 0:
-        done.set_result(None)
-        return done
-
-    def on_done(fut: Future[None]) -> None:
-        nonlocal remaining
-        exc = fut.exception()
-        with lock:
-            remaining -= 1
-            if exc is not None:
-                errors.append(exc)
-            if remaining:
-                return
-        if errors:
-            done.set_exception(errors[0])
-        else:
-            done.set_result(None)
-
-    for fut in futures:
-        fut.add_done_callback(on_done)
-    return done
