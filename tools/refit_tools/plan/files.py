@@ -62,3 +62,10 @@ def read_json(path: Path, *, finite: bool = True) -> Any:
         raise
     except ValueError as exc:  # a number too long or not finite
         raise InputFileError(str(exc)) from None
+
+
+def quote(value: Any) -> str:
+    """A value read from an input file as a one-line message shows it: JSON, at most 40
+    characters."""
+    text = json.dumps(value) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

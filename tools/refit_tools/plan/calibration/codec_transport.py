@@ -1,0 +1,138 @@
+"""The figures the codec and transport benches add to a fit: the construction throughput of
+one producer alone (`codec-<UTC>.json`, the latest batch of full runs) and one relay hop's and
+S3's throughput (`transport-<UTC>.json`, the latest result with them). Each file read is
+recorded as a `Source`, used or skipped with the reason."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from refit_tools.plan.calibration.models import Curve, Scalar, Source
+from refit_tools.plan.calibration.results import (
+    FieldError,
+    check_codec,
+    check_transport,
+    read_result,
+    stamp_time,
+    stamped,
+)
+
+#: Codec results within this many seconds of the latest full one form its batch.
+CODEC_BATCH_S = 3600
+
+
+def codec_construction(results_dir: Path, skip: set[str], sources: list[Source]) -> Curve | None:
+    """Construction throughput of one producer alone (2 compare threads), from the latest batch
+    of full codec results (median per change rate)."""
+    full = []
+    for path in stamped(results_dir, "codec"):
+        if path.name in skip:
+            continue
+        data = read_result(path)
+        if data is None or data.get("quick") or "checkpoint" not in data:
+            continue
+        if _usable(path, data, check_codec, "codec", sources):
+            full.append((path, data))
+    if not full:
+        return None
+    newest = stamp_time(full[-1][0])
+    batch = [(p, d) for p, d in full if (newest - stamp_time(p)).total_seconds() <= CODEC_BATCH_S]
+    per_rate: dict[float, list[float]] = {}
+    for path, data in batch:
+        settings = data.get("checkpoint_settings") or {}
+        sources.append(
+            Source(
+                file=path.name,
+                benchmark="codec",
+                started=stamp_time(path).isoformat(timespec="seconds"),
+                machine={"cpus": settings.get("cpus"), "torch_threads": data.get("torch_threads")},
+                used=True,
+                why="latest batch of full codec runs",
+            )
+        )
+        for key, row in data["checkpoint"].items():
+            gbps = row.get("encode_gbps_2t") or row.get("encode_gbps_1t")
+            if gbps:
+                per_rate.setdefault(float(key), []).append(float(gbps) * 1e9)
+    if not per_rate:
+        return None
+    return Curve(
+        unit="B/s",
+        points=sorted((r, statistics.median(v)) for r, v in per_rate.items()),
+        sources=[p.name for p, _ in batch],
+        how="codec bench: H / encode time of the real producer pipeline (compare, coalesce, "
+        "zstd) with 2 compare threads, alone on the machine; median per change rate over the "
+        "latest batch of full runs",
+    )
+
+
+def transport_figures(results_dir: Path, skip: set[str], sources: list[Source]) -> dict[str, Any]:
+    """Relay hop and S3 figures from the latest transport result, if any."""
+    files = [p for p in stamped(results_dir, "transport") if p.name not in skip]
+    for path in reversed(files):
+        data = read_result(path)
+        if data is None or data.get("benchmark", "transport") != "transport":
+            continue
+        if not _usable(path, data, check_transport, "transport", sources):
+            continue
+        if not any(data.get(k) for k in ("hop_gb_s", "upload_gb_s", "download_gb_s")):
+            continue  # a multi-node run: its figures are not one hop's
+        out: dict[str, Any] = {}
+        hop_gbs = data.get("hop_gb_s")
+        per_payload_ms = data.get("per_payload_ms")
+        if hop_gbs:
+            out["hop"] = Scalar(
+                value=float(hop_gbs) * 1e9,
+                unit="B/s",
+                sources=[path.name],
+                how="transport bench: one relay hop's throughput (1 node, loopback)",
+            )
+        if per_payload_ms is not None:
+            out["hop_payload"] = Scalar(
+                value=float(per_payload_ms) / 1e3,
+                unit="s per payload per hop",
+                sources=[path.name],
+                how="transport bench: time per 1 KiB payload of a stream (window 4)",
+            )
+        for key, name in (("upload_gb_s", "s3_upload"), ("download_gb_s", "s3_download")):
+            if data.get(key):
+                out[name] = Scalar(
+                    value=float(data[key]) * 1e9,
+                    unit="B/s",
+                    sources=[path.name],
+                    how=f"transport bench: S3 {key.split('_')[0]} throughput of one client",
+                )
+        sources.append(
+            Source(
+                file=path.name,
+                benchmark="transport",
+                started=data.get("started") or stamp_time(path).isoformat(timespec="seconds"),
+                machine=data.get("machine") or {},
+                used=bool(out),
+                why="latest transport result" if out else "no relay hop or S3 figures in it",
+            )
+        )
+        if out:
+            return out
+    return {}
+
+
+def _usable(
+    path: Path,
+    data: Mapping[str, Any],
+    check: Callable[[Mapping[str, Any]], None],
+    benchmark: str,
+    sources: list[Source],
+) -> bool:
+    """Whether `check` passes on the result; one it fails is recorded as a skipped `Source`
+    naming the field."""
+    try:
+        check(data)
+    except FieldError as exc:
+        why = f"skipped: {exc}"
+        sources.append(Source(file=path.name, benchmark=benchmark, used=False, why=why))
+        return False
+    return True
