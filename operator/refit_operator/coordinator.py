@@ -20,11 +20,10 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
 
 from refit_operator.commit_store import (
     ActiveAttempt,
@@ -40,6 +39,7 @@ from refit_operator.ports import (
     ReceiverClient,
     TransitionProgress,
 )
+from refit_operator.transition_types import CoordinatorConfig, TransitionResult
 from refit_protocol.commit import AttemptMode, CommitRecord
 from refit_protocol.errors import EndpointError, PeerAuthenticationError
 from refit_protocol.producer_api import AttemptPlan, SentReport, StreamSettings
@@ -52,32 +52,6 @@ from refit_protocol.receiver_api import (
 
 log = structlog.get_logger("kuberefit.coordinator")
 T = TypeVar("T")
-#: "failed" is never the coordinator's own outcome: the operator records it when the
-#: coordinator itself raised (e.g. the API server failed); the next coordinator takes over.
-Outcome = Literal["committed", "rejected", "conflict", "aborted", "failed"]
-
-
-class CoordinatorConfig(BaseModel):
-    """Coordinator settings (defaults are the RefitPolicy CRD's)."""
-
-    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not a default
-
-    sync: bool = Field(True, description="Sync RL: close the gate first, apply during delivery.")
-    relay_tree: bool = Field(True, description="ZeroMQ relay tree: relay-flush before flush.")
-    commit_timeout_s: float = Field(600.0, gt=0, description="Deadline of each attempt's commit.")
-    control_timeout_s: float = Field(60.0, gt=0, description="Timeout of one control call.")
-    flush_timeout_s: float = Field(600.0, gt=0, description="Timeout of a receiver flush.")
-    max_attempts: int = Field(5, ge=1, description="Attempts before the operator must step in.")
-    stop_retries: int = Field(3, ge=1, description="Tries to drain a silent receiver.")
-    check_samples: int = Field(
-        0, ge=-1, description="Post-apply checks per payload (0 off, N samples, -1 all)."
-    )
-    liveness_probe_s: float = Field(
-        1.0,
-        gt=0,
-        description="While producers stream, probe receivers this often; one confirmed dead "
-        "fails the attempt at once instead of after the transport's timeouts.",
-    )
 
 
 class RejectedError(Exception):
@@ -96,19 +70,16 @@ class InterventionRequiredError(Exception):
     """Automatic recovery cannot repair this; the transition is aborted."""
 
 
-@dataclass
-class TransitionResult:
-    outcome: Outcome
-    version: int  # the committed version when the transition ended
-    attempts: int
-    modes: list[AttemptMode] = field(default_factory=list)
-    retired: list[str] = field(default_factory=list)
-    receivers: list[str] = field(default_factory=list)  # those of the last attempt
-    message: str = ""
-    reason: str = ""  # CamelCase cause of an outcome other than committed
-    progress: TransitionProgress | None = None
-    latency_s: float = 0.0  # timed window: first producer start .. last baseline update
-    finalization_s: float = 0.0  # flush acknowledged .. last baseline update
+@dataclass(frozen=True)
+class Participants:
+    """Who takes part in a transition and with which settings. A caller whose participants
+    change between transitions (the operator: pods come and go, the policy's spec changes)
+    hands the new ones to `run_transition` instead of writing the coordinator's attributes."""
+
+    producers: Sequence[ProducerClient]
+    membership: Membership
+    sink: ProgressSink
+    config: CoordinatorConfig = field(default_factory=CoordinatorConfig)
 
 
 class Coordinator:
@@ -126,14 +97,29 @@ class Coordinator:
     ) -> None:
         self.policy = policy
         self.store = store
-        self.producers = list(producers)
-        self.membership = membership
-        self.sink = sink
-        self.config = config or CoordinatorConfig()
+        self._parts = Participants(
+            tuple(producers), membership, sink, config or CoordinatorConfig()
+        )
         self.name = name or f"coordinator-{uuid.uuid4().hex[:8]}"
         self.epoch = 0
         self._gate_closed: set[str] = set()
         self._notices: list[tuple[str, str]] = []  # TransitionProgress.notices of the next one
+
+    @property
+    def producers(self) -> Sequence[ProducerClient]:
+        return self._parts.producers
+
+    @property
+    def membership(self) -> Membership:
+        return self._parts.membership
+
+    @property
+    def sink(self) -> ProgressSink:
+        return self._parts.sink
+
+    @property
+    def config(self) -> CoordinatorConfig:
+        return self._parts.config
 
     async def start(self) -> None:
         """Become the active coordinator (a takeover if another one held the record)."""
@@ -145,9 +131,13 @@ class Coordinator:
         self,
         xor_incompatible: frozenset[str] = frozenset(),
         settings: StreamSettings | None = None,
+        parts: Participants | None = None,
     ) -> TransitionResult:
         """One transition to the next version (Algorithm B.1). `settings`: the stream settings
-        every attempt's plan carries to the producers (the policy's current ones)."""
+        every attempt's plan carries to the producers (the policy's current ones); `parts`:
+        this transition's participants and config (they stay for the next ones)."""
+        if parts is not None:
+            self._parts = replace(parts, producers=tuple(parts.producers))
         state = await self.store.read()
         kv = state.record
         target = kv.version + 1

@@ -26,7 +26,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 
 from refit_operator.commit_store.sqlite import SqliteCommitStore
-from refit_operator.coordinator import Coordinator, CoordinatorConfig, TransitionResult
+from refit_operator.coordinator import Coordinator
 from refit_operator.coordinator_http import (
     CoordinatorReadiness,
     checkpoint_problem,
@@ -37,6 +37,7 @@ from refit_operator.http_membership import HttpMembership, NodeEndpoint
 from refit_operator.metrics import CoordinatorMetrics
 from refit_operator.ports import TransitionProgress
 from refit_operator.producer_client import HttpProducerClient, all_staged
+from refit_operator.transition_types import CoordinatorConfig, TransitionResult
 from refit_protocol.auth import open_ring
 from refit_protocol.cli import mark_started
 from refit_protocol.commit import CommitRecord
@@ -181,7 +182,7 @@ async def _serve(config: CoordinatorServiceConfig) -> int:
     if problem is not None:
         raise ValueError(problem)
     metrics = CoordinatorMetrics()
-    metrics.committed_version.set(committed)
+    metrics.committed(committed)
     readiness = CoordinatorReadiness(
         store, lambda v: config.checkpoint_template.format(version=v), str(config.store_path)
     )
@@ -232,7 +233,7 @@ async def _run(
         readiness.active = f"{coordinator.name} coordinates at epoch {coordinator.epoch}"
         while True:
             kv = (await store.read()).record
-            metrics.committed_version.set(kv.version)
+            metrics.committed(kv.version)
             if config.until_version is not None and kv.version >= config.until_version:
                 return EXIT_DONE
             if not await all_staged(producers, kv.version + 1):

@@ -66,6 +66,26 @@ class PodMembership(HttpMembership):
         self._incarnation: dict[str, tuple[str, int]] = {}
         self._prewarmed: set[tuple[str, str, int]] = set()
 
+    def configure(self, *, token: str, checkpoint_template: str, probe_timeout_s: float) -> None:
+        """Follow the policy's current token and spec (before each transition)."""
+        self.token = token
+        self.checkpoint_template = checkpoint_template
+        self.probe_timeout_s = probe_timeout_s
+
+    async def totals(self) -> dict[str, int]:
+        """Staged and applied payloads summed over the attempt's receivers (those answering
+        within 2 s): a RefitTransition's progress."""
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(self.client(n).status(), 2.0) for n in self.nodes),
+            return_exceptions=True,
+        )
+        ok = [a for a in answers if not isinstance(a, BaseException)]
+        return {
+            "staged": sum(a.staged for a in ok),
+            "applied": sum(a.applied for a in ok),
+            "nodes": len(ok),
+        }
+
     def refresh(self) -> list[PodView]:
         """Take the running pods as the node list; returns them."""
         running = [p for p in self.pods() if p.running]

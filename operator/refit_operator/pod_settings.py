@@ -18,12 +18,16 @@ sidecar of the previous release, which takes no settings with a plan (plans then
 
 from __future__ import annotations
 
+import structlog
+
 from refit_operator.discovery import PodView
+from refit_operator.kube.api import KubeApi
 from refit_operator.policy_spec import PolicySpec
 from refit_protocol.producer_api import FixedSettings, ProducerStatus
 
 #: The Event reason on a pod whose fixed settings differ from its policy's.
 RESTART_REQUIRED = "RestartRequired"
+log = structlog.get_logger("kuberefit.policy")
 
 #: What a trainer sidecar of a release before settings followed the policy is told.
 OLD_SIDECAR = (
@@ -115,3 +119,19 @@ class FixedSettingsWatch:
         self._reported = reported
         self.current = tuple(lines)
         return new
+
+
+async def report_restart_required(
+    api: KubeApi, watch: FixedSettingsWatch, pods: list[PodView], spec: PolicySpec, policy: str
+) -> None:
+    """A Warning Event on each pod holding settings, fixed when it was created, that its
+    policy no longer has; the SettingsApplied condition lists them (`watch.current`)."""
+    for view, message in watch.check(pods, spec):
+        log.warning("pod.restart_required", pod=view.name, policy=policy, why=message)
+        ref = {"apiVersion": "v1", "kind": "Pod", "name": view.name, "uid": view.uid}
+        try:
+            await api.post_event(
+                {**ref, "namespace": view.namespace}, RESTART_REQUIRED, message, warning=True
+            )
+        except Exception as exc:  # the condition still says it; the next change retries
+            log.warning("pod.event_failed", pod=view.name, error=str(exc)[:300])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,23 +34,20 @@ import structlog
 from refit_operator import metrics
 from refit_operator.commit_store import StoreState
 from refit_operator.commit_store.kube import KubernetesCommitStore
-from refit_operator.coordinator import Coordinator, TransitionResult
 from refit_operator.discovery import Discovered, PodView, discover
-from refit_operator.kube.api import KubeApi, NotFoundError, SecretRefusedError, object_ref
+from refit_operator.kube.api import KubeApi, object_ref
 from refit_operator.kube.lease import PolicyLease
 from refit_operator.kube.names import CLEAR_ABORT, VERIFY_NOW
-from refit_operator.pod_membership import PodMembership
-from refit_operator.pod_settings import RESTART_REQUIRED, FixedSettingsWatch
+from refit_operator.pod_settings import FixedSettingsWatch, report_restart_required
+from refit_operator.policy_audit import NO_CHECKPOINT, Verified, audit
+from refit_operator.policy_producers import ProducerProbe, probe_producers
 from refit_operator.policy_spec import PolicySpec, SpecError, parse_spec
 from refit_operator.policy_status import Observed, policy_status, same_status
-from refit_operator.producer_client import HttpProducerClient, chunking_disagreement
-from refit_operator.transitions import TransitionRecorder, to_prune
-from refit_operator.verify import EXIT_MISMATCH, EXIT_OK, exit_code, render, verify_nodes
+from refit_operator.policy_token import PolicyToken
+from refit_operator.policy_transition import Coordinating
+from refit_operator.transition_types import TransitionResult
+from refit_operator.transitions import prune
 from refit_protocol.commit import CommitRecord
-from refit_protocol.errors import EndpointError
-from refit_protocol.producer_api import ProducerStatus
-from refit_protocol.tensors import TensorMetaModel
-from refit_protocol.tokens import TokenRing
 
 log = structlog.get_logger("kuberefit.policy")
 
@@ -58,8 +55,6 @@ INITIAL_BASELINE = "g-initial"
 #: While it holds the Lease only this operator writes the record, so a pass reads it at most
 #: this often (plus after each transition and abort clearing): the record is a GET per read.
 RECORD_REFRESH_S = 5.0
-#: How long a token read from the policy's Secret is used before it is read again.
-TOKEN_REFRESH_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -75,7 +70,9 @@ class RunnerSettings:
 
 
 class PolicyRunner:
-    """The loop described in the module docstring, for one policy."""
+    """The loop described in the module docstring, for one policy. Its parts return values:
+    the token (`policy_token`), the producers' probe (`policy_producers`), the audit
+    (`policy_audit`) and the coordinating itself (`policy_transition`)."""
 
     def __init__(
         self,
@@ -106,29 +103,22 @@ class PolicyRunner:
             policy_namespace=namespace if settings.lease_namespace else "",
         )
         self.store = KubernetesCommitStore(api.custom, namespace, name)
-        self.coordinator: Coordinator | None = None
-        self.membership: PodMembership | None = None
+        self.record = _RecentRecord(self.store)
+        self.token = PolicyToken(api, namespace)
+        self.coordinating: Coordinating | None = None
         self.session: aiohttp.ClientSession | None = None
         self.spec: PolicySpec | None = None
-        self._producer_clients: list[HttpProducerClient] = []
-        self._recorder: TransitionRecorder | None = None
-        self._store_ready = False
-        self._status: dict[str, Any] | None = None
-        self._current = ""
-        self._current_summary = ""
-        self._last: tuple[str, str, str] = ("", "", "")
-        self._token: tuple[tuple[str, str, str], TokenRing] | None = None
-        self._token_error: tuple[str, str] | None = None
-        self._token_at = 0.0
-        self._verified: tuple[bool, str, str] | None = None  # the last audit (spec.verify)
-        self._error = ""  # the last pass's failure, until a pass succeeds
-        self._generation = 0
-        self._state: StoreState | None = None
-        self._observed_last: Observed | None = None
-        self._producer_error = ""
-        self._candidates: dict[int, int | None] = {}  # producer -> staged version, this pass
-        self._state_at = 0.0
         self._fixed_settings = FixedSettingsWatch()
+        self._store_ready = False
+        self._status: dict[str, Any] | None = None  # the status last written
+        # What the status reports, besides what each pass finds:
+        self._observed_last: Observed | None = None
+        self._generation = 0
+        self._probe = ProducerProbe()
+        self._current = ("", "")  # the running transition: name, "vN -> vN+1"
+        self._last: tuple[str, str, str] = ("", "", "")  # the last one: name, outcome, message
+        self._verified: Verified | None = None  # the last audit (spec.verify)
+        self._error = ""  # the last pass's failure, until a pass succeeds
 
     # -- the loop -------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -138,7 +128,7 @@ class PolicyRunner:
         try:
             async with aiohttp.ClientSession() as session:
                 self.session = session
-                lease = asyncio.create_task(self._keep_lease())
+                lease = asyncio.create_task(self.lease.keep(self._leading))
                 while not self.stopped():
                     try:
                         await self.step()
@@ -149,7 +139,7 @@ class PolicyRunner:
                         self._error = f"{type(exc).__name__}: {exc}"
                     else:
                         self._error = ""
-                    await self._sleep(self.settings.poll_s)
+                    await _sleep(self.settings.poll_s, self.stopped)
         except asyncio.CancelledError:
             cancelled = True
             raise
@@ -166,6 +156,7 @@ class PolicyRunner:
     async def step(self) -> None:
         """One pass (see the module docstring)."""
         obj = dict(self.body())
+        annotations = obj.get("metadata", {}).get("annotations") or {}
         generation = self._generation = int(obj.get("metadata", {}).get("generation") or 0)
         try:
             spec = self.spec = parse_spec(dict(obj.get("spec") or {}))
@@ -179,153 +170,89 @@ class PolicyRunner:
             self._drop_coordinator("lease not held")
             return
         found = discover(self.pods(), spec)
-        await self._report_fixed_settings(found, spec)
-        token = await self._read_token(spec)
+        pods = [*found.trainers, *found.rollouts]
+        await report_restart_required(self.api, self._fixed_settings, pods, spec, self.name)
+        token = await self.token.current(spec)
         if not self._store_ready:
             await self.store.initialize(CommitRecord(0, INITIAL_BASELINE))
             self._store_ready = True
-        state = await self._record_state()
-        if CLEAR_ABORT in (obj.get("metadata", {}).get("annotations") or {}):
+        state = await self.record.read()
+        if CLEAR_ABORT in annotations:
             state = await self._clear_abort(obj, state)
-        metrics.COMMITTED_VERSION.labels(**self.labels).set(state.record.version)
+        metrics.TRANSITION.committed(state.record.version, self.namespace, self.name)
         await self._write_status(obj, self._observed(spec, found, state))
         if token is None or state.aborted_by:
             return
-        if VERIFY_NOW in (obj.get("metadata", {}).get("annotations") or {}):
+        if VERIFY_NOW in annotations:
             await self._verify_now(obj, spec, state, token)
-        producers = await self._producers(found, spec, token, state.record)
-        if producers is None:
+        assert self.session is not None
+        probe = self._probe = await probe_producers(
+            self.session, found, spec, token, state.record, self._fixed_settings
+        )
+        if probe.clients is None:
             return
-        self._producer_clients = producers
-        if self.coordinator is None:
-            await self._become_coordinator(obj, spec, token, producers)
+        if self.coordinating is None:
+            await self._begin(obj, spec, token, probe.clients)
             return
         target = state.record.version + 1
         active = state.active
         admitted = active is not None and active.target_version == target and not active.obsolete
         if spec.paused and not admitted:  # an attempt already admitted is finished first
             return
-        if any(v != target for v in self._candidates.values()):
-            return  # not every producer has staged v+1 yet (as its status said this pass)
-        await self._transition(obj, spec, found, token, producers)
+        if probe.all_staged(target):
+            await self._transition(obj, spec, found, token)
 
     # -- leadership -----------------------------------------------------------------------------
-    async def _keep_lease(self) -> None:
-        while True:
-            try:
-                held = await self.lease.acquire_or_renew()
-            except Exception as exc:  # the API server may be briefly unreachable
-                log.warning("lease.renew_failed", policy=self.name, error=str(exc))
-                held = False
-                self.lease.lost()
-            metrics.LEADER.labels(**self.labels).set(1 if held else 0)
-            await asyncio.sleep(self.settings.lease_s / 3)
-
-    async def _become_coordinator(
-        self,
-        obj: Mapping[str, Any],
-        spec: PolicySpec,
-        token: str,
-        producers: list[HttpProducerClient],
+    async def _begin(
+        self, obj: Mapping[str, Any], spec: PolicySpec, token: str, producers: Sequence[Any]
     ) -> None:
-        if not await self.lease.acquire_or_renew():  # fresh, right before taking the record
-            return
-        membership = self.membership = self._membership(spec, token)
-        coordinator = Coordinator(
-            self.name,
+        assert self.session is not None
+        coordinating = Coordinating(
+            self.api,
+            self.lease,
             self.store,
-            producers,
-            membership,
-            _NullSink(),
-            spec.coordinator_config(),
-            name=self.settings.identity,
+            obj,
+            spec,
+            token=token,
+            producers=producers,
+            rollouts=lambda: list(discover(self.pods(), self.spec or spec).rollouts),
+            session=self.session,
+            identity=self.settings.identity,
+            status_interval_s=self.settings.status_interval_s,
         )
-        await coordinator.start()
-        self._status = self._state = None  # another operator may have written meanwhile
-        recovered = await coordinator.recover()
-        kv = (await self.store.read()).record
-        self.coordinator = coordinator
-        # A transition whose commit took effect but whose coordinator stopped: it is finished
-        # now (`recover`); its RefitTransition says so.
-        recorder = TransitionRecorder(
-            self.api, dict(obj), kv.version - 1, kv.version, coordinator=coordinator.name
-        )
-        if kv.version > 0 and await recorder.open(create=False):
-            result = TransitionResult("committed", kv.version, 0, message="recovered")
-            metrics.TAKEOVERS.labels(**self.labels).inc()
-            await recorder.finish(result, None)
-            self._record(result, recorder.name)
-        log.info(
-            "policy.coordinating",
-            policy=self.name,
-            epoch=coordinator.epoch,
-            version=kv.version,
-            recovered=recovered,
-        )
+        self._status = None  # another operator may have written meanwhile
+        self.record.forget()
+        if await coordinating.begin(obj):
+            self.coordinating = coordinating
+            if coordinating.recovered is not None:
+                self._record(*coordinating.recovered)
+
+    def _leading(self, held: bool) -> None:
+        metrics.LEADER.labels(**self.labels).set(1 if held else 0)
 
     def _drop_coordinator(self, why: str) -> None:
-        if self.coordinator is not None:
+        if self.coordinating is not None:
             log.warning("policy.coordinator_dropped", policy=self.name, why=why)
-            self.coordinator = None
-            self.membership = None
+            self.coordinating = None
 
     # -- one transition -------------------------------------------------------------------------
     async def _transition(
-        self,
-        obj: Mapping[str, Any],
-        spec: PolicySpec,
-        found: Discovered,
-        token: str,
-        producers: list[HttpProducerClient],
+        self, obj: Mapping[str, Any], spec: PolicySpec, found: Discovered, token: str
     ) -> None:
-        assert self.coordinator is not None
+        assert self.coordinating is not None
+        assert self._probe.clients is not None
         state = await self.store.read()
-        kv = state.record
-        recorder = TransitionRecorder(
-            self.api,
-            dict(obj),
-            kv.version,
-            kv.version + 1,
-            coordinator=self.coordinator.name,
-            min_interval_s=self.settings.status_interval_s,
-        )
-        membership = self.membership or self._membership(spec, token)
-        membership.token = token
-        membership.checkpoint_template = spec.restore.checkpoint_template
-        membership.probe_timeout_s = min(3.0, float(spec.control_timeout_seconds))
-        self._recorder = recorder
-        recorder.poll = lambda: _aggregate(membership)
-        await membership.prewarm_holders(kv.version)
-        self.coordinator.producers = list(producers)
-        self.coordinator.membership = membership
-        self.coordinator.sink = recorder
-        self.coordinator.config = spec.coordinator_config()
-        if await recorder.open():
-            metrics.TAKEOVERS.labels(**self.labels).inc()
+        v = state.record.version
+        recorder = await self.coordinating.open(obj, spec, token, self._probe.clients, v)
         # Sidecars of the previous release take no settings with a plan (reported instead).
         follow = self._fixed_settings.all_follow(list(found.ready_trainers))
-        settings = spec.stream_settings() if follow else None
-        self._current = recorder.name
-        self._current_summary = f"v{kv.version} -> v{kv.version + 1}"
+        self._current = (recorder.name, f"v{v} -> v{v + 1}")
         await self._write_status(obj, self._observed(spec, found, state))
         try:
-            result = await self._run_while_leader(
-                self.coordinator.run_transition(frozenset(membership.incompatible), settings),
-                kv.version,
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the API server or a bug: the next coordinator takes over
-            log.exception("transition.error", policy=self.name, error=str(exc))
-            result = TransitionResult(
-                "failed", kv.version, 0, message=f"{type(exc).__name__}: {exc}"
-            )
-            result.reason = "OperatorError"
+            settings = spec.stream_settings() if follow else None
+            result = await self.coordinating.run(recorder, spec, settings)
         finally:
-            self._current = ""
-            self._recorder = None
-            await recorder.close()
-        await recorder.finish(result, None if result.outcome == "failed" else result.receivers)
+            self._current = ("", "")
         self._record(result, recorder.name)
         if result.outcome in ("failed", "conflict"):
             # Not finished by this coordinator: a newer one fenced it (it writes nothing more),
@@ -333,15 +260,15 @@ class PolicyRunner:
             # attempt over, as after a restart).
             self._drop_coordinator(result.message)
             return
-        after = await self._record_state(fresh=True)
-        metrics.COMMITTED_VERSION.labels(**self.labels).set(after.record.version)
+        after = await self.record.read(fresh=True)
+        metrics.TRANSITION.committed(after.record.version, self.namespace, self.name)
         every = spec.verify.every_versions
         if result.outcome == "committed" and every and result.version % every == 0:
             await self._audit(obj, spec, result.version, token)
         await self._write_status(obj, self._observed(spec, discover(self.pods(), spec), after))
-        await self._prune(spec)
+        await prune(self.api, self.namespace, self.name, spec.keep_transitions)
         if result.outcome == "rejected":
-            await self._sleep(spec.rejected_backoff_seconds)
+            await _sleep(spec.rejected_backoff_seconds, self.stopped)
 
     async def _verify_now(
         self, obj: Mapping[str, Any], spec: PolicySpec, state: StoreState, token: str
@@ -351,12 +278,7 @@ class PolicyRunner:
             if spec.restore.checkpoint_template:
                 await self._audit(obj, spec, state.record.version, token)
             else:
-                self._verified = (
-                    False,
-                    "NoCheckpointTemplate",
-                    "an audit compares against the committed checkpoint: set "
-                    "spec.restore.checkpointTemplate",
-                )
+                self._verified = NO_CHECKPOINT
         finally:  # asked once: never again on every pass, whatever happened
             await self.api.remove_policy_annotation(self.namespace, self.name, VERIFY_NOW)
         await self._write_status(obj, self._observed(spec, discover(self.pods(), spec), state))
@@ -364,90 +286,18 @@ class PolicyRunner:
     async def _audit(
         self, obj: Mapping[str, Any], spec: PolicySpec, version: int, token: str
     ) -> None:
-        """spec.verify: every ready rollout node proves it holds exactly a dense load of the
-        committed checkpoint (`kuberefit verify`); the result is the `Verified` condition, an
-        Event and metrics. A node with a mismatch closed its gate and forgot its version: the
-        next transition restores it densely before it serves again."""
-        pods = discover(self.pods(), spec).ready_rollouts
-        checkpoint = spec.restore.checkpoint_template.format(version=version)
-        t0 = time.monotonic()
-        try:
-            results = await verify_nodes(
-                [p.url for p in pods],
-                checkpoint,
-                version,
-                token=token,
-                timeout_s=float(spec.flush_timeout_seconds),
-            )
-        except Exception as exc:  # never let an audit stop the policy's transitions
-            log.exception("policy.audit_failed", policy=self.name, version=version)
-            metrics.AUDITS.labels(**self.labels, result="incomplete").inc()
-            self._verified = (False, "Incomplete", f"v{version}: audit failed: {exc}")
-            return
-        code, lines = exit_code(results), render(results)
-        took = time.monotonic() - t0
-        if code == EXIT_OK:
-            outcome, reason = "verified", "Verified"
-            message = (
-                f"v{version}: {len(results)} rollout node(s) hold exactly the bits of a dense "
-                f"load of {checkpoint} ({took:.1f}s)"
-            )
-            metrics.AUDITED_VERSION.labels(**self.labels).set(version)
-        else:
-            outcome = "mismatch" if code == EXIT_MISMATCH else "incomplete"
-            reason = "Mismatch" if code == EXIT_MISMATCH else "Incomplete"
-            problems = [line for line in lines if ": OK v" not in line]
-            message = f"v{version}: " + "; ".join(problems)[:900]
-        metrics.AUDITS.labels(**self.labels, result=outcome).inc()
-        self._verified = (code == EXIT_OK, reason, message)
-        log.info("policy.audited", policy=self.name, version=version, result=outcome)
-        with contextlib.suppress(Exception):
-            await self.api.post_event(
-                object_ref(dict(obj)),
-                "Verified" if code == EXIT_OK else f"Audit{reason}",
-                message,
-                warning=code != EXIT_OK,
-            )
-
-    async def _run_while_leader(
-        self, work: Awaitable[TransitionResult], version: int
-    ) -> TransitionResult:
-        """Await `work`, cancelling it if this operator stops holding the Lease: another one
-        may coordinate now, and its newer epoch fences this one's writes anyway."""
-        task = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=1.0)
-                if done:
-                    return task.result()
-                if not self.lease.held:
-                    log.warning("transition.lease_lost", policy=self.name)
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    return TransitionResult(
-                        "conflict", version, 0, message="lease lost", reason="LeaseLost"
-                    )
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        self._verified = await audit(
+            self.api,
+            obj,
+            discover(self.pods(), spec).ready_rollouts,
+            spec.restore.checkpoint_template.format(version=version),
+            version,
+            token=token,
+            timeout_s=float(spec.flush_timeout_seconds),
+        )
 
     def _record(self, result: TransitionResult, name: str) -> None:
-        metrics.TRANSITIONS.labels(**self.labels, outcome=result.outcome).inc()
-        for mode in result.modes:
-            metrics.ATTEMPTS.labels(**self.labels, mode=mode).inc()
-        p = result.progress
-        if result.outcome == "committed":
-            metrics.LATENCY.labels(**self.labels).observe(result.latency_s)
-            metrics.LAST_COMMIT.labels(**self.labels).set(time.time())
-            for stage, seconds in metrics.stage_seconds(result).items():
-                metrics.STAGE_SECONDS.labels(**self.labels, stage=stage).observe(seconds)
-            if p is not None:
-                metrics.WIRE_BYTES.labels(**self.labels).inc(p.wire_bytes)
-                if p.total_elements:
-                    metrics.CHANGED_FRACTION.labels(**self.labels).set(
-                        p.changed_elements / p.total_elements
-                    )
+        metrics.TRANSITION.record(result, self.namespace, self.name)
         self._last = (name, result.outcome, result.message)
         log.info(
             "transition.done",
@@ -461,155 +311,7 @@ class PolicyRunner:
             latency_s=round(result.latency_s, 3),
         )
 
-    async def _prune(self, spec: PolicySpec) -> None:
-        items = await self.api.list_transitions(self.namespace)
-        for name in to_prune(items, self.name, spec.keep_transitions):
-            with contextlib.suppress(NotFoundError):
-                await self.api.delete_transition(self.namespace, name)
-
     # -- parts ----------------------------------------------------------------------------------
-    def _membership(self, spec: PolicySpec, token: str) -> PodMembership:
-        """The receivers of this policy, kept while this operator coordinates it (it remembers
-        which node incarnations it prewarmed)."""
-        assert self.session is not None
-
-        async def metas() -> list[TensorMetaModel]:
-            manifest = await self._producer_clients[0].baseline_manifest()
-            return list(manifest.tensors)
-
-        async def joined(node: str, how: str) -> None:
-            metrics.RESTORES.labels(**self.labels).inc()
-            if self._recorder is not None:
-                await self._recorder.restored_node(node, how)
-
-        def pods() -> list[PodView]:
-            assert self.spec is not None
-            return list(discover(self.pods(), self.spec).rollouts)
-
-        return PodMembership(
-            pods,
-            self.session,
-            token=token,
-            checkpoint_template=spec.restore.checkpoint_template,
-            metas=metas,
-            on_join=joined,
-            probe_timeout_s=min(3.0, float(spec.control_timeout_seconds)),
-        )
-
-    async def _producers(
-        self, found: Discovered, spec: PolicySpec, token: str, record: CommitRecord
-    ) -> list[HttpProducerClient] | None:
-        """Clients of every expected producer in index order; None until all answer (the
-        reason goes to the Ready condition).
-
-        A producer without a baseline (a restarted sidecar) is told the committed record, so
-        the trainer's first export after its restart is checked against the right version."""
-        self._producer_error = ""
-        self._candidates = {}
-        clients = await self._probe_producers(found, spec, token, record)
-        if clients is None:
-            return None
-        if sorted(clients) != list(range(spec.producers)):
-            self._producer_error = (
-                f"trainer sidecars report producer indices {sorted(clients)}; spec.producers "
-                f"is {spec.producers}, so indices 0..{spec.producers - 1} are expected"
-            )
-            return None
-        return [clients[i] for i in range(spec.producers)]
-
-    async def _probe_producers(
-        self, found: Discovered, spec: PolicySpec, token: str, record: CommitRecord
-    ) -> dict[int, HttpProducerClient] | None:
-        assert self.session is not None
-        timeout = min(5.0, float(spec.control_timeout_seconds))
-        clients: dict[int, HttpProducerClient] = {}
-        statuses: dict[str, ProducerStatus] = {}
-        for pod in found.ready_trainers:
-            probe = HttpProducerClient(0, pod.url, token=token, session=self.session)
-            try:
-                status = await asyncio.wait_for(probe.status(), timeout)
-            except (EndpointError, TimeoutError) as exc:
-                why = str(exc) or f"no answer within {timeout:g}s"
-                self._producer_error = f"trainer pod {pod.name}: {why}"
-                return None
-            self._fixed_settings.saw(pod, status)
-            if status.producers is not None and status.producers != spec.producers:
-                self._producer_error = (
-                    f"trainer pod {pod.name} splits the checkpoint among {status.producers} "
-                    f"producers, spec.producers is {spec.producers}: recreate the trainer pods "
-                    "(injection writes the policy's count into their sidecars)"
-                )
-                return None
-            if status.producer in clients:
-                self._producer_error = (
-                    f"trainer pod {pod.name} reports producer index {status.producer}, "
-                    "which another trainer pod reports too"
-                )
-                return None
-            statuses[f"trainer pod {pod.name}"] = status
-            split = chunking_disagreement(statuses)
-            if split is not None:
-                self._producer_error = split
-                return None
-            client = HttpProducerClient(status.producer, pod.url, token=token, session=self.session)
-            clients[status.producer] = client
-            self._candidates[status.producer] = status.candidate_version
-            held = CommitRecord(status.committed_version, status.committed_baseline)
-            if not status.baseline_ready and held != record:
-                try:
-                    await asyncio.wait_for(client.learn_committed(record), timeout)
-                except (EndpointError, TimeoutError) as exc:
-                    self._producer_error = (
-                        f"trainer pod {pod.name} refused v{record.version}: {exc}"
-                    )
-                    return None
-                log.info("producer.told_committed", pod=pod.name, version=record.version)
-        return clients
-
-    async def _report_fixed_settings(self, found: Discovered, spec: PolicySpec) -> None:
-        """A Warning Event on each pod holding settings, fixed when it was created, that its
-        policy no longer has (`pod_settings`); the SettingsApplied condition lists them."""
-        for view, message in self._fixed_settings.check([*found.trainers, *found.rollouts], spec):
-            log.warning("pod.restart_required", pod=view.name, policy=self.name, why=message)
-            ref = {"apiVersion": "v1", "kind": "Pod", "name": view.name, "uid": view.uid}
-            try:
-                await self.api.post_event(
-                    {**ref, "namespace": view.namespace}, RESTART_REQUIRED, message, warning=True
-                )
-            except Exception as exc:  # the condition still says it; the next change retries
-                log.warning("pod.event_failed", pod=view.name, error=str(exc)[:300])
-
-    async def _read_token(self, spec: PolicySpec) -> str | None:
-        """The token to send now. The Secret is re-read every TOKEN_REFRESH_S and followed by a
-        `TokenRing`: after a rotation the previous token is sent for the grace period, so pods
-        whose mounted copy is not updated yet keep accepting the operator's calls."""
-        ref = (self.namespace, spec.token_secret.name, spec.token_secret.key)
-        now = asyncio.get_running_loop().time()
-        ring = self._token[1] if self._token is not None and self._token[0] == ref else None
-        if ring is not None and now - self._token_at < TOKEN_REFRESH_S:
-            return ring.sending()
-        try:
-            value = await self.api.read_secret_key(*ref)
-        except NotFoundError:
-            self._token_error = (
-                "TokenSecretMissing",
-                f"Secret {ref[0]}/{ref[1]} (spec.tokenSecret) does not exist",
-            )
-            return None
-        except SecretRefusedError as exc:
-            self._token_error = ("TokenSecretRefused", f"spec.tokenSecret: {exc}")
-            return None
-        try:
-            if ring is None:
-                ring = TokenRing(value, grace_s=float(spec.token_rotation_grace_seconds))
-            else:
-                ring.update(value)
-        except ValueError:
-            self._token_error = ("TokenSecretRefused", f"spec.tokenSecret: {ref[1]} is empty")
-            return None
-        self._token, self._token_at, self._token_error = (ref, ring), now, None
-        return ring.sending()
-
     async def _clear_abort(self, obj: Mapping[str, Any], state: StoreState) -> StoreState:
         if state.aborted_by:
             await self.store.clear_abort()
@@ -621,20 +323,13 @@ class PolicyRunner:
                     f"abort by {state.aborted_by} cleared; transitions resume",
                 )
         await self.api.remove_policy_annotation(self.namespace, self.name, CLEAR_ABORT)
-        return await self._record_state(fresh=True)
-
-    async def _record_state(self, *, fresh: bool = False) -> StoreState:
-        """The commit record, read at most every RECORD_REFRESH_S unless `fresh`."""
-        now = asyncio.get_running_loop().time()
-        if fresh or self._state is None or now - self._state_at > RECORD_REFRESH_S:
-            self._state, self._state_at = await self.store.read(), now
-        return self._state
+        return await self.record.read(fresh=True)
 
     def _observed(self, spec: PolicySpec, found: Discovered, state: StoreState) -> Observed:
         name, outcome, message = self._last
         return Observed(
             generation=self._generation,
-            token_error=self._token_error,
+            token_error=self.token.error,
             paused=spec.paused,
             committed_version=state.record.version,
             aborted_by=state.aborted_by,
@@ -643,13 +338,13 @@ class PolicyRunner:
             trainers_ready=len(found.ready_trainers),
             rollouts=len(found.rollouts),
             rollouts_ready=len(found.ready_rollouts),
-            current=self._current,
-            current_summary=self._current_summary,
+            current=self._current[0],
+            current_summary=self._current[1],
             last=name,
             last_outcome=outcome,
             last_message=message,
             error=self._error,
-            producers_error=self._producer_error,
+            producers_error=self._probe.error,
             coordinator=self.settings.identity,
             not_injected=tuple(p.name for p in found.not_injected),
             restart_required=self._fixed_settings.current,
@@ -667,31 +362,32 @@ class PolicyRunner:
         await self.api.patch_policy_status(self.namespace, self.name, status)
         self._status = status
 
-    async def _sleep(self, seconds: float) -> None:
-        deadline = asyncio.get_running_loop().time() + seconds
-        while not self.stopped():
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return
-            await asyncio.sleep(min(left, 0.2))
+
+class _RecentRecord:
+    """The policy's commit record, read at most every RECORD_REFRESH_S unless asked `fresh`:
+    while it holds the Lease only this operator writes it, and every read is a GET."""
+
+    def __init__(self, store: KubernetesCommitStore) -> None:
+        self.store = store
+        self._state: StoreState | None = None
+        self._at = 0.0
+
+    async def read(self, *, fresh: bool = False) -> StoreState:
+        now = time.monotonic()
+        if fresh or self._state is None or now - self._at > RECORD_REFRESH_S:
+            self._state, self._at = await self.store.read(), now
+        return self._state
+
+    def forget(self) -> None:
+        """Read it on the next pass (another operator may have written meanwhile)."""
+        self._state = None
 
 
-class _NullSink:
-    """Progress of `recover()` (no transition object of its own)."""
-
-    async def update(self, progress: Any) -> None:
-        return None
-
-
-async def _aggregate(membership: PodMembership) -> dict[str, int]:
-    """Staged and applied payloads summed over the attempt's receivers."""
-    clients = [membership.client(n) for n in membership.nodes]
-    answers = await asyncio.gather(
-        *(asyncio.wait_for(c.status(), 2.0) for c in clients), return_exceptions=True
-    )
-    ok = [a for a in answers if not isinstance(a, BaseException)]
-    return {
-        "staged": sum(a.staged for a in ok),
-        "applied": sum(a.applied for a in ok),
-        "nodes": len(ok),
-    }
+async def _sleep(seconds: float, stopped: Callable[[], bool]) -> None:
+    """Sleep `seconds`, or until `stopped()`."""
+    deadline = time.monotonic() + seconds
+    while not stopped():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        await asyncio.sleep(min(left, 0.2))

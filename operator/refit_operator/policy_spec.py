@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from refit_operator.coordinator import CoordinatorConfig
+from refit_operator.transition_types import CoordinatorConfig
 from refit_protocol.config_files import AUTO, SizeOrAuto
 from refit_protocol.producer_api import StreamSettings
 

@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import structlog
 
-from refit_operator.coordinator import TransitionResult
 from refit_operator.kube.api import (
     ConflictError,
     KubeApi,
@@ -29,6 +28,7 @@ from refit_operator.kube.api import (
 )
 from refit_operator.kube.names import API_VERSION, POLICY
 from refit_operator.ports import TransitionProgress
+from refit_operator.transition_types import TransitionResult
 
 log = structlog.get_logger("kuberefit.transitions")
 
@@ -411,3 +411,10 @@ def to_prune(items: list[Obj], policy: str, keep: int) -> list[str]:
     """Names of finished transitions beyond the newest `keep`."""
     done = sorted_finished(items, policy)
     return [str(t["metadata"]["name"]) for t in done[: max(0, len(done) - keep)]]
+
+
+async def prune(api: KubeApi, namespace: str, policy: str, keep: int) -> None:
+    """Delete a policy's finished transitions beyond the newest `keep` (spec.keepTransitions)."""
+    for name in to_prune(await api.list_transitions(namespace), policy, keep):
+        with contextlib.suppress(NotFoundError):
+            await api.delete_transition(namespace, name)

@@ -39,13 +39,13 @@ from refit_operator.injection import (
     InjectionConfig,
     PolicyFacts,
     ReviewError,
+    TrainerSettings,
     inject,
     parse_review,
     review_response,
     wants_injection,
 )
 from refit_operator.injection.config import TokenSecretRef
-from refit_operator.injection.patch import producer_settings
 from refit_operator.injection.review import PodAdmission
 from refit_operator.kube.api import KubeApi, NotFoundError
 from refit_operator.kube.names import POLICY
@@ -128,18 +128,18 @@ async def policy_facts(
             default, [f"RefitPolicy {name} is invalid ({exc}); used the chart defaults"]
         )
     token = TokenSecretRef(name=spec.token_secret.name, key=spec.token_secret.key)
-    producer = producer_settings(
-        spec.encoding.zstd_level,
-        spec.encoding.shuffle,
-        spec.chunk_bytes,
-        spec.bucket_bytes,
-        spec.baseline.storage == "memory",
+    trainer = TrainerSettings(
+        zstd_level=spec.encoding.zstd_level,
+        shuffle=spec.encoding.shuffle,
+        export_chunk_bytes=spec.chunk_bytes,
+        bucket_bytes=spec.bucket_bytes,
+        in_memory=spec.baseline.storage == "memory",
     )
     facts = PolicyFacts(
         True,
         token,
         producers=spec.producers,
-        producer=producer,
+        trainer=trainer,
         token_rotation_grace_s=float(spec.token_rotation_grace_seconds),
     )
     return PolicyLookup(facts, [])

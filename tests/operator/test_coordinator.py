@@ -10,7 +10,8 @@ import pytest
 
 from refit_operator.commit_store import ActiveAttempt, CommitUnknownError
 from refit_operator.commit_store.sqlite import SqliteCommitStore
-from refit_operator.coordinator import Coordinator, CoordinatorConfig
+from refit_operator.coordinator import Coordinator
+from refit_operator.transition_types import CoordinatorConfig
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import PeerAuthenticationError
 from tests.operator.fakes import FakeMembership, FakeProducer, FakeReceiver, RecordingSink

@@ -17,10 +17,10 @@ from prometheus_client import generate_latest
 from pydantic import SecretStr
 from safetensors.torch import save_file
 
-from refit_operator.coordinator import TransitionResult
 from refit_operator.coordinator_service import CoordinatorServiceConfig, serve
 from refit_operator.metrics import CoordinatorMetrics
 from refit_operator.ports import TransitionProgress
+from refit_operator.transition_types import TransitionResult
 from refit_protocol.cli import startup_error_message
 from refit_protocol.errors import ErrorBody
 from refit_protocol.metrics import parse_exposition, registry_problems

@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import save_file
 
 from refit_operator.commit_store.sqlite import SqliteCommitStore
-from refit_operator.coordinator import Coordinator, CoordinatorConfig
+from refit_operator.coordinator import Coordinator
 from refit_operator.http_membership import HttpMembership, NodeEndpoint
+from refit_operator.transition_types import CoordinatorConfig
 from refit_protocol.commit import CommitRecord
 from refit_protocol.keys import payload_mac_key
 from refit_protocol.receiver_api import PrewarmResponse, RestoreRequest

@@ -383,13 +383,19 @@ def test_an_init_container_with_the_sidecar_name_is_refused() -> None:
 
 
 def test_policy_settings_reach_the_trainer_sidecar() -> None:
-    from refit_operator.injection.patch import producer_settings
+    from refit_operator.injection.patch import TrainerSettings
 
     facts = PolicyFacts(
         True,
         TokenSecretRef(name="t"),
         producers=3,
-        producer=producer_settings(7, False, 64 << 20, 128 << 20, True),
+        trainer=TrainerSettings(
+            zstd_level=7,
+            shuffle=False,
+            export_chunk_bytes=64 << 20,
+            bucket_bytes=128 << 20,
+            in_memory=True,
+        ),
     )
     pod = _pod(
         "trainer",

@@ -6,9 +6,9 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import replace
 
-from refit_operator.coordinator import TransitionResult
 from refit_operator.policy_status import Observed, policy_status, same_status
 from refit_operator.ports import TransitionProgress
+from refit_operator.transition_types import TransitionResult
 from refit_operator.transitions import (
     failure_reason,
     human_bytes,

@@ -211,6 +211,7 @@ def test_operator_registry_follows_the_conventions() -> None:
         "kuberefit_operator_last_commit_timestamp_seconds",
         "kuberefit_operator_wire_bytes_total",
         "kuberefit_operator_changed_fraction",
+        "kuberefit_operator_transition_changed_fraction",
         "kuberefit_operator_takeovers_total",
         "kuberefit_operator_restores_total",
         "kuberefit_operator_committed_version",

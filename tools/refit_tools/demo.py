@@ -136,8 +136,9 @@ async def _run(
     from safetensors.torch import load_file, save_file
 
     from refit_operator.commit_store.sqlite import SqliteCommitStore
-    from refit_operator.coordinator import Coordinator, CoordinatorConfig
+    from refit_operator.coordinator import Coordinator
     from refit_operator.ports import TransitionProgress
+    from refit_operator.transition_types import CoordinatorConfig
     from refit_protocol.commit import CommitRecord
     from refit_protocol.keys import payload_mac_key
     from refit_protocol.tensors import TensorMetaModel

@@ -8,7 +8,13 @@ from refit_operator.injection.config import (
     InjectionConfigError,
     load_injection_config,
 )
-from refit_operator.injection.patch import Injection, PolicyFacts, inject, wants_injection
+from refit_operator.injection.patch import (
+    Injection,
+    PolicyFacts,
+    TrainerSettings,
+    inject,
+    wants_injection,
+)
 from refit_operator.injection.pod import Pod, PodError, parse_pod
 from refit_operator.injection.review import ReviewError, parse_review, review_response
 
@@ -20,6 +26,7 @@ __all__ = [
     "PodError",
     "PolicyFacts",
     "ReviewError",
+    "TrainerSettings",
     "inject",
     "load_injection_config",
     "parse_pod",

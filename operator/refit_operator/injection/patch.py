@@ -39,6 +39,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from refit_operator.injection.config import InjectionConfig, TokenSecretRef
 from refit_operator.injection.pod import Container, EnvVar, Pod, PodError, parse_pod
 from refit_operator.injection.resources import (
@@ -93,6 +95,33 @@ MESH_PROXIES = frozenset({"istio-proxy", "linkerd-proxy", "envoy-sidecar"})
 _SMALL_UINT = re.compile(r"[0-9]{1,9}")
 
 
+class TrainerSettings(BaseModel):
+    """The part of a trainer sidecar's config (`ProducerProcessConfig`) its RefitPolicy
+    decides. Written into the sidecar when the pod is admitted: a later change of the policy
+    reaches the pod when it is recreated (`pod_settings` reports the difference)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    zstd_level: int = Field(description="spec.encoding.zstdLevel")
+    shuffle: bool = Field(description="spec.encoding.shuffle")
+    export_chunk_bytes: int | Auto = Field(description="spec.chunkBytes")
+    bucket_bytes: int | Auto = Field(description="spec.bucketBytes")
+    in_memory: bool = Field(description='spec.baseline.storage == "memory"')
+
+    def config(self) -> dict[str, Any]:
+        """These settings at their places in `ProducerProcessConfig`."""
+        return {
+            "pipeline": {
+                "bucket_bytes": self.bucket_bytes,
+                "codec": {"zstd_level": self.zstd_level, "shuffle": self.shuffle},
+            },
+            "baseline": {
+                "export_chunk_bytes": self.export_chunk_bytes,
+                "in_memory": self.in_memory,
+            },
+        }
+
+
 @dataclass(frozen=True)
 class PolicyFacts:
     """What admission knows of the pod's RefitPolicy (looked up by the webhook)."""
@@ -100,8 +129,8 @@ class PolicyFacts:
     exists: bool
     token_secret: TokenSecretRef
     producers: int = 1
-    #: Trainer sidecar settings from the policy (`producer_settings`), merged into its config.
-    producer: Mapping[str, Any] = field(default_factory=dict)
+    #: Trainer sidecar settings from the policy (None: the sidecar's own defaults).
+    trainer: TrainerSettings | None = None
     #: `spec.tokenRotationGraceSeconds`: how long every sidecar keeps sending a rotated token.
     token_rotation_grace_s: float = 300.0
 
@@ -110,23 +139,6 @@ class PolicyFacts:
 #: under Never once the trainer is gone, under OnFailure once it is gone after closing its
 #: publisher (a crashed trainer is restarted and needs its sidecar). Always: it never exits.
 EXIT_WITH_TRAINER = {"Never": "when_gone", "OnFailure": "when_done"}
-
-
-def producer_settings(
-    zstd_level: int,
-    shuffle: bool,
-    chunk_bytes: int | Auto,
-    bucket_bytes: int | Auto,
-    in_memory: bool,
-) -> dict[str, Any]:
-    """The parts of a trainer sidecar's ProducerProcessConfig a RefitPolicy decides."""
-    return {
-        "pipeline": {
-            "bucket_bytes": bucket_bytes,
-            "codec": {"zstd_level": zstd_level, "shuffle": shuffle},
-        },
-        "baseline": {"export_chunk_bytes": chunk_bytes, "in_memory": in_memory},
-    }
 
 
 @dataclass
@@ -370,7 +382,7 @@ def _producer(
     staging: Obj = {"inbox": f"{cfg.shm_dir}/inbox", "candidate_dir": f"{cfg.work_dir}/candidates"}
     if reference:
         staging["reference_checkpoint"] = reference
-    from_policy = dict(policy.producer)
+    from_policy = policy.trainer.config() if policy.trainer is not None else {}
     settings = {
         "host": f"$({POD_IP_ENV})",
         "port": cfg.ports.producer,

@@ -11,9 +11,11 @@ expired: its next compare-and-set fails and it backs off.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hashlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -74,6 +76,19 @@ class PolicyLease:
     def lost(self) -> None:
         """Stop holding at once (e.g. the renewal failed)."""
         self._set(False, self.holder)
+
+    async def keep(self, on_change: Callable[[bool], None]) -> None:
+        """Acquire or renew every third of a duration until cancelled; `on_change(held)`
+        after each try. A failed try (the API server briefly unreachable) counts as lost."""
+        while True:
+            try:
+                held = await self.acquire_or_renew()
+            except Exception as exc:
+                log.warning("lease.renew_failed", lease=self.name, error=str(exc))
+                held = False
+                self.lost()
+            on_change(held)
+            await asyncio.sleep(self.duration_s / 3)
 
     async def acquire_or_renew(self) -> bool:
         """Take or renew the Lease; True while this identity holds it."""

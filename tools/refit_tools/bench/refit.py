@@ -58,10 +58,11 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from refit_operator.commit_store.sqlite import SqliteCommitStore
-from refit_operator.coordinator import Coordinator, CoordinatorConfig
+from refit_operator.coordinator import Coordinator
 from refit_operator.ports import ReceiverClient, TransitionProgress
 from refit_operator.producer_client import HttpProducerClient
 from refit_operator.receiver_client import ReceiverHttpClient
+from refit_operator.transition_types import CoordinatorConfig
 from refit_protocol.auth import bearer_header
 from refit_protocol.commit import CommitRecord
 from refit_protocol.config_files import AUTO, SizeOrAuto
