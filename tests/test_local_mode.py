@@ -62,7 +62,7 @@ def _cold_start_digests(checkpoint: Path) -> list[str]:
     process with the engine in-process there (the digest runs on the model itself, nothing is
     pickled), in the nodes' layout (the unpacked CPU weights the demo's servers use). That layout
     switch is KubeRefit's own patch of vLLM's CPU weight packing: both sides share it."""
-    from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
+    from refit_sidecar.vllm.quirks.cpu_unpacked_layout import ENV_SWITCH
 
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     env[ENV_SWITCH] = "1"

