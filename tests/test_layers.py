@@ -29,11 +29,16 @@ PACKAGES = {
 HEAVY = {"torch", "vllm", "zmq", "numpy", "numba"}
 #: What each package must never import (top-level module names).
 FORBIDDEN = {
-    "refit_protocol": {"refit_operator", "refit_sidecar", "refit_tools", "tests"} | HEAVY,
-    "refit_operator": {"refit_sidecar", "refit_tools", "tests"} | HEAVY,
-    "refit_sidecar": {"refit_operator", "refit_tools", "tests"},
-    "refit_tools": {"tests"},
+    "refit_protocol": {"refit_operator", "refit_sidecar", "refit_tools", "tests", "e2e"} | HEAVY,
+    "refit_operator": {"refit_sidecar", "refit_tools", "tests", "e2e"} | HEAVY,
+    "refit_sidecar": {"refit_operator", "refit_tools", "tests", "e2e"},
+    "refit_tools": {"tests", "e2e"},
 }
+#: The e2e/ scripts sit on the top floor beside the tools: the device check runs where only
+#: torch and the data plane's source are carried (`e2e/device/`), the mutation run drives
+#: pytest from outside; neither may lean on the control plane, the tools or the tests.
+E2E = REPO / "e2e"
+E2E_FORBIDDEN = {"refit_operator", "refit_tools", "tests"}
 
 
 def module_name(package: str, path: Path) -> str:
@@ -78,6 +83,18 @@ def test_imports_flow_one_way(package: str) -> None:
         for line, name in imports(f, module_name(package, f)):
             if name.split(".")[0] in FORBIDDEN[package]:
                 bad.append(f"{f.relative_to(REPO)}:{line} imports {name}")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_e2e_scripts_import_only_the_data_plane() -> None:
+    scripts = sorted(E2E.rglob("*.py"))
+    assert scripts, E2E
+    bad = [
+        f"{f.relative_to(REPO)}:{line} imports {name}"
+        for f in scripts
+        for line, name in imports(f, f.stem)
+        if name.split(".")[0] in E2E_FORBIDDEN
+    ]
     assert not bad, "\n".join(sorted(set(bad)))
 
 

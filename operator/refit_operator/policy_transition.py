@@ -66,7 +66,7 @@ class Coordinating:
         self.producers = list(producers)  # those of the last transition opened
         self.recorder: TransitionRecorder | None = None  # of the transition running now
         #: A transition whose commit took effect but whose coordinator stopped, finished by
-        #: `take` (its RefitTransition says so): the result and the RefitTransition's name.
+        #: `begin` (its RefitTransition says so): the result and the RefitTransition's name.
         self.recovered: tuple[TransitionResult, str] | None = None
         self.membership = PodMembership(
             rollouts,
