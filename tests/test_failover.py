@@ -39,7 +39,9 @@ KILL_COORDINATOR_AT = {8: "Streaming", 15: "Finalizing"}
 DEADLINE_S = 1500
 
 
-class Cluster:
+class FailoverDeployment:
+    """The processes of the scenario in the module docstring, and what the test reads of them."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.token = secrets.token_hex(16)
@@ -150,8 +152,8 @@ def _events(path: Path, seen: int) -> tuple[list[dict[str, Any]], int]:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
+def cluster(tmp_path: Path) -> Iterator[FailoverDeployment]:
+    c = FailoverDeployment(tmp_path)
     try:
         c.start()
         yield c
@@ -159,7 +161,9 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         c.stop()
 
 
-def test_twenty_transitions_survive_killed_receivers_and_coordinators(cluster: Cluster) -> None:
+def test_twenty_transitions_survive_killed_receivers_and_coordinators(
+    cluster: FailoverDeployment,
+) -> None:
     c = cluster
     coordinator = c.start_coordinator()
     c.pod.release(1)
@@ -218,7 +222,7 @@ def test_twenty_transitions_survive_killed_receivers_and_coordinators(cluster: C
     assert exports == list(range(1, STEPS + 1))
 
 
-def _check_version(c: Cluster, version: int) -> list[str]:
+def _check_version(c: FailoverDeployment, version: int) -> list[str]:
     """Dense-load `version` into the reference; every node holding it must have its bits.
 
     Nodes whose receiver was killed restart here (knowing no version); the coordinator restores

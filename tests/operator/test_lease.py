@@ -7,26 +7,9 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-import uuid
-
-import pytest
-from kubernetes import client
 
 from refit_operator.kube.api import KubeApi
 from refit_operator.kube.lease import PolicyLease, lease_name
-from tests.harness.kube import KubeCluster
-
-
-@pytest.fixture
-def api(kube: KubeCluster) -> KubeApi:
-    return KubeApi(kube.api_client())
-
-
-@pytest.fixture
-def namespace(api: KubeApi) -> str:
-    name = f"lease-{uuid.uuid4().hex[:8]}"
-    client.CoreV1Api(api.api_client).create_namespace({"metadata": {"name": name}})
-    return name
 
 
 async def test_one_holder_expiry_and_restart(api: KubeApi, namespace: str) -> None:

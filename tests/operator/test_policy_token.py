@@ -1,37 +1,27 @@
-"""The token source of a policy's loop, on the real API server: the Secret is read once per
-refresh period, a rotation keeps the previous token in the ring, and a missing, keyless or
-empty Secret is a named reason (`PolicyToken.error`), never an exception."""
+"""The token source of a policy's loop, on the real API server: only a Secret marked for
+KubeRefit is read, once per refresh period; a rotation keeps the previous token in the ring;
+a missing, unmarked or keyless Secret is a named reason (`PolicyToken.error`), never an
+exception."""
 
 from __future__ import annotations
 
 import base64
-import uuid
 
-import pytest
 from kubernetes import client
 
 from refit_operator.kube.api import KubeApi
+from refit_operator.kube.names import TOKEN_LABEL
 from refit_operator.policy_spec import parse_spec
 from refit_operator.policy_token import TOKEN_REFRESH_S, PolicyToken
-from tests.harness.kube import KubeCluster
 
 
-@pytest.fixture
-def api(kube: KubeCluster) -> KubeApi:
-    return KubeApi(kube.api_client())
-
-
-@pytest.fixture
-def namespace(api: KubeApi) -> str:
-    name = f"token-{uuid.uuid4().hex[:8]}"
-    client.CoreV1Api(api.api_client).create_namespace({"metadata": {"name": name}})
-    return name
-
-
-def put_secret(api: KubeApi, namespace: str, value: str, *, key: str = "token") -> None:
+def put_secret(
+    api: KubeApi, namespace: str, value: str, *, key: str = "token", marked: bool = True
+) -> None:
     core = client.CoreV1Api(api.api_client)
+    labels = {TOKEN_LABEL: "true"} if marked else {}
     body = {
-        "metadata": {"name": "refit-token"},
+        "metadata": {"name": "refit-token", "labels": labels},
         "data": {key: base64.b64encode(value.encode()).decode()},
     }
     try:
@@ -51,6 +41,12 @@ async def test_reads_follow_rotation_and_name_what_is_wrong(api: KubeApi, namesp
     assert source.error is not None
     assert source.error[0] == "TokenSecretMissing"
     assert f"Secret {namespace}/refit-token" in source.error[1]
+
+    put_secret(api, namespace, "first", marked=False)  # any Secret of the namespace: refused
+    assert await source.current(spec) is None
+    assert source.error is not None
+    assert source.error[0] == "TokenSecretRefused"
+    assert f"lacks the label {TOKEN_LABEL}=true" in source.error[1]
 
     put_secret(api, namespace, "first")
     assert await source.current(spec) == "first"

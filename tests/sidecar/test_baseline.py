@@ -26,29 +26,19 @@ from refit_sidecar.baseline import (
 )
 from refit_sidecar.bits import int_view
 from refit_sidecar.codec import Mode, Op, TensorMeta, apply_item_
+from tests.harness.exports import Export, flip_bits, random_export
+
+DTYPES = (torch.bfloat16, torch.float32, torch.int8, torch.bool, torch.float16)
 
 
-def _export(seed: int = 0, n: int = 9) -> list[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.bool, torch.float16]
-    out = []
-    for i in range(n):
-        shape = (int(torch.randint(1, 40, (1,), generator=gen)), 17)
-        t = torch.randn(shape, generator=gen).to(dtypes[i % len(dtypes)])
-        out.append((f"layer.{i}.weight", t))
-    return out
+def _export(seed: int = 0, n: int = 9) -> Export:
+    return random_export(
+        n, seed, DTYPES, lambda _, gen: (int(torch.randint(1, 40, (1,), generator=gen)), 17)
+    )
 
 
-def _update(export: list[tuple[str, torch.Tensor]], seed: int, rate: float = 0.2):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for name, t in export:
-        new = t.clone()
-        bits = int_view(new)
-        mask = torch.rand(bits.shape, generator=gen) < rate
-        bits[mask] ^= 1
-        out.append((name, new))
-    return out
+def _update(export: Export, seed: int, rate: float = 0.2) -> Export:
+    return flip_bits(export, seed, rate)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

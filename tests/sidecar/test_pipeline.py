@@ -37,6 +37,7 @@ from refit_sidecar.codec import (
 )
 from refit_sidecar.pipeline import Bucketer, PipelineConfig, PipelineError, ProducerPipeline
 from refit_sidecar.transport import Transport, TransportSummary
+from tests.harness.exports import Export, flip_bits, random_export
 from tests.harness.s3_payloads import S3Delivery
 
 LIMIT = 4096
@@ -112,27 +113,16 @@ class BlockingTransportFake(_InMemoryFake):
         super().send(attempt, payload)
 
 
-def _export(n: int = 24, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.int8]
-    return [
-        (f"m.{i}.w", torch.randn(32, 24 + i, generator=gen).to(dtypes[i % 4])) for i in range(n)
-    ]
+DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.int8)
 
 
-def _update(
-    export: list[tuple[str, torch.Tensor]], seed: int = 1, rate: float = 0.1, keep_every: int = 5
-):
+def _export(n: int = 24, seed: int = 0) -> Export:
+    return random_export(n, seed, DTYPES, lambda i, _: (32, 24 + i), name="m.{i}.w")
+
+
+def _update(export: Export, seed: int = 1, rate: float = 0.1, keep_every: int = 5) -> Export:
     """Flip bits at `rate`; every `keep_every`-th tensor stays unchanged (0: none does)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i, (name, t) in enumerate(export):
-        new = t.clone()
-        if not keep_every or i % keep_every != keep_every - 1:
-            bits = int_view(new)
-            bits[torch.rand(bits.shape, generator=gen) < rate] ^= 3
-        out.append((name, new))
-    return out
+    return flip_bits(export, seed, rate, xor=3, keep_every=keep_every)
 
 
 def _baselines(export, producers: int = 1) -> list[SourceBaseline]:
