@@ -9,10 +9,11 @@ staged ACK. The sink is the receiver core; this module knows nothing about apply
 
 Token rotation (`refit_protocol.tokens`): frames, answers and MACs of every accepted token are
 taken; the ROUTER serves with the ring's sending token's Curve keys and is bound again (same
-address) when that token changes, after the rotation's grace.
+address) when that token changes, after the rotation's grace (the rules: `router_keys.py`).
 
 `drain(attempt)` is the relay-flush barrier: it waits until every forward of the attempt has been
-acknowledged by the child or has failed (a dead child fails within its retry budget).
+acknowledged by the child or has failed (a dead child fails within its retry budget; the
+bookkeeping: `forwards.py`).
 
 Nothing ends the ROUTER loop but `close()`: an error raised while following the ring (a token
 source, a rebind), counting handshakes or handling one frame is caught, counted
@@ -22,37 +23,27 @@ and the loop carries on, so the node keeps answering handshakes with the keys it
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import functools
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol
 
 import structlog
 import zmq
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field
+from prometheus_client import CollectorRegistry
 from zmq.utils.monitor import recv_monitor_message
 
-from refit_protocol.config_files import ByteSize
 from refit_protocol.keys import payload_mac_key
-from refit_protocol.metrics import preset
-from refit_protocol.tokens import (
-    TOKEN_FILE_REJECTIONS,
-    FileTokenRing,
-    TokenRing,
-    as_ring,
-    ring_accepts,
-)
+from refit_protocol.tokens import TokenRing, as_ring, ring_accepts
 from refit_sidecar.codec.errors import CodecError
 from refit_sidecar.transport.errors import TransportError
 from refit_sidecar.transport.relay import tree
+from refit_sidecar.transport.relay.config import RelayConfig as RelayConfig  # was defined here
 from refit_sidecar.transport.relay.curve import HANDSHAKE_FAILURES, allow_clients, secure_server
-from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
+from refit_sidecar.transport.relay.dealer import RelayDealer
+from refit_sidecar.transport.relay.forwards import ForwardLedger
 from refit_sidecar.transport.relay.frames import (
     ACK,
     DATA,
@@ -65,43 +56,13 @@ from refit_sidecar.transport.relay.frames import (
     parse_meta,
     verify_body,
 )
+from refit_sidecar.transport.relay.metrics import RelayMetrics
+from refit_sidecar.transport.relay.router_keys import RefusedHandshakes, RouterKeys
 
 log = structlog.get_logger("kuberefit.relay")
 #: Refused handshakes are logged at most this often (with a count), and at most this many
 #: monitor events are read per turn of the ROUTER loop.
 HANDSHAKE_LOG_S, MAX_MONITOR_EVENTS = 10.0, 64
-#: Where an error the ROUTER loop survived was raised (`kuberefit_relay_loop_errors_total`).
-LOOP_ERROR_PLACES = ("rotation", "monitor", "frame", "loop")
-
-
-class RelayConfig(BaseModel):
-    """One node's place in the relay tree."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    bind: str = Field(
-        description="ZeroMQ endpoint the ROUTER binds, e.g. tcp://0.0.0.0:5701.",
-        examples=["tcp://127.0.0.1:5701"],
-    )
-    advertise: str | None = Field(
-        default=None,
-        description="How the other nodes and producers reach this relay (its entry in `nodes`); "
-        "defaults to `bind`.",
-    )
-    nodes: list[str] = Field(
-        default_factory=list,
-        description="Every relay endpoint in tree order (a prepare's relay_tree overrides it).",
-    )
-    forward: DealerConfig = Field(
-        default_factory=DealerConfig, description="Window and retries of child forwards."
-    )
-    max_payload_bytes: ByteSize = Field(
-        default=8 << 30, gt=0, description="Largest frame accepted (ZeroMQ MAXMSGSIZE)."
-    )
-
-    @property
-    def endpoint(self) -> str:
-        return self.advertise or self.bind
 
 
 class RelaySink(Protocol):
@@ -140,66 +101,6 @@ class RelaySink(Protocol):
         ...
 
 
-class TokenFileRejections(Collector):
-    """`kuberefit_token_file_rejected_total{reason}`: the token file versions a ring refused
-    (`FileTokenRing.rejections`; every reason present from the start)."""
-
-    def __init__(self, ring: FileTokenRing) -> None:
-        self._ring = ring
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(
-            "kuberefit_token_file_rejected",
-            "Token file versions refused and not taken (the tokens in force were kept), by "
-            f"reason: {', '.join(TOKEN_FILE_REJECTIONS)}.",
-            labels=["reason"],
-        )
-        for reason, count in self._ring.rejections().items():
-            family.add_metric([reason], count)
-        yield family
-
-
-class RelayMetrics:
-    def __init__(self, registry: CollectorRegistry | None, ring: TokenRing | None = None) -> None:
-        reg = registry if registry is not None else CollectorRegistry()
-        self.frames = Counter(
-            "kuberefit_relay_frames",
-            "Frames handled, by kind and answer.",
-            ["kind", "status"],
-            registry=reg,
-        )
-        self.dropped = Counter(
-            "kuberefit_relay_frames_dropped",
-            "Frames dropped without an answer (unauthenticated, malformed), and connections "
-            "refused at the CurveZMQ handshake (handshake: no key pair of the policy's token, "
-            "or replayed or altered traffic; handshake_aborted: the peer hung up mid-handshake, "
-            "e.g. a plain TCP connect).",
-            ["reason"],
-            registry=reg,
-        )
-        self.bytes = Counter(
-            "kuberefit_relay_payload_bytes", "Payload bytes received in DATA frames.", registry=reg
-        )
-        self.forwards = Counter(
-            "kuberefit_relay_forwards", "Child forwards by result.", ["result"], registry=reg
-        )
-        self.loop_errors = Counter(
-            "kuberefit_relay_loop_errors",
-            "Errors the relay's ROUTER loop caught and survived, by where they were raised "
-            "(rotation: following the token ring or binding again; monitor: counting refused "
-            "handshakes; frame: handling one frame; loop: anything else).",
-            ["where"],
-            registry=reg,
-        )
-        if isinstance(ring, FileTokenRing):
-            reg.register(TokenFileRejections(ring))
-        # Every known series exists at 0 before its first event (refit_protocol.metrics).
-        preset(self.frames, *((k.decode(), s.value) for k in (DATA, PROBE, END) for s in AckStatus))
-        preset(self.dropped, "unauthenticated", "malformed", "handshake", "handshake_aborted")
-        preset(self.forwards, "ok", "failed", "skipped")
-        preset(self.loop_errors, *LOOP_ERROR_PLACES)
-
-
 class RelayNode:
     """The ROUTER of one node plus its child forwarders."""
 
@@ -215,20 +116,16 @@ class RelayNode:
         self.config = config
         self.sink = sink
         self._ring = as_ring(token)
-        self._gen = -1
-        self._serving: str | None = None
         self._ctx = context or zmq.Context.instance()
+        self._keys = RouterKeys(self._ring, functools.partial(allow_clients, self._ctx, id(self)))
         self.metrics = RelayMetrics(registry, self._ring)
         self._error_logged: dict[str, float] = {}
         self._clients: dict[str, RelayDealer] = {}
-        self._cond = threading.Condition()
-        self._pending: collections.Counter[str] = collections.Counter()
-        self._errors: dict[str, list[str]] = collections.defaultdict(list)
-        self._dead: dict[str, set[str]] = collections.defaultdict(set)
+        self._forwards = ForwardLedger()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._monitor: zmq.Socket[Any] | None = None
-        self._refused, self._refused_logged, self._refused_peer = 0, 0.0, ""
+        self._refused = RefusedHandshakes(HANDSHAKE_LOG_S)
         self.bound: str = ""
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -244,15 +141,13 @@ class RelayNode:
     def _open(self, endpoint: str) -> zmq.Socket[Any]:
         """A ROUTER serving the ring's sending token, bound to `endpoint` (retried briefly: a
         rebind may find the previous listener still closing)."""
-        self._gen = self._ring.current_generation()
-        self._serving = self._ring.sending()
-        allow_clients(self._ctx, id(self), self._ring.accepted())
+        serving = self._keys.take()
         sock: zmq.Socket[Any] = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload_bytes + (1 << 16))
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        if self._serving:
-            secure_server(sock, self._serving)
+        if serving:
+            secure_server(sock, serving)
             self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
         deadline = time.monotonic() + 5.0
         while True:
@@ -275,12 +170,7 @@ class RelayNode:
     def _follow_rotation(self) -> bool:
         """Admit the ring's accepted clients; bind again when the sending token changed.
         True when the socket was replaced."""
-        gen = self._ring.current_generation()
-        if gen == self._gen:
-            return False
-        allow_clients(self._ctx, id(self), self._ring.accepted())
-        self._gen = gen  # after the clients are admitted: a failure is tried again
-        if self._ring.sending() == self._serving:
+        if not self._keys.follow():
             return False
         if self._sock is not None:
             self._close_socket(self._sock)
@@ -310,16 +200,7 @@ class RelayNode:
     # -- barrier and abort ------------------------------------------------------------------------
     def drain(self, attempt: str, timeout: float) -> list[str]:
         """Wait until no forward of `attempt` is pending; the forwarding errors seen."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._pending[attempt] > 0 and time.monotonic() < deadline:
-                self._cond.wait(min(0.2, max(deadline - time.monotonic(), 0.0)))
-            errors = list(self._errors.get(attempt, []))
-            if self._pending[attempt] > 0:
-                errors.append(
-                    f"{self._pending[attempt]} forwards still pending after {timeout:.1f}s"
-                )
-        return errors
+        return self._forwards.drain(attempt, timeout)
 
     def abort(self, attempt: str) -> None:
         """Stop forwarding `attempt` (its pending forwards fail and are released)."""
@@ -327,10 +208,7 @@ class RelayNode:
             client.abort(attempt, "attempt stopped on the relay")
 
     def forget(self, attempt: str) -> None:
-        with self._cond:
-            self._pending.pop(attempt, None)
-            self._errors.pop(attempt, None)
-            self._dead.pop(attempt, None)
+        self._forwards.forget(attempt)
 
     # -- the ROUTER loop --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -410,24 +288,12 @@ class RelayNode:
                 event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
-            detail = int(event.get("event", 0))
-            reason = (
-                "handshake"
-                if detail != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                else "handshake_aborted"
-            )
-            self.metrics.dropped.labels(reason).inc()
-            self._refused += 1
-            self._refused_peer = str(event.get("endpoint", b""), "utf-8", "replace")
-        now = time.monotonic()
-        if self._refused and now - self._refused_logged >= HANDSHAKE_LOG_S:
+            self.metrics.dropped.labels(self._refused.count(event)).inc()
+        due = self._refused.report(time.monotonic())
+        if due is not None:
             log.warning(
-                "relay.handshakes_refused",
-                node=self.sink.node,
-                count=self._refused,
-                last_peer=self._refused_peer,
+                "relay.handshakes_refused", node=self.sink.node, count=due[0], last_peer=due[1]
             )
-            self._refused, self._refused_logged = 0, now
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 3:
@@ -524,12 +390,7 @@ class RelayNode:
         return client
 
     def _forward(self, child: str, meta: FrameMeta, body: zmq.Frame | None) -> None:
-        attempt = meta.attempt
-        with self._cond:
-            dead = child in self._dead[attempt]
-            if not dead:
-                self._pending[attempt] += 1
-        if dead:
+        if not self._forwards.start(meta.attempt, child):
             self.metrics.forwards.labels("skipped").inc()
             if body is not None:
                 self.sink.relay_release(meta, f"child {child} already failed")
@@ -545,16 +406,7 @@ class RelayNode:
     def _forwarded(self, child: str, meta: FrameMeta, data: bool, fut: Future[AckStatus]) -> None:
         exc = fut.exception()
         error = None if exc is None else f"forward to {child}: {type(exc).__name__}: {exc}"
-        with self._cond:
-            if meta.attempt not in self._pending:  # forgotten (replaced) attempt: no bookkeeping
-                error = None
-            else:
-                self._pending[meta.attempt] -= 1
-            first = error is not None and child not in self._dead[meta.attempt]
-            if first:
-                self._dead[meta.attempt].add(child)
-                self._errors[meta.attempt].append(str(error))
-            self._cond.notify_all()
+        error, first = self._forwards.finish(meta.attempt, child, error)
         if first:
             # One payload gave up on this child: fail its other pending forwards now instead of
             # letting each wait out its own retries (relay flush reports the error either way).
