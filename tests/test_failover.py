@@ -99,7 +99,7 @@ class FailoverDeployment:
             [
                 sys.executable,
                 "-m",
-                "refit_protocol.cli",
+                "refit_protocol.kit.cli",
                 "coordinator",
                 "serve",
                 "--config",

@@ -86,6 +86,25 @@ def test_imports_flow_one_way(package: str) -> None:
     assert not bad, "\n".join(sorted(set(bad)))
 
 
+def test_wire_models_never_import_the_process_kit() -> None:
+    """`refit_protocol` is the wire models (messages, commit record, tensor identities, sizes,
+    errors, the pod contract) and, in `refit_protocol.kit`, what runs a process (command,
+    settings files, tokens, logs, metrics, HTTP skeleton): the kit may use the models, never
+    the other way round."""
+    root = PACKAGES["refit_protocol"]
+    wire = sorted(root.glob("*.py"))
+    assert {f.stem for f in wire} >= {"commit", "producer_api", "receiver_api", "tensors", "sizes"}
+    bad = [
+        f"{f.relative_to(REPO)}:{line} imports {name}"
+        for f in wire
+        for line, name in imports(f, module_name("refit_protocol", f))
+        if name.startswith("refit_protocol.kit")
+    ]
+    assert not bad, "\n".join(sorted(set(bad)))
+    kit_face = root / "kit" / "__init__.py"
+    assert list(imports(kit_face, "refit_protocol.kit")) == [], "the kit's face imports nothing"
+
+
 def test_e2e_scripts_import_only_the_data_plane() -> None:
     scripts = sorted(E2E.rglob("*.py"))
     assert scripts, E2E
@@ -193,7 +212,7 @@ def test_control_plane_imports_no_heavy_modules_at_run_time() -> None:
         "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
         "        importlib.import_module(m.name)\n"
         "from click.testing import CliRunner\n"
-        "from refit_protocol.cli import build\n"
+        "from refit_protocol.kit.cli import build\n"
         "r = CliRunner().invoke(build(), ['--help'])\n"
         "assert r.exit_code == 0, r.output\n"
         "print(sorted(n for n in ('torch', 'vllm', 'zmq') if n in sys.modules))\n"

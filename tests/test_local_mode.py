@@ -114,7 +114,7 @@ def test_demo_recovers_from_killed_nodes_bit_exactly(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "refit_protocol.cli",
+            "refit_protocol.kit.cli",
             "demo",
             "--steps",
             "4",
@@ -162,7 +162,7 @@ def test_demo_over_s3_in_async_mode(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "refit_protocol.cli",
+            "refit_protocol.kit.cli",
             "demo",
             "--steps",
             "3",

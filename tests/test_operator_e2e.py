@@ -35,9 +35,9 @@ from typing import Any
 import psutil
 import pytest
 
+from refit_protocol.kit.service_http import Readiness
 from refit_protocol.producer_api import PRODUCER_PREFIX
 from refit_protocol.receiver_api import API_PREFIX
-from refit_protocol.service_http import Readiness
 from refit_tools.local.nodes import LocalNode
 from refit_tools.local.procs import ManagedProcess, free_ports
 from refit_tools.local.trainer_pod import LocalTrainerPod

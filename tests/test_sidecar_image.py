@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from refit_protocol import pod_contract
-from refit_protocol.cli import build
+from refit_protocol.kit.cli import build
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILES = ["Dockerfile.operator", "Dockerfile.sidecar"]

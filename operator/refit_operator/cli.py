@@ -1,4 +1,4 @@
-"""The control plane's commands (joined into `kuberefit` by `refit_protocol.cli`).
+"""The control plane's commands (joined into `kuberefit` by `refit_protocol.kit.cli`).
 
 Heavy dependencies are imported inside each command, so `kuberefit --help` works in the
 operator image, which has no torch, vllm or zmq.
@@ -16,13 +16,13 @@ from typing import Any
 import click
 import structlog
 
-from refit_protocol.cli import (
+from refit_protocol.kit.cli import (
     STARTUP_ERROR_HELP,
     config_command,
     config_file_option,
     service_command,
 )
-from refit_protocol.config_files import load_config
+from refit_protocol.kit.config_files import load_config
 
 COORDINATOR_CONFIG = "refit_operator.coordinator_service:CoordinatorServiceConfig"
 #: What `kuberefit coordinator serve` exits with (refit_operator.coordinator_service).
@@ -54,7 +54,7 @@ def coordinator_serve(config_path: Path) -> None:
     coordinator takes over from the commit store. SIGTERM stops it between steps (exit 0).
     """
     from refit_operator.coordinator_service import CoordinatorServiceConfig, serve
-    from refit_protocol.logs import configure_logging, log_settings
+    from refit_protocol.kit.logs import configure_logging, log_settings
 
     configure_logging()
     config = load_config(CoordinatorServiceConfig, path=config_path)
@@ -113,7 +113,7 @@ def verify(
     import json as json_mod
 
     from refit_operator.verify import exit_code, render, verify_nodes
-    from refit_protocol.auth import open_ring
+    from refit_protocol.kit.auth import open_ring
 
     ring = open_ring(None, token_file)
     results = asyncio.run(verify_nodes(nodes, checkpoint, version, token=ring))
@@ -230,7 +230,7 @@ def operator_serve(
     $KUBECONFIG). See docs/operator.md.
     """
     from refit_operator.operator_main import OperatorConfig, run
-    from refit_protocol.logs import configure_logging, log_settings
+    from refit_protocol.kit.logs import configure_logging, log_settings
 
     configure_logging()
     host, port = _host_port(metrics_bind, "--metrics-bind")

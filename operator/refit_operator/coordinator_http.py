@@ -20,11 +20,16 @@ from aiohttp import web
 
 from refit_operator.commit_store import CommitStore
 from refit_operator.metrics import CoordinatorMetrics
-from refit_protocol.auth import require_token_or_loopback
 from refit_protocol.errors import listen_error
-from refit_protocol.http_log import request_logger
-from refit_protocol.service_http import ReadinessProbe, add_probe_routes, bearer_guard, json_errors
-from refit_protocol.tokens import TokenRing
+from refit_protocol.kit.auth import require_token_or_loopback
+from refit_protocol.kit.http_log import request_logger
+from refit_protocol.kit.service_http import (
+    ReadinessProbe,
+    add_probe_routes,
+    bearer_guard,
+    json_errors,
+)
+from refit_protocol.kit.tokens import TokenRing
 
 log = structlog.get_logger("kuberefit.coordinator_service")
 

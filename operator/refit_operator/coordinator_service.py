@@ -38,12 +38,12 @@ from refit_operator.metrics import CoordinatorMetrics
 from refit_operator.ports import TransitionProgress
 from refit_operator.producer_client import HttpProducerClient, all_staged
 from refit_operator.transition_types import CoordinatorConfig, TransitionResult
-from refit_protocol.auth import open_ring
-from refit_protocol.cli import mark_started
 from refit_protocol.commit import CommitRecord
-from refit_protocol.config_files import ConfigPath, resolve_relative
 from refit_protocol.errors import ConfigurationError, PeerAuthenticationError
-from refit_protocol.tokens import TokenRing
+from refit_protocol.kit.auth import open_ring
+from refit_protocol.kit.cli import mark_started
+from refit_protocol.kit.config_files import ConfigPath, resolve_relative
+from refit_protocol.kit.tokens import TokenRing
 
 log = structlog.get_logger("kuberefit.coordinator_service")
 

@@ -27,9 +27,9 @@ from refit_operator.ports import ReceiverClient
 from refit_operator.receiver_client import ReceiverHttpClient
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError, PeerAuthenticationError
+from refit_protocol.kit.tokens import TokenRing
 from refit_protocol.receiver_api import PrewarmRequest, RestoreRequest
 from refit_protocol.tensors import TensorMetaModel
-from refit_protocol.tokens import TokenRing
 
 log = structlog.get_logger("kuberefit.membership")
 

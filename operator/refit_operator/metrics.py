@@ -1,4 +1,4 @@
-"""Prometheus metrics of the control plane, one naming scheme (`refit_protocol.metrics`):
+"""Prometheus metrics of the control plane, one naming scheme (`refit_protocol.kit.metrics`):
 
 - the operator's (`kuberefit operator serve --metrics-bind`, the global registry): per policy,
   labelled `namespace` and `policy`, created when its loop starts: the transition families
@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics import MetricWrapperBase
 
 from refit_operator.transition_metrics import TransitionMetrics, forget
-from refit_protocol.metrics import add_build_info, preset
+from refit_protocol.kit.metrics import add_build_info, preset
 
 _POLICY = ["namespace", "policy"]
 ADMISSION_RESULTS = ("injected", "unchanged", "denied", "invalid")

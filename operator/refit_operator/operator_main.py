@@ -24,10 +24,10 @@ from refit_operator import metrics as _metrics  # noqa: F401 - the families /met
 from refit_operator.injection.config import load_injection_config, with_native_sidecars
 from refit_operator.server_thread import ServerThread
 from refit_operator.webhook import DEFAULT_DRAIN_S
-from refit_protocol.auth import require_token_or_loopback, resolve_token
-from refit_protocol.http_log import request_logger
-from refit_protocol.service_http import Readiness, add_probe_routes, bearer_guard, json_errors
-from refit_protocol.tokens import as_ring
+from refit_protocol.kit.auth import require_token_or_loopback, resolve_token
+from refit_protocol.kit.http_log import request_logger
+from refit_protocol.kit.service_http import Readiness, add_probe_routes, bearer_guard, json_errors
+from refit_protocol.kit.tokens import as_ring
 
 log = structlog.get_logger("kuberefit.operator")
 

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 from refit_operator.transition_types import CoordinatorConfig
-from refit_protocol.config_files import AUTO, SizeOrAuto
 from refit_protocol.producer_api import StreamSettings
+from refit_protocol.sizes import AUTO, SizeOrAuto
 
 
 class _Spec(BaseModel):

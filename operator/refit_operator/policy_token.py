@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from refit_operator.kube.api import KubeApi, NotFoundError, SecretRefusedError
 from refit_operator.policy_spec import PolicySpec
-from refit_protocol.tokens import TokenRing
+from refit_protocol.kit.tokens import TokenRing
 
 #: How long a token read from the policy's Secret is used before it is read again.
 TOKEN_REFRESH_S = 60.0

@@ -10,7 +10,6 @@ import aiohttp
 import structlog
 from pydantic import BaseModel
 
-from refit_protocol.auth import bearer_header
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import (
     ConfigurationError,
@@ -18,6 +17,8 @@ from refit_protocol.errors import (
     ErrorBody,
     PeerAuthenticationError,
 )
+from refit_protocol.kit.auth import bearer_header
+from refit_protocol.kit.tokens import TokenRing, as_ring
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
     AttemptPlan,
@@ -28,7 +29,6 @@ from refit_protocol.producer_api import (
     ProducerStatus,
     SentReport,
 )
-from refit_protocol.tokens import TokenRing, as_ring
 
 M = TypeVar("M", bound=BaseModel)
 log = structlog.get_logger("kuberefit.producer_client")

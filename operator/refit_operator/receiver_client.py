@@ -12,8 +12,9 @@ from typing import TypeVar
 import aiohttp
 from pydantic import BaseModel
 
-from refit_protocol.auth import bearer_header
 from refit_protocol.errors import EndpointError, ErrorBody, PeerAuthenticationError
+from refit_protocol.kit.auth import bearer_header
+from refit_protocol.kit.tokens import TokenRing, as_ring
 from refit_protocol.receiver_api import (
     API_PREFIX,
     AttemptRequest,
@@ -36,7 +37,6 @@ from refit_protocol.receiver_api import (
     StopResponse,
     StreamEnd,
 )
-from refit_protocol.tokens import TokenRing, as_ring
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -22,7 +22,7 @@ from refit_operator.transition_types import (
     STAGES,
     TransitionResult,
 )
-from refit_protocol.metrics import FRACTION_BUCKETS, SECONDS_BUCKETS, preset
+from refit_protocol.kit.metrics import FRACTION_BUCKETS, SECONDS_BUCKETS, preset
 
 
 class TransitionMetrics:

@@ -17,8 +17,8 @@ import aiohttp
 
 from refit_operator.receiver_client import ReceiverHttpClient
 from refit_protocol.errors import EndpointError
+from refit_protocol.kit.tokens import TokenRing
 from refit_protocol.receiver_api import AuditRequest, AuditResponse
-from refit_protocol.tokens import TokenRing
 
 #: Exit codes of `kuberefit verify`.
 EXIT_OK, EXIT_MISMATCH, EXIT_INCOMPLETE = 0, 1, 3

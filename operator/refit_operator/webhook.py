@@ -51,8 +51,8 @@ from refit_operator.kube.api import KubeApi, NotFoundError
 from refit_operator.kube.names import POLICY
 from refit_operator.metrics import ADMISSIONS
 from refit_operator.policy_spec import SpecError, parse_spec
-from refit_protocol.http_log import request_logger
-from refit_protocol.service_http import error_response, json_errors
+from refit_protocol.kit.http_log import request_logger
+from refit_protocol.kit.service_http import error_response, json_errors
 
 log = structlog.get_logger("kuberefit.webhook")
 

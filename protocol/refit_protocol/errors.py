@@ -20,7 +20,7 @@ class PeerAuthenticationError(EndpointError):
 
 class ConfigurationError(ValueError):
     """A setting that cannot work, found at any time (e.g. a peer refusing the token): the
-    command exits 2 with one line, even after its start-up (`refit_protocol.cli`)."""
+    command exits 2 with one line, even after its start-up (`refit_protocol.kit.cli`)."""
 
 
 class ListenError(ConfigurationError):

@@ -1,7 +1,7 @@
 """Keys derived from a policy's shared token, one per purpose (domain separation).
 
 Every KubeRefit component of one policy holds the same token (a Kubernetes Secret, see
-`refit_protocol.auth`). Secrets the data plane needs beyond the token itself are derived from
+`refit_protocol.kit.auth`). Secrets the data plane needs beyond the token itself are derived from
 it here, never used raw: each purpose hashes the token under its own BLAKE2b personalization, so
 a key for one purpose says nothing about the token or about the key of another purpose, and two
 components that hold the same token derive the same keys without exchanging anything.

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 from refit_protocol.commit import AttemptMode, CommitRecord
-from refit_protocol.config_files import SizeOrAuto
+from refit_protocol.sizes import SizeOrAuto
 from refit_protocol.tensors import TensorMetaModel
 
 PRODUCER_PREFIX = "/v1/producer"

@@ -1,5 +1,5 @@
 """The data plane's commands: the rollout and trainer sidecars (joined into `kuberefit` by
-`refit_protocol.cli`; heavy dependencies are imported inside each command)."""
+`refit_protocol.kit.cli`; heavy dependencies are imported inside each command)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from refit_protocol.cli import (
+from refit_protocol.kit.cli import (
     SERVICE_EXIT_HELP,
     STARTUP_ERROR_HELP,
     config_command,

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from refit_protocol.loggers import get_logger
+from refit_protocol.kit.loggers import get_logger
 
 log = get_logger("kuberefit.compiled")
 

@@ -241,7 +241,7 @@ class OperatorEnv:
             [
                 sys.executable,
                 "-m",
-                "refit_protocol.cli",
+                "refit_protocol.kit.cli",
                 "operator",
                 "serve",
                 "--namespace",

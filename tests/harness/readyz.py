@@ -7,7 +7,7 @@ import asyncio
 
 import aiohttp
 
-from refit_protocol.service_http import Readiness
+from refit_protocol.kit.service_http import Readiness
 
 
 async def readyz_becomes(

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from refit_operator.cli import commands
-from refit_protocol import logs
+from refit_protocol.kit import logs
 
 
 @pytest.fixture(autouse=True)

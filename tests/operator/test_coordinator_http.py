@@ -21,10 +21,10 @@ from refit_operator.coordinator_service import CoordinatorServiceConfig, serve
 from refit_operator.metrics import CoordinatorMetrics
 from refit_operator.ports import TransitionProgress
 from refit_operator.transition_types import TransitionResult
-from refit_protocol.cli import startup_error_message
 from refit_protocol.errors import ErrorBody
-from refit_protocol.metrics import parse_exposition, registry_problems
-from refit_protocol.service_http import Readiness
+from refit_protocol.kit.cli import startup_error_message
+from refit_protocol.kit.metrics import parse_exposition, registry_problems
+from refit_protocol.kit.service_http import Readiness
 from tests.harness.procs import free_port
 from tests.harness.readyz import readyz_becomes
 from tests.sidecar.receiver.models import canonical

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from refit_protocol.auth import bearer_header, bearer_ok, http_bearer
 from refit_protocol.keys import payload_mac_key
+from refit_protocol.kit.auth import bearer_header, bearer_ok, http_bearer
 
 TOKEN = "a-policy-token-of-32-characters!"
 

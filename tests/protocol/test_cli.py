@@ -13,7 +13,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from refit_protocol import cli
+from refit_protocol.kit import cli
 
 
 def test_full_install_lists_every_package_command() -> None:

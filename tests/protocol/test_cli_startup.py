@@ -13,8 +13,9 @@ import pytest
 from click.testing import CliRunner
 from pydantic import BaseModel, Field, SecretStr
 
-from refit_protocol.auth import require_token_or_loopback, resolve_token
-from refit_protocol.cli import (
+from refit_protocol.errors import ConfigurationError
+from refit_protocol.kit.auth import require_token_or_loopback, resolve_token
+from refit_protocol.kit.cli import (
     DEBUG_ENV,
     STARTUP_ERROR_HELP,
     mark_started,
@@ -22,7 +23,6 @@ from refit_protocol.cli import (
     service_command,
     startup_error_message,
 )
-from refit_protocol.errors import ConfigurationError
 
 
 class Settings(BaseModel):

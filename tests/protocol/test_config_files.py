@@ -12,13 +12,9 @@ import pytest
 from click.testing import CliRunner
 from pydantic import BaseModel, ValidationError
 
-from refit_protocol import cli
-from refit_protocol.config_files import (
-    ConfigFileError,
-    format_byte_size,
-    load_config,
-    parse_byte_size,
-)
+from refit_protocol.kit import cli
+from refit_protocol.kit.config_files import ConfigFileError, load_config
+from refit_protocol.sizes import format_byte_size, parse_byte_size
 from refit_sidecar.producer.main import ProducerProcessConfig
 from refit_sidecar.receiver.config import ReceiverConfig
 

@@ -18,13 +18,9 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refit_protocol import cli, config_files
-from refit_protocol.config_files import (
-    MAX_CONFIG_BYTES,
-    ConfigFileError,
-    load_config,
-    parse_byte_size,
-)
+from refit_protocol.kit import cli, config_files
+from refit_protocol.kit.config_files import MAX_CONFIG_BYTES, ConfigFileError, load_config
+from refit_protocol.sizes import parse_byte_size
 from refit_sidecar.receiver.config import ReceiverConfig
 
 PREFIX = "kuberefit receiver config: error: "

@@ -14,8 +14,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel, SecretStr
 
-from refit_protocol import logs
-from refit_protocol.http_log import request_logger
+from refit_protocol.kit import logs
+from refit_protocol.kit.http_log import request_logger
 
 
 @pytest.fixture(autouse=True)

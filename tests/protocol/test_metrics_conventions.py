@@ -1,5 +1,5 @@
 """`curl /metrics` on every KubeRefit process follows one set of Prometheus conventions
-(`refit_protocol.metrics`; issue 19): a real receiver (with its relay node), a real producer
+(`refit_protocol.kit.metrics`; issue 19): a real receiver (with its relay node), a real producer
 and a real coordinator process are scraped over HTTP before any refit happened, and the
 operator's registry is checked as it is; the checker itself catches each breach."""
 
@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from refit_operator import metrics as operator_metrics
 from refit_operator.coordinator_service import CoordinatorServiceConfig, serve
-from refit_protocol.metrics import (
+from refit_protocol.kit.metrics import (
     BUILD_INFO,
     add_build_info,
     convention_problems,

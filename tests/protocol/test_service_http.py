@@ -13,15 +13,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, Counter
 
-from refit_protocol.auth import http_bearer
-from refit_protocol.service_http import (
+from refit_protocol.kit.auth import http_bearer
+from refit_protocol.kit.service_http import (
     Readiness,
     ReadinessProbe,
     add_probe_routes,
     bearer_guard,
     json_errors,
 )
-from refit_protocol.tokens import TokenRing
+from refit_protocol.kit.tokens import TokenRing
 
 
 class _TtlClock:

@@ -1,4 +1,4 @@
-"""The one token-file reader (refit_protocol.tokens.read_token_file) against hostile files
+"""The one token-file reader (refit_protocol.kit.tokens.read_token_file) against hostile files
 (issue 34): whatever the mounted file holds, following it never raises; content that is not a
 valid token list is "no valid token", logged once per distinct failure, counted by reason, and
 the ring in force is kept, so every component keeps serving with it."""
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from pydantic import SecretStr
 from structlog.testing import capture_logs
 
-from refit_protocol.auth import bearer_header, resolve_token, ring_accepts_bearer
-from refit_protocol.tokens import (
+from refit_protocol.kit.auth import bearer_header, resolve_token, ring_accepts_bearer
+from refit_protocol.kit.tokens import (
     MAX_TOKEN_CHARS,
     MAX_TOKEN_FILE_BYTES,
     TOKEN_FILE_REJECTIONS,

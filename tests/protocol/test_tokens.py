@@ -1,4 +1,4 @@
-"""The token ring's rules (refit_protocol.tokens): what is accepted and what is sent while a
+"""The token ring's rules (refit_protocol.kit.tokens): what is accepted and what is sent while a
 rotated Secret reaches pods at different moments. Time is a clock the test advances."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from refit_protocol.auth import bearer_header, ring_accepts_bearer
-from refit_protocol.tokens import FileTokenRing, TokenRing, as_ring, key_id, ring_accepts
+from refit_protocol.kit.auth import bearer_header, ring_accepts_bearer
+from refit_protocol.kit.tokens import FileTokenRing, TokenRing, as_ring, key_id, ring_accepts
 
 A, B, C = "token-a", "token-b", "token-c"
 

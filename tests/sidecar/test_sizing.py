@@ -11,7 +11,7 @@ import torch
 from pydantic import SecretStr, ValidationError
 from safetensors.torch import save_file
 
-from refit_protocol.config_files import AUTO
+from refit_protocol.sizes import AUTO
 from refit_sidecar.baseline.sizing import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,

@@ -1,5 +1,5 @@
 """The tools' commands: `demo` (the local mode end to end) and `bench` (joined into `kuberefit`
-by `refit_protocol.cli`; heavy dependencies are imported inside each command)."""
+by `refit_protocol.kit.cli`; heavy dependencies are imported inside each command)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def demo(
     as_json: bool,
 ) -> None:
     """Run KubeRefit locally end to end on a tiny model (no cluster needed)."""
-    from refit_protocol.logs import configure_logging
+    from refit_protocol.kit.logs import configure_logging
     from refit_tools.demo import DemoError, format_report, report_json, run_demo
 
     configure_logging(default_level="warning")
@@ -147,7 +147,7 @@ def bench_codec(
     """Codec: the paper's Table 2 XOR/overwrite sizes and synthetic-checkpoint encode speed."""
     import json
 
-    from refit_protocol.logs import configure_logging
+    from refit_protocol.kit.logs import configure_logging
     from refit_tools.bench.codec import format_report, run_codec_bench
 
     configure_logging(default_level="warning")
@@ -172,7 +172,7 @@ def bench_apply(quick: bool, as_json: bool, checkpoint_mib: int | None) -> None:
     """Receiver apply throughput through a generic native loader (XOR and overwrite)."""
     import json
 
-    from refit_protocol.logs import configure_logging
+    from refit_protocol.kit.logs import configure_logging
     from refit_tools.bench.apply import run_apply_bench
 
     configure_logging(default_level="warning")
@@ -245,7 +245,7 @@ def bench_transport(
     optionally S3 throughput."""
     import json
 
-    from refit_protocol.logs import configure_logging
+    from refit_protocol.kit.logs import configure_logging
     from refit_sidecar.transport.s3 import S3Config
     from refit_tools.bench.refit import default_results_dir
     from refit_tools.bench.transport import (
@@ -408,7 +408,7 @@ def bench_refit(
     """
     import json
 
-    from refit_protocol.logs import configure_logging
+    from refit_protocol.kit.logs import configure_logging
     from refit_tools.bench.netns import NetnsError
     from refit_tools.bench.refit import (
         RefitBenchConfig,

@@ -13,8 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
-from refit_protocol.cli import import_model
-from refit_protocol.config_files import field_value, is_byte_size, nested_model, render_value
+from refit_protocol.kit.cli import import_model
+from refit_protocol.kit.config_files import field_value, is_byte_size, nested_model, render_value
 
 #: (command, model) of every service whose settings come from a file.
 SERVICES = (

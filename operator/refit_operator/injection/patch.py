@@ -65,7 +65,6 @@ from refit_operator.kube.names import (
     SIDECAR_CONTAINER,
     TOKEN_VOLUME,
 )
-from refit_protocol.config_files import Auto
 from refit_protocol.pod_contract import (
     CONFIG_ENV,
     INBOX_ENV,
@@ -76,6 +75,7 @@ from refit_protocol.pod_contract import (
     PRODUCER_URL_ENV,
     TOKEN_FILE_ENV,
 )
+from refit_protocol.sizes import Auto
 
 Obj = dict[str, Any]
 WORK_VOLUME, SHM_VOLUME = "kuberefit-work", "kuberefit-shm"

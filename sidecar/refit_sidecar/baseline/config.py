@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from refit_protocol.config_files import AUTO, ConfigPath, SizeOrAuto
+from refit_protocol.kit.config_files import ConfigPath
+from refit_protocol.sizes import AUTO, SizeOrAuto
 
 
 class BaselineConfig(BaseModel):

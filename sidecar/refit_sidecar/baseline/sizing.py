@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refit_protocol.config_files import Auto
+from refit_protocol.sizes import Auto
 
 #: Units (chunks) each producer's share is cut into at least, where the size bounds allow.
 TARGET_UNITS = 16

@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from refit_protocol.config_files import AUTO
+from refit_protocol.sizes import AUTO
 from refit_sidecar.baseline.chunk_writer import ChunkWriter, PendingTensor, all_done
 from refit_sidecar.baseline.chunks import ExportChunk, owner_of, plan_chunks
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from refit_protocol.config_files import AUTO, SizeOrAuto
+from refit_protocol.sizes import AUTO, SizeOrAuto
 from refit_sidecar.codec.wire import CodecConfig
 
 

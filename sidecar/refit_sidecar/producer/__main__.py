@@ -6,7 +6,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
-    from refit_protocol.cli import add_common_options
+    from refit_protocol.kit.cli import add_common_options
     from refit_sidecar.cli import producer
 
     add_common_options(producer).main(

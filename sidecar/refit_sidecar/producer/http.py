@@ -16,9 +16,19 @@ import json
 from aiohttp import web
 from pydantic import ValidationError
 
-from refit_protocol.auth import ring_accepts_bearer
 from refit_protocol.errors import CONFLICT, EndpointError
-from refit_protocol.http_log import request_logger
+from refit_protocol.kit.auth import ring_accepts_bearer
+from refit_protocol.kit.http_log import request_logger
+from refit_protocol.kit.service_http import (
+    OPEN_PATHS,
+    Handler,
+    ReadinessProbe,
+    add_probe_routes,
+    error_response,
+    json_errors,
+    unauthorized,
+)
+from refit_protocol.kit.tokens import TokenRing, as_ring
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,
     AttemptPlan,
@@ -32,16 +42,6 @@ from refit_protocol.producer_api import (
     ProducerAttemptRequest,
     ProducerStatus,
 )
-from refit_protocol.service_http import (
-    OPEN_PATHS,
-    Handler,
-    ReadinessProbe,
-    add_probe_routes,
-    error_response,
-    json_errors,
-    unauthorized,
-)
-from refit_protocol.tokens import TokenRing, as_ring
 from refit_sidecar.baseline.source import BaselineError, ExportMismatchError
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.trainer.errors import CandidateMismatchError, StagingError, StagingStateError

@@ -21,14 +21,14 @@ import structlog
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from refit_protocol.auth import open_ring, require_token_or_loopback
-from refit_protocol.cli import mark_started
 from refit_protocol.commit import CommitRecord
-from refit_protocol.config_files import ConfigPath
 from refit_protocol.errors import listen_error
 from refit_protocol.keys import payload_mac_key
-from refit_protocol.logs import configure_logging, log_settings
-from refit_protocol.tokens import DEFAULT_ROTATION_GRACE_S, TokenRing
+from refit_protocol.kit.auth import open_ring, require_token_or_loopback
+from refit_protocol.kit.cli import mark_started
+from refit_protocol.kit.config_files import ConfigPath
+from refit_protocol.kit.logs import configure_logging, log_settings
+from refit_protocol.kit.tokens import DEFAULT_ROTATION_GRACE_S, TokenRing
 from refit_sidecar.baseline.sizing import resolve_sizes
 from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
 from refit_sidecar.pipeline.config import PipelineConfig

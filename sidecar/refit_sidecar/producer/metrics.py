@@ -1,5 +1,5 @@
 """Prometheus metrics of one trainer sidecar's producer (its own registry, served on its
-`/metrics`). Names follow `refit_protocol.metrics`: `_total` counters, units in names, no
+`/metrics`). Names follow `refit_protocol.kit.metrics`: `_total` counters, units in names, no
 `_created` series, labelled series created at 0."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from refit_protocol.metrics import FRACTION_BUCKETS, SECONDS_BUCKETS, add_build_info, preset
+from refit_protocol.kit.metrics import FRACTION_BUCKETS, SECONDS_BUCKETS, add_build_info, preset
 from refit_sidecar.pipeline.metrics import STAGES, PipelineMetrics
 
 #: How an attempt ended on this producer: every payload sent and acknowledged (sent), the

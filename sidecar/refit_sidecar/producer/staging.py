@@ -25,7 +25,7 @@ import structlog
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from refit_protocol.config_files import ConfigPath, ensure_directory
+from refit_protocol.kit.config_files import ConfigPath, ensure_directory
 from refit_sidecar.baseline.chunks import ExportChunk
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.trainer.chunk_files import load_tensors, read_header, safe_path

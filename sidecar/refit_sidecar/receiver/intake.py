@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from refit_protocol.keys import payload_mac_key
+from refit_protocol.kit.tokens import TokenRing
 from refit_protocol.receiver_api import ManifestEntry, StreamEnd
-from refit_protocol.tokens import TokenRing
 from refit_sidecar.codec.decode import raw_bound, verify_mac
 from refit_sidecar.codec.errors import CodecError, DigestMismatch
 from refit_sidecar.codec.records import TensorMeta

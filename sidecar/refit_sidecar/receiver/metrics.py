@@ -1,12 +1,12 @@
 """Prometheus metrics of one receiver node (its own registry, so several nodes can share a
-process in tests and /metrics shows exactly this node). Names follow `refit_protocol.metrics`:
+process in tests and /metrics shows exactly this node). Names follow `refit_protocol.kit.metrics`:
 `_total` counters, units in names, no `_created` series, labelled series created at 0."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from refit_protocol.metrics import SECONDS_BUCKETS, add_build_info, preset
+from refit_protocol.kit.metrics import SECONDS_BUCKETS, add_build_info, preset
 
 #: Labels known at start (each series exists at 0 before its first event).
 PAYLOAD_RESULTS = ("staged", "duplicate", "wait", "obsolete", "unknown_attempt", "rejected")

@@ -9,10 +9,10 @@ import structlog
 import zmq
 from aiohttp import web
 
-from refit_protocol.auth import endpoint_host, open_ring, require_token_or_loopback
-from refit_protocol.cli import mark_started
 from refit_protocol.errors import listen_error
-from refit_protocol.logs import configure_logging, log_settings
+from refit_protocol.kit.auth import endpoint_host, open_ring, require_token_or_loopback
+from refit_protocol.kit.cli import mark_started
+from refit_protocol.kit.logs import configure_logging, log_settings
 from refit_sidecar.receiver import appliers
 from refit_sidecar.receiver.appliers.base import Applier
 from refit_sidecar.receiver.appliers.vllm_http import VllmHttpApplier

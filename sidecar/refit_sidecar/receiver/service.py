@@ -5,7 +5,7 @@ a 400 that changes nothing. Calls that may block (prepare joins a replaced attem
 waits for the queue, prewarm runs the loader) run on a dedicated thread pool so the event loop keeps
 serving manifests and status. `/healthz` (liveness: the process answers) and `/readyz`
 (readiness: the serving runtime answers and runs the refit extension, the relay node is bound;
-`refit_protocol.service_http`) are open: probes carry no token and learn nothing secret.
+`refit_protocol.kit.service_http`) are open: probes carry no token and learn nothing secret.
 `/metrics` requires the token like everything else (Prometheus scrape configs send it with
 `authorization: {credentials_file: ...}`). Every refusal carries the error body of every plane
 (`refit_protocol.errors.ErrorBody`: `{"error", "code", "details"}`).
@@ -23,9 +23,19 @@ import structlog
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from refit_protocol.auth import ring_accepts_bearer
 from refit_protocol.errors import INTERNAL
-from refit_protocol.http_log import request_logger
+from refit_protocol.kit.auth import ring_accepts_bearer
+from refit_protocol.kit.http_log import request_logger
+from refit_protocol.kit.service_http import (
+    OPEN_PATHS,
+    Handler,
+    ReadinessProbe,
+    add_probe_routes,
+    error_response,
+    json_errors,
+    unauthorized,
+)
+from refit_protocol.kit.tokens import TokenRing, as_ring
 from refit_protocol.receiver_api import (
     API_PREFIX,
     AttemptRequest,
@@ -41,16 +51,6 @@ from refit_protocol.receiver_api import (
     RestoreRequest,
     StreamEnd,
 )
-from refit_protocol.service_http import (
-    OPEN_PATHS,
-    Handler,
-    ReadinessProbe,
-    add_probe_routes,
-    error_response,
-    json_errors,
-    unauthorized,
-)
-from refit_protocol.tokens import TokenRing, as_ring
 from refit_sidecar.receiver.core import ReceiverCore
 from refit_sidecar.receiver.errors import ReceiverError
 from refit_sidecar.transport.relay.frames import AckStatus

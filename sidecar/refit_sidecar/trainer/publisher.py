@@ -34,8 +34,8 @@ from typing import TypeVar
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from refit_protocol.auth import bearer_header, open_ring
-from refit_protocol.config_files import ConfigPath
+from refit_protocol.kit.auth import bearer_header, open_ring
+from refit_protocol.kit.config_files import ConfigPath
 from refit_protocol.pod_contract import INBOX_ENV, PRODUCER_URL_ENV
 from refit_protocol.producer_api import (
     PRODUCER_PREFIX,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from refit_protocol.tokens import TokenRing
+from refit_protocol.kit.tokens import TokenRing
 from refit_sidecar.transport.base import SendObserver, Transport, TransportSummary
 
 if TYPE_CHECKING:

@@ -25,10 +25,11 @@ import structlog
 import urllib3
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from refit_protocol.auth import bearer_header, is_loopback_host
-from refit_protocol.config_files import ByteSize, ConfigPath
+from refit_protocol.kit.auth import bearer_header, is_loopback_host
+from refit_protocol.kit.config_files import ConfigPath
+from refit_protocol.kit.tokens import TokenRing, as_ring
 from refit_protocol.receiver_api import API_PREFIX, ManifestEntry, StreamEnd
-from refit_protocol.tokens import TokenRing, as_ring
+from refit_protocol.sizes import ByteSize
 from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.transport.base import TransportSummary
 from refit_sidecar.transport.errors import (

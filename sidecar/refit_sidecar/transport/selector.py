@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
+from refit_protocol.kit.tokens import TokenRing
 from refit_protocol.producer_api import AttemptPlan
-from refit_protocol.tokens import TokenRing
 from refit_sidecar.transport import Kind, make
 from refit_sidecar.transport.base import SendObserver, Transport
 from refit_sidecar.transport.relay.transport import RelayTransportConfig

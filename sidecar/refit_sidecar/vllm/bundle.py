@@ -44,7 +44,7 @@ FIRST_PARTY = frozenset({"refit_protocol", "refit_sidecar"})
 VLLM_PROVIDES = frozenset({"vllm", "torch", "numpy", "safetensors", "pydantic", "blake3"})
 #: Packages the bundle uses when present and does without otherwise (the reason says how).
 OPTIONAL: dict[str, str] = {
-    "structlog": "refit_protocol.loggers falls back to the standard library's logging",
+    "structlog": "refit_protocol.kit.loggers falls back to the standard library's logging",
     "numba": "refit_sidecar.compiled falls back to the numpy kernels",
 }
 #: Written last into an installed bundle: its version and every file's SHA-256.

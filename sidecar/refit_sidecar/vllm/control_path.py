@@ -32,11 +32,11 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs
 
-from refit_protocol.auth import is_loopback_host, open_ring, ring_accepts_bearer
 from refit_protocol.errors import ErrorBody
-from refit_protocol.loggers import get_logger
+from refit_protocol.kit.auth import is_loopback_host, open_ring, ring_accepts_bearer
+from refit_protocol.kit.loggers import get_logger
+from refit_protocol.kit.tokens import TokenRing, as_ring
 from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
-from refit_protocol.tokens import TokenRing, as_ring
 from refit_sidecar.vllm import api_check
 
 log = get_logger("kuberefit.vllm")

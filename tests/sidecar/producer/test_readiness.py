@@ -14,12 +14,12 @@ from pydantic import SecretStr
 from safetensors.torch import save_file
 
 from refit_operator.producer_client import HttpProducerClient
-from refit_protocol.cli import startup_error_message
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import ErrorBody
-from refit_protocol.metrics import parse_exposition
+from refit_protocol.kit.cli import startup_error_message
+from refit_protocol.kit.metrics import parse_exposition
+from refit_protocol.kit.service_http import Readiness
 from refit_protocol.producer_api import AttemptPlan
-from refit_protocol.service_http import Readiness
 from refit_sidecar.baseline.chunks import chunk_export
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.main import ProducerProcessConfig, build, serve

@@ -19,9 +19,9 @@ from pydantic import SecretStr
 
 from refit_operator.receiver_client import ReceiverHttpClient, ReceiverHttpError
 from refit_protocol.errors import ErrorBody
+from refit_protocol.kit.service_http import Readiness
 from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
 from refit_protocol.receiver_api import FlushRequest
-from refit_protocol.service_http import Readiness
 from refit_sidecar.receiver.appliers.vllm_http import VllmHttpApplier
 from refit_sidecar.receiver.config import ApplierConfig, ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode

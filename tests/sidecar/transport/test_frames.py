@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refit_protocol.auth import is_loopback_host, require_token_or_loopback, tokens_equal
+from refit_protocol.kit.auth import is_loopback_host, require_token_or_loopback, tokens_equal
 from refit_sidecar.codec.errors import AuthenticationError, BadMagic, DigestMismatch, HeaderMismatch
 from refit_sidecar.transport.relay.frames import FrameMeta, parse_meta, verify_body
 from tests.harness.receivers import HARNESS_MAC_KEY

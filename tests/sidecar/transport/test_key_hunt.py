@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import zmq
 
-from refit_protocol.tokens import TokenRing
+from refit_protocol.kit.tokens import TokenRing
 from refit_sidecar.transport.relay.key_hunt import (
     HUNT_PROBE_S,
     HUNT_ROUND_PAUSE_S,

@@ -23,8 +23,8 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from refit_protocol.keys import payload_mac_key
-from refit_protocol.metrics import registry_problems
-from refit_protocol.tokens import FileTokenRing, TokenRing
+from refit_protocol.kit.metrics import registry_problems
+from refit_protocol.kit.tokens import FileTokenRing, TokenRing
 from refit_sidecar.codec.encode import encode_payload
 from refit_sidecar.codec.records import Item, Op, TensorMeta
 from refit_sidecar.codec.wire import CODEC_VERSION, EncodedPayload, PayloadHeader

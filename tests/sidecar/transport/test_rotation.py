@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from refit_protocol.keys import payload_mac_key
+from refit_protocol.kit.tokens import FileTokenRing
 from refit_protocol.receiver_api import PrepareRequest
-from refit_protocol.tokens import FileTokenRing
 from refit_sidecar.transport.errors import DeliveryTimeoutError
 from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
 from refit_sidecar.transport.relay.frames import FrameMeta

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from refit_protocol.tokens import TokenRing
+from refit_protocol.kit.tokens import TokenRing
 from refit_sidecar.transport.relay.router_keys import RefusedHandshakes, RouterKeys
 
 GRACE = 10.0

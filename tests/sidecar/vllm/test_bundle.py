@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from refit_protocol.cli import build as build_cli
+from refit_protocol.kit.cli import build as build_cli
 from refit_sidecar.vllm import api_check
 from refit_sidecar.vllm.bundle import (
     ENTRY_MODULES,
@@ -54,8 +54,8 @@ def test_the_bundle_is_the_vllm_side_and_nothing_else() -> None:
         "refit_sidecar.receiver",
         "refit_sidecar.transport",
         "refit_sidecar.producer",
-        "refit_protocol.logs",
-        "refit_protocol.cli",
+        "refit_protocol.kit.logs",
+        "refit_protocol.kit.cli",
     ):
         assert not any(n == module or n.startswith(module + ".") for n in names), module
 

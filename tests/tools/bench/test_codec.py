@@ -7,7 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from refit_protocol.cli import build
+from refit_protocol.kit.cli import build
 from refit_tools.bench.codec import format_report, run_codec_bench, table2
 from refit_tools.bench.synthetic import (
     ModelShape,

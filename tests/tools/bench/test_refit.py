@@ -20,7 +20,7 @@ from refit_tools.bench.refit import union_seconds
 from refit_tools.bench.refit_workload import Workload
 from refit_tools.bench.synthetic import perturb
 
-CLI = [sys.executable, "-m", "refit_protocol.cli", "bench", "refit"]
+CLI = [sys.executable, "-m", "refit_protocol.kit.cli", "bench", "refit"]
 ROW_KEYS = {
     "latency_s",
     "v_payload_bytes",

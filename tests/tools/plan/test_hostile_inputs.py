@@ -19,7 +19,7 @@ from click.testing import CliRunner, Result
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refit_protocol.config_files import json_shape_problem
+from refit_protocol.kit.config_files import json_shape_problem
 from refit_tools.plan import calibration as cal
 from refit_tools.plan import files, units
 from refit_tools.plan.command import plan

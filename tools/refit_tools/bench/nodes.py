@@ -22,7 +22,7 @@ from typing import Any
 import urllib3
 from pydantic import BaseModel
 
-from refit_protocol.auth import bearer_header
+from refit_protocol.kit.auth import bearer_header
 from refit_protocol.receiver_api import (
     AttemptRequest,
     PrepareRequest,

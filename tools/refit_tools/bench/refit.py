@@ -63,11 +63,11 @@ from refit_operator.ports import ReceiverClient, TransitionProgress
 from refit_operator.producer_client import HttpProducerClient
 from refit_operator.receiver_client import ReceiverHttpClient
 from refit_operator.transition_types import CoordinatorConfig
-from refit_protocol.auth import bearer_header
 from refit_protocol.commit import CommitRecord
-from refit_protocol.config_files import AUTO, SizeOrAuto
 from refit_protocol.errors import EndpointError
+from refit_protocol.kit.auth import bearer_header
 from refit_protocol.receiver_api import PrewarmRequest
+from refit_protocol.sizes import AUTO, SizeOrAuto
 from refit_sidecar.baseline.sizing import Sizes, resolve_sizes
 from refit_sidecar.baseline.source import BaselineConfig
 from refit_sidecar.pipeline.config import PipelineConfig

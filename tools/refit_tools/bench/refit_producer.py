@@ -32,7 +32,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from refit_protocol.commit import CommitRecord
-from refit_protocol.logs import configure_logging
+from refit_protocol.kit.logs import configure_logging
 from refit_protocol.producer_api import AttemptPlan, SentReport
 from refit_sidecar.baseline.chunks import chunk_export
 from refit_sidecar.codec.encode import encode_payload

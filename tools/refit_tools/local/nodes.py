@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refit_protocol.auth import bearer_header
+from refit_protocol.kit.auth import bearer_header
 from refit_sidecar.vllm.control_path import MIDDLEWARE_QUALNAME
 from refit_sidecar.vllm.control_path import PREFIX as CONTROL_PREFIX
 from refit_sidecar.vllm.quirks.cpu_unpacked_layout import ENV_SWITCH

@@ -22,7 +22,7 @@ import structlog
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from refit_protocol.logs import configure_logging
+from refit_protocol.kit.logs import configure_logging
 from refit_sidecar.trainer.errors import SidecarUnreachableError
 from refit_sidecar.trainer.publisher import Publisher, PublisherConfig
 from refit_sidecar.trainer.state_dict import StateDictSource

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from refit_protocol.config_files import (
+from refit_protocol.kit.config_files import (
     ConfigFileError,
     json_loads_bounded,
     json_shape_problem,

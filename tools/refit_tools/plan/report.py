@@ -8,7 +8,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from refit_protocol.config_files import format_byte_size
+from refit_protocol.sizes import format_byte_size
 from refit_tools.bench.plot import _rect, _text
 from refit_tools.plan.calibration import Calibration, Costs, bench_machine
 from refit_tools.plan.model import Breakdown

@@ -1,6 +1,6 @@
 """Parsing and printing the plan's quantities: sizes, link rates and change rates.
 
-Sizes reuse the settings files' parser (`refit_protocol.config_files.parse_byte_size`: 60GB is
+Sizes reuse the settings files' parser (`refit_protocol.kit.config_files.parse_byte_size`: 60GB is
 60 * 10^9 bytes, 1.5TiB is 1.5 * 2^40). Link rates are written as a network engineer would
 ("100Mbit", "10Gbit/s", "400Gbps", "1.25GB/s"): a lowercase b or "bit" means bits, an
 uppercase B bytes; k/M/G/T are powers of 1000 and Ki/Mi/Gi/Ti powers of 1024. A bare number is
@@ -18,7 +18,7 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
-from refit_protocol.config_files import MAX_SIZE_CHARS, parse_byte_size
+from refit_protocol.sizes import MAX_SIZE_CHARS, parse_byte_size
 
 #: Link rates (--cross-link, --intra-link), bytes per second: 1 kbit/s to 10 Tbit/s.
 MIN_LINK_BYTES_S = 1e3 / 8

@@ -23,11 +23,11 @@ from typing import Any
 
 import urllib3
 
-from refit_protocol.auth import bearer_header
-from refit_protocol.config_files import ensure_directory
+from refit_protocol.kit.auth import bearer_header
+from refit_protocol.kit.config_files import ensure_directory
+from refit_protocol.kit.tokens import TokenRing, as_ring
 from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
 from refit_protocol.receiver_api import RankPrewarm
-from refit_protocol.tokens import TokenRing, as_ring
 from refit_sidecar.apply.checkpoint import CheckpointError
 from refit_sidecar.codec.decoded_file import write_decoded
 from refit_sidecar.codec.records import TensorMeta

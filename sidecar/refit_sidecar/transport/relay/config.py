@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from refit_protocol.config_files import ByteSize
+from refit_protocol.sizes import ByteSize
 
 
 class DealerConfig(BaseModel):

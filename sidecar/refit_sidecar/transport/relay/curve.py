@@ -9,7 +9,7 @@ session keys, so captured traffic cannot be replayed either). A ZAP handler addi
 only clients that hold the same key pair, and failed handshakes are counted by the relay
 (`kuberefit_relay_dropped_total{reason="handshake"}`).
 
-Token rotation (`refit_protocol.tokens`): a relay serves with the ring's sending token and
+Token rotation (`refit_protocol.kit.tokens`): a relay serves with the ring's sending token and
 rebinds when it changes (after the rotation's grace); it admits the clients of every accepted
 token. A client connects with the few keys the relay most likely serves with (`TokenRing.likely`:
 at most four), and tries the other accepted tokens, a few at a time, only when the relay refuses

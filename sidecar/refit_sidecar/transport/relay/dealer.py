@@ -11,7 +11,7 @@ until the relay answers READY, and only then the body again. No frame is lost on
 no relay buffers more than it admitted. These rules (window, deadlines, retries, backoff) are the
 hop's `SendSchedule` (`send_schedule.py`); this module owns the sockets and the I/O thread.
 
-Token rotation (`refit_protocol.tokens`): frames carry the ring's sending token; answers must
+Token rotation (`refit_protocol.kit.tokens`): frames carry the ring's sending token; answers must
 carry an accepted one. A relay serves with one key, its own ring's sending token, which during a
 rotation (or on a pod whose copy of the Secret is older) need not be this client's. The client
 therefore connects once per *likely* token (`TokenRing.likely`: the sending one, the newest, the
@@ -46,7 +46,7 @@ import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from refit_protocol.tokens import TokenRing, as_ring, ring_accepts
+from refit_protocol.kit.tokens import TokenRing, as_ring, ring_accepts
 from refit_sidecar.transport.errors import TransportError
 from refit_sidecar.transport.relay.config import DealerConfig as DealerConfig  # was defined here
 from refit_sidecar.transport.relay.curve import HANDSHAKE_FAILURES, secure_client

@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 import structlog
 import zmq
 
-from refit_protocol.tokens import TokenRing, key_id
+from refit_protocol.kit.tokens import TokenRing, key_id
 from refit_sidecar.transport.relay.curve import HANDSHAKE_FAILURES
 
 log = structlog.get_logger("kuberefit.transport.client")

@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from refit_protocol.metrics import preset
-from refit_protocol.tokens import TOKEN_FILE_REJECTIONS, FileTokenRing, TokenRing
+from refit_protocol.kit.metrics import preset
+from refit_protocol.kit.tokens import TOKEN_FILE_REJECTIONS, FileTokenRing, TokenRing
 from refit_sidecar.transport.relay.frames import DATA, END, PROBE, AckStatus
 
 #: Where an error the ROUTER loop survived was raised (`kuberefit_relay_loop_errors_total`).
@@ -69,7 +69,7 @@ class RelayMetrics:
         )
         if isinstance(ring, FileTokenRing):
             reg.register(TokenFileRejections(ring))
-        # Every known series exists at 0 before its first event (refit_protocol.metrics).
+        # Every known series exists at 0 before its first event (refit_protocol.kit.metrics).
         preset(self.frames, *((k.decode(), s.value) for k in (DATA, PROBE, END) for s in AckStatus))
         preset(self.dropped, "unauthenticated", "malformed", "handshake", "handshake_aborted")
         preset(self.forwards, "ok", "failed", "skipped")

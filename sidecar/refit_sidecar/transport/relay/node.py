@@ -7,7 +7,7 @@ the sink register the payload and submit its local staging, submit at most two c
 (the balanced binary tree of `tree.py`) to per-child bounded DEALER clients, then answer with the
 staged ACK. The sink is the receiver core; this module knows nothing about applying.
 
-Token rotation (`refit_protocol.tokens`): frames, answers and MACs of every accepted token are
+Token rotation (`refit_protocol.kit.tokens`): frames, answers and MACs of every accepted token are
 taken; the ROUTER serves with the ring's sending token's Curve keys and is bound again (same
 address) when that token changes, after the rotation's grace (the rules: `router_keys.py`).
 
@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry
 from zmq.utils.monitor import recv_monitor_message
 
 from refit_protocol.keys import payload_mac_key
-from refit_protocol.tokens import TokenRing, as_ring, ring_accepts
+from refit_protocol.kit.tokens import TokenRing, as_ring, ring_accepts
 from refit_sidecar.codec.errors import CodecError
 from refit_sidecar.transport.errors import TransportError
 from refit_sidecar.transport.relay import tree

@@ -1,7 +1,7 @@
 """The Curve side of a relay's ROUTER: which key pair it serves with, which clients it admits,
 and the tally of handshakes it refused.
 
-Why on its own: the rules of a token rotation (`refit_protocol.tokens`) for a relay are few but
+Why on its own: the rules of a token rotation (`refit_protocol.kit.tokens`) for a relay are few but
 easy to get wrong inside a socket loop. The ROUTER serves with one key pair, its ring's sending
 token's; it admits the clients of every accepted token. Any change of the ring (its generation)
 admits the accepted clients again, and only a change of the sending token, which the ring makes
@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from refit_protocol.tokens import TokenRing
+from refit_protocol.kit.tokens import TokenRing
 
 
 class RouterKeys:

@@ -18,7 +18,7 @@ import structlog
 import zmq
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from refit_protocol.tokens import TokenRing
+from refit_protocol.kit.tokens import TokenRing
 from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.transport.base import SendInterval, SendObserver, TransportSummary
 from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer

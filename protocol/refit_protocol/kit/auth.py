@@ -14,14 +14,14 @@ from urllib.parse import urlsplit
 
 from pydantic import SecretStr
 
-from refit_protocol.pod_contract import TOKEN_FILE_ENV
-from refit_protocol.tokens import (
+from refit_protocol.kit.tokens import (
     DEFAULT_ROTATION_GRACE_S,
     FileTokenRing,
     TokenRing,
     read_token_file,
     ring_accepts,
 )
+from refit_protocol.pod_contract import TOKEN_FILE_ENV
 
 #: Environment variable read when neither a token nor a token file is configured.
 TOKEN_ENV = "KUBEREFIT_TOKEN"  # noqa: S105 - the name of a variable, not a secret

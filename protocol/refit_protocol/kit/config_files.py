@@ -1,19 +1,18 @@
-"""Settings files of the services: YAML or JSON, sizes with units, paths relative to the file.
+"""Settings files of the services: YAML or JSON, paths relative to the file.
 
-Every service's settings are one pydantic model. Its fields use two types from here:
-`ByteSize` (an int that also accepts "256MiB", "64Mi", "1.5GB") and `ConfigPath` (a Path that,
-when relative, is taken relative to the directory of the file it was read from, not the
-working directory). `load_config` reads a file or a text; `example_yaml` renders a commented
-example from the model itself (descriptions, defaults, and the `examples` of required fields),
-so the example, the schema and the generated reference can never drift from the code.
+Every service's settings are one pydantic model. Its sizes are `refit_protocol.sizes` types
+("256MiB", "64Mi", "1.5GB"); its paths are `ConfigPath` (a Path that, when relative, is taken
+relative to the directory of the file it was read from, not the working directory).
+`load_config` reads a file or a text; `example_yaml` renders a commented example from the model
+itself (descriptions, defaults, and the `examples` of required fields), so the example, the
+schema and the generated reference can never drift from the code.
 
 A settings file is read with bounds, so that a hostile or broken one is refused in one line
 instead of exhausting the process: at most `MAX_CONFIG_BYTES` (1 MiB; settings are a few
 kilobytes), mappings and lists nested at most `MAX_CONFIG_DEPTH` (64) levels, at most
 `MAX_CONFIG_VALUES` (100,000) values counting every use of a YAML alias, numbers written in at
-most `MAX_NUMBER_CHARS` (100) characters and finite, and size strings of at most
-`MAX_SIZE_CHARS` (32) characters for a size below 8EiB. YAML is parsed by libyaml (PyYAML's C
-loader) when it is installed.
+most `MAX_NUMBER_CHARS` (100) characters and finite, and sizes bounded as `refit_protocol.sizes`
+says. YAML is parsed by libyaml (PyYAML's C loader) when it is installed.
 """
 
 from __future__ import annotations
@@ -24,25 +23,23 @@ import re
 import textwrap
 import types
 import typing
-from decimal import Decimal, localcontext
 from itertools import accumulate
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import structlog
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, SecretStr, ValidationInfo
+from pydantic import AfterValidator, BaseModel, SecretStr, ValidationInfo
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined, to_jsonable_python
+
+from refit_protocol.sizes import format_byte_size, is_byte_size_marker
 
 M = TypeVar("M", bound=BaseModel)
 
 #: Validation-context key: the directory relative paths are resolved against.
 CONFIG_DIR = "config_dir"
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kKmMgGtTpP])(i?))?[bB]?\s*$")
-_POWER = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-_BINARY_UNITS = ("PiB", "TiB", "GiB", "MiB", "KiB")
 
 #: The largest settings file (or $KUBEREFIT_CONFIG text) read, in bytes: 1 MiB.
 MAX_CONFIG_BYTES = 1 << 20
@@ -53,88 +50,11 @@ MAX_CONFIG_DEPTH = 64
 MAX_CONFIG_VALUES = 100_000
 #: The longest number, as written, in a settings file or a JSON input (characters).
 MAX_NUMBER_CHARS = 100
-#: The longest size string ("256MiB") parsed, in characters: longer ones are refused before
-#: any arithmetic.
-MAX_SIZE_CHARS = 32
-#: The largest size in bytes (2^63 - 1: it fits a signed 64-bit integer).
-MAX_BYTE_SIZE = (1 << 63) - 1
 
 
 class ConfigFileError(ValueError):
     """A settings file that cannot be read as YAML or JSON, is not a mapping, or is beyond the
     bounds above (the message says which, in one line)."""
-
-
-def parse_byte_size(value: Any) -> Any:
-    """An int, or a size with a unit: B; k/M/G/T/P (powers of 1000, optional B); Ki/Mi/Gi/Ti/Pi
-    (powers of 1024, optional B, as Kubernetes writes them). Other inputs pass through to
-    pydantic's own int validation, which names the field. A string longer than
-    `MAX_SIZE_CHARS` or a size above `MAX_BYTE_SIZE` is refused (before any arithmetic)."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if value > MAX_BYTE_SIZE:
-            raise ValueError("a size must be less than 8EiB (2^63 bytes)")
-        return value
-    if not isinstance(value, str):
-        return value
-    if len(value) > MAX_SIZE_CHARS:
-        raise ValueError(
-            f"a size of {len(value)} characters is longer than {MAX_SIZE_CHARS} characters: "
-            "write bytes as an integer or with a unit, e.g. 256MiB, 64Mi, 1.5GB"
-        )
-    match = _SIZE.match(value)
-    if match is None:
-        raise ValueError(
-            f"{value!r} is not a size: write bytes as an integer or with a unit, "
-            "e.g. 256MiB, 64Mi, 1.5GB"
-        )
-    number, prefix, binary = match.groups()
-    scale = (1024 if binary else 1000) ** _POWER[prefix.lower()] if prefix else 1
-    with localcontext() as exact:  # 32 digits times 1024^5: exact, never rounded
-        exact.prec = 2 * MAX_SIZE_CHARS + 16
-        size = Decimal(number) * scale  # 1.07GB is 1070000000 bytes, not 1070000000.0000001
-    if size != size.to_integral_value():
-        raise ValueError(f"{value!r} is not a whole number of bytes")
-    if size > MAX_BYTE_SIZE:
-        raise ValueError(f"{value!r}: a size must be less than 8EiB (2^63 bytes)")
-    return int(size)
-
-
-def format_byte_size(size: int) -> str:
-    """The shortest exact binary-unit spelling ("512MiB"), else the plain integer."""
-    for index, unit in enumerate(_BINARY_UNITS):
-        step = 1024 ** (len(_BINARY_UNITS) - index)
-        if size and size % step == 0:
-            return f"{size // step}{unit}"
-    return str(size)
-
-
-class _Bytes:
-    """Marks a ByteSize field, so examples and the reference print it with a unit."""
-
-
-#: Put in a size type's `Annotated` metadata (as `ByteSize` does) to print it with a unit.
-BYTE_SIZE = _Bytes()
-
-
-Auto = Literal["auto"]
-AUTO: Auto = "auto"
-
-
-def _size_or_auto(value: Any) -> Any:
-    if value == AUTO:
-        return value
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a size: write auto, bytes, or a unit (256MiB)")
-    size = parse_byte_size(value)
-    if isinstance(size, int) and size < 1:
-        raise ValueError(f"{value!r}: a size must be at least 1 byte (or auto)")
-    return size
-
-
-#: A size setting that may also be `auto` (one clear error for anything else).
-SizeOrAuto = Annotated[
-    int | Auto, BeforeValidator(_size_or_auto, json_schema_input_type=int | str), BYTE_SIZE
-]
 
 
 def resolve_relative(value: Path, info: ValidationInfo) -> Path:
@@ -146,10 +66,6 @@ def resolve_relative(value: Path, info: ValidationInfo) -> Path:
     return Path(base) / value
 
 
-#: A number of bytes: an int or a string with a unit ("256MiB").
-ByteSize = Annotated[
-    int, BeforeValidator(parse_byte_size, json_schema_input_type=int | str), _Bytes()
-]
 #: A filesystem path; a relative one is taken relative to the settings file's directory.
 ConfigPath = Annotated[Path, AfterValidator(resolve_relative)]
 
@@ -395,7 +311,7 @@ def nested_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def is_byte_size(info: FieldInfo) -> bool:
-    return any(isinstance(m, _Bytes) for m in info.metadata)
+    return any(is_byte_size_marker(m) for m in info.metadata)
 
 
 def field_value(info: FieldInfo) -> Any:

@@ -25,9 +25,9 @@ from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from refit_protocol.auth import ring_accepts_bearer
 from refit_protocol.errors import ErrorBody
-from refit_protocol.tokens import TokenRing
+from refit_protocol.kit.auth import ring_accepts_bearer
+from refit_protocol.kit.tokens import TokenRing
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: What every service answers without a token: liveness and readiness (the kubelet's probes).

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from refit_protocol.loggers import get_logger
+from refit_protocol.kit.loggers import get_logger
 
 log = get_logger("kuberefit.tokens")
 

@@ -1,6 +1,6 @@
 """`get_logger` for modules that also run inside someone else's process (the vLLM bundle).
 
-KubeRefit's own processes log through structlog (`refit_protocol.logs`). Code in the vLLM
+KubeRefit's own processes log through structlog (`refit_protocol.kit.logs`). Code in the vLLM
 bundle runs in the user's vLLM image, which need not have structlog: there the same calls go
 to the standard library's `logging` (vLLM configures its handlers), as one line
 `event key=value ...`.

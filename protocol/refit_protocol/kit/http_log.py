@@ -2,7 +2,7 @@
 
 Every request is logged at debug; a refusal (4xx) at info with its reason, so a wrong token or
 a bad request is visible at the default level without a line per successful call; a 5xx at
-warning. Identical lines are rate-limited by `refit_protocol.logs.RepeatLimiter`.
+warning. Identical lines are rate-limited by `refit_protocol.kit.logs.RepeatLimiter`.
 """
 
 from __future__ import annotations

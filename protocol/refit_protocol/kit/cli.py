@@ -25,16 +25,16 @@ import click
 from pydantic import BaseModel, ValidationError
 
 from refit_protocol import __version__
-from refit_protocol.config_files import (
+from refit_protocol.errors import ConfigurationError
+from refit_protocol.kit.config_files import (
     MAX_CONFIG_BYTES,
     MAX_CONFIG_DEPTH,
     example_yaml,
-    format_byte_size,
     load_config,
 )
-from refit_protocol.errors import ConfigurationError
-from refit_protocol.logs import FORMATS, LEVELS
+from refit_protocol.kit.logs import FORMATS, LEVELS
 from refit_protocol.pod_contract import CONFIG_ENV, LOG_FORMAT_ENV, LOG_LEVEL_ENV
+from refit_protocol.sizes import format_byte_size
 
 ENTRY_POINT_GROUP = "kuberefit.commands"
 F = TypeVar("F", bound=Callable[..., Any])
