@@ -520,3 +520,18 @@ def test_units() -> None:
     for bad in ("101%", "1.5", "0", "x"):
         with pytest.raises(ValueError, match="change rate"):
             parse_change_rate(bad)
+
+
+def test_json_figures_carry_values_in_the_unit_they_name() -> None:
+    """A link is given in bits per second and its JSON figure says bit/s: the value is bits per
+    second, not bytes; a chunk or bucket is a byte count and says B."""
+    figures = _figures(*BASE, "--intra-link", "25Gbit/s", "--chunk-size", "64MiB")
+    cross, intra = figures["cross-cluster link"], figures["intra-cluster link"]
+    assert (cross["unit"], cross["value"]) == ("bit/s", 10e9)
+    assert (intra["unit"], intra["value"]) == ("bit/s", 25e9)
+    chunk = figures["export chunk"]
+    assert (chunk["unit"], chunk["value"]) == ("B", 64 << 20)
+    assert figures["bucket"]["unit"] == "B"
+    table = run(*BASE, "--intra-link", "25Gbit/s", "--chunk-size", "64MiB").output
+    assert re.search(r"cross-cluster link\s+10 Gbit/s", table)
+    assert re.search(r"export chunk\s+64MiB", table)

@@ -660,15 +660,6 @@ def _result(
         },
         "definitions": DEFINITIONS,
     }
-    at3 = out["rates"].get("0.03")
-    if at3 is not None:
-        out["targets_at_3pct"] = {
-            "speedup": at3["speedup"],
-            "speedup_target_20x": at3["speedup"] >= 20,
-            "speedup_goal_25x": at3["speedup"] >= 25,
-            "transport_share": at3["transport_share"],
-            "transport_share_target_80pct": at3["transport_share"] >= 0.8,
-        }
     return out
 
 
@@ -733,16 +724,6 @@ def format_report(result: dict[str, Any]) -> str:
             f"{_share(r['link_busy_share']):>10} "
             f"{r['finalization_s']:>9.3f} {'yes' if r['bit_exact'] else 'NO':>9}"
         )
-    targets = result.get("targets_at_3pct")
-    if targets:
-        lines += [
-            "",
-            f"at 3%: speedup {targets['speedup']:.1f}x (target 20x: "
-            f"{'met' if targets['speedup_target_20x'] else 'missed'}, goal 25x: "
-            f"{'met' if targets['speedup_goal_25x'] else 'missed'}); transport share "
-            f"{targets['transport_share']:.0%} (target 80%: "
-            f"{'met' if targets['transport_share_target_80pct'] else 'missed'})",
-        ]
     if result.get("files"):
         lines.append("results: " + ", ".join(result["files"]))
     return "\n".join(lines)

@@ -20,6 +20,8 @@ FigureKind = Literal["input", "measured", "assumed", "projected"]
 
 @dataclass(frozen=True)
 class Figure:
+    """One row of the report; in the JSON, `value` is in `unit` (bit/s, B, B/s, s, x, %)."""
+
     section: str
     name: str
     value: float | str
@@ -31,14 +33,13 @@ class Figure:
         v = self.value
         if isinstance(v, str):
             return v
-        if self.unit == "B":
-            return format_bytes(v)
+        if self.unit == "B":  # a size set in binary units (64MiB) is shown as it was set
+            exact = float(v).is_integer() and v > 0 and v % (1 << 20) == 0
+            return format_byte_size(int(v)) if exact else format_bytes(v)
         if self.unit == "bit/s":
-            return format_rate(v)
+            return format_rate(v / 8)
         if self.unit == "B/s":
             return f"{v / 1e9:.3g} GB/s"
-        if self.unit == "MiB":
-            return format_byte_size(int(v))
         if self.unit == "s":
             return format_seconds(v)
         if self.unit == "x":
@@ -80,7 +81,7 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
         Figure(
             "inputs",
             "cross-cluster link",
-            d.cross_bytes_s if d.cross_bytes_s else "unlimited",
+            8 * d.cross_bytes_s if d.cross_bytes_s else "unlimited",
             "bit/s",
             "input",
             "shared by all producers' flows",
@@ -88,7 +89,7 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
         Figure(
             "inputs",
             "intra-cluster link",
-            d.intra_bytes_s if d.intra_bytes_s else "unlimited",
+            8 * d.intra_bytes_s if d.intra_bytes_s else "unlimited",
             "bit/s",
             "assumed" if "intra_link" in ctx.defaulted else "input",
             "each rollout node's link"
@@ -102,8 +103,8 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
             "assumed" if "dtype_bytes" in ctx.defaulted else "input",
             ctx.element_how,
         ),
-        Figure("inputs", "export chunk", d.chunk_bytes, "MiB", "input", ctx.sizes_how),
-        Figure("inputs", "bucket", d.bucket_bytes, "MiB", "input", "bytes of H per payload"),
+        Figure("inputs", "export chunk", d.chunk_bytes, "B", "input", ctx.sizes_how),
+        Figure("inputs", "bucket", d.bucket_bytes, "B", "input", "bytes of H per payload"),
     ]
     rate = d.change_rate
 
