@@ -93,3 +93,4 @@ class CoordinatorMetrics(TransitionMetrics):
         super().__init__(self.registry, "coordinator")
         self.build_info = add_build_info(self.registry, "coordinator")
         self.start()
+        self.committed(-1)  # not read yet

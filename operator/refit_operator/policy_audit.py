@@ -48,9 +48,10 @@ async def audit(
     *,
     token: str,
     timeout_s: float,
+    labels: Mapping[str, str],
 ) -> Verified:
-    """Audit `pods` against `checkpoint` (the committed `version`'s) once."""
-    labels = {"namespace": policy["metadata"]["namespace"], "policy": policy["metadata"]["name"]}
+    """Audit `pods` against `checkpoint` (the committed `version`'s) once; `policy` is the
+    object the Event is about, `labels` its metrics' namespace and policy."""
     t0 = time.monotonic()
     try:
         results = await verify_nodes(

@@ -32,7 +32,7 @@ class ProducerProbe:
 
     #: Clients of producers 0..spec.producers-1 in index order; None until all answer and agree.
     clients: list[HttpProducerClient] | None = None
-    #: Why `clients` is None ("" when it is not, or when no trainer pod is ready yet).
+    #: Why `clients` is None ("" when it is not).
     error: str = ""
     #: producer index -> the version it has staged (None: nothing staged).
     candidates: dict[int, int | None] = field(default_factory=dict)

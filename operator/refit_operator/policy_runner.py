@@ -44,7 +44,8 @@ from refit_operator.policy_producers import ProducerProbe, probe_producers
 from refit_operator.policy_spec import PolicySpec, SpecError, parse_spec
 from refit_operator.policy_status import Observed, policy_status, same_status
 from refit_operator.policy_token import PolicyToken
-from refit_operator.policy_transition import Coordinating
+from refit_operator.policy_transition import Coordinating, log_done
+from refit_operator.producer_client import HttpProducerClient
 from refit_operator.transition_types import TransitionResult
 from refit_operator.transitions import prune
 from refit_protocol.commit import CommitRecord
@@ -186,6 +187,7 @@ class PolicyRunner:
         if VERIFY_NOW in annotations:
             await self._verify_now(obj, spec, state, token)
         assert self.session is not None
+        self._probe = ProducerProbe()  # this pass's, even if the probe raises
         probe = self._probe = await probe_producers(
             self.session, found, spec, token, state.record, self._fixed_settings
         )
@@ -204,14 +206,18 @@ class PolicyRunner:
 
     # -- leadership -----------------------------------------------------------------------------
     async def _begin(
-        self, obj: Mapping[str, Any], spec: PolicySpec, token: str, producers: Sequence[Any]
+        self,
+        obj: Mapping[str, Any],
+        spec: PolicySpec,
+        token: str,
+        producers: Sequence[HttpProducerClient],
     ) -> None:
         assert self.session is not None
         coordinating = Coordinating(
             self.api,
             self.lease,
             self.store,
-            obj,
+            self.labels,
             spec,
             token=token,
             producers=producers,
@@ -220,12 +226,14 @@ class PolicyRunner:
             identity=self.settings.identity,
             status_interval_s=self.settings.status_interval_s,
         )
+        if not await coordinating.begin():
+            return
+        self.coordinating = coordinating
         self._status = None  # another operator may have written meanwhile
         self.record.forget()
-        if await coordinating.begin(obj):
-            self.coordinating = coordinating
-            if coordinating.recovered is not None:
-                self._record(*coordinating.recovered)
+        recovered = await coordinating.close_recovered(obj)
+        if recovered is not None:
+            self._record(*recovered)
 
     def _leading(self, held: bool) -> None:
         metrics.LEADER.labels(**self.labels).set(1 if held else 0)
@@ -294,22 +302,13 @@ class PolicyRunner:
             version,
             token=token,
             timeout_s=float(spec.flush_timeout_seconds),
+            labels=self.labels,
         )
 
     def _record(self, result: TransitionResult, name: str) -> None:
         metrics.TRANSITION.record(result, self.namespace, self.name)
         self._last = (name, result.outcome, result.message)
-        log.info(
-            "transition.done",
-            policy=self.name,
-            transition=name,
-            outcome=result.outcome,
-            version=result.version,
-            attempts=result.attempts,
-            modes=result.modes,
-            retired=result.retired,
-            latency_s=round(result.latency_s, 3),
-        )
+        log_done(self.name, name, result)
 
     # -- parts ----------------------------------------------------------------------------------
     async def _clear_abort(self, obj: Mapping[str, Any], state: StoreState) -> StoreState:

@@ -2,8 +2,9 @@
 
 The Secret is re-read every `TOKEN_REFRESH_S` and followed by a `TokenRing`: after a rotation
 the previous token is sent for the grace period, so pods whose mounted copy is not updated yet
-keep accepting the operator's calls. A Secret that cannot be used is a reason for the policy's
-Ready condition (`PolicyToken.error`), never an exception of the loop.
+keep accepting the operator's calls. A Secret that is missing, unmarked, keyless or empty is a
+reason for the policy's Ready condition (`PolicyToken.error`), not an exception; other API
+errors propagate to the loop, which reports them.
 """
 
 from __future__ import annotations

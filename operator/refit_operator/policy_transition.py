@@ -37,15 +37,15 @@ log = structlog.get_logger("kuberefit.policy")
 
 
 class Coordinating:
-    """See the module docstring. `begin` takes the record; `open` then `run` make each
-    transition."""
+    """See the module docstring. `begin` takes the record, `close_recovered` ends what the
+    previous coordinator left committed; `open` then `run` make each transition."""
 
     def __init__(
         self,
         api: KubeApi,
         lease: PolicyLease,
         store: KubernetesCommitStore,
-        policy: Mapping[str, Any],
+        labels: Mapping[str, str],
         spec: PolicySpec,
         *,
         token: str,
@@ -58,16 +58,10 @@ class Coordinating:
         self.api = api
         self.lease = lease
         self.store = store
-        self.labels = {
-            "namespace": policy["metadata"]["namespace"],
-            "policy": policy["metadata"]["name"],
-        }
+        self.labels = dict(labels)  # namespace, policy
         self.status_interval_s = status_interval_s
         self.producers = list(producers)  # those of the last transition opened
         self.recorder: TransitionRecorder | None = None  # of the transition running now
-        #: A transition whose commit took effect but whose coordinator stopped, finished by
-        #: `begin` (its RefitTransition says so): the result and the RefitTransition's name.
-        self.recovered: tuple[TransitionResult, str] | None = None
         self.membership = PodMembership(
             rollouts,
             session,
@@ -87,30 +81,41 @@ class Coordinating:
             name=identity,
         )
 
-    async def begin(self, policy: Mapping[str, Any]) -> bool:
-        """Acquire the commit record and recover; False if the Lease was lost just before."""
+    async def begin(self) -> bool:
+        """Acquire the commit record (a new epoch) and finish a transition whose commit took
+        effect (`Coordinator.recover`); False if the Lease was lost just before."""
         if not await self.lease.acquire_or_renew():  # fresh, right before taking the record
             return False
         coordinator = self.coordinator
         await coordinator.start()
         recovered = await coordinator.recover()
-        kv = (await self.store.read()).record
-        recorder = TransitionRecorder(
-            self.api, dict(policy), kv.version - 1, kv.version, coordinator=coordinator.name
-        )
-        if kv.version > 0 and await recorder.open(create=False):
-            result = TransitionResult("committed", kv.version, 0, message="recovered")
-            metrics.TAKEOVERS.labels(**self.labels).inc()
-            await recorder.finish(result, None)
-            self.recovered = (result, recorder.name)
         log.info(
             "policy.coordinating",
             policy=self.labels["policy"],
             epoch=coordinator.epoch,
-            version=kv.version,
+            version=(await self.store.read()).record.version,
             recovered=recovered,
         )
         return True
+
+    async def close_recovered(
+        self, policy: Mapping[str, Any]
+    ) -> tuple[TransitionResult, str] | None:
+        """The RefitTransition of the committed version, if one is still open (its coordinator
+        stopped after the commit): marked Committed with a `TakenOver` event. The result and
+        its name, or None."""
+        kv = (await self.store.read()).record
+        if kv.version == 0:
+            return None
+        recorder = TransitionRecorder(
+            self.api, dict(policy), kv.version - 1, kv.version, coordinator=self.coordinator.name
+        )
+        if not await recorder.open(create=False):
+            return None
+        result = TransitionResult("committed", kv.version, 0, message="recovered")
+        metrics.TAKEOVERS.labels(**self.labels).inc()
+        await recorder.finish(result, None)
+        return result, recorder.name
 
     async def open(
         self,
@@ -199,6 +204,21 @@ class Coordinating:
         metrics.RESTORES.labels(**self.labels).inc()
         if self.recorder is not None:
             await self.recorder.restored_node(node, how)
+
+
+def log_done(policy: str, name: str, result: TransitionResult) -> None:
+    """The one log line of a finished transition (RefitTransition `name`)."""
+    log.info(
+        "transition.done",
+        policy=policy,
+        transition=name,
+        outcome=result.outcome,
+        version=result.version,
+        attempts=result.attempts,
+        modes=result.modes,
+        retired=result.retired,
+        latency_s=round(result.latency_s, 3),
+    )
 
 
 class _NullSink:

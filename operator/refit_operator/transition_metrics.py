@@ -43,14 +43,14 @@ class TransitionMetrics:
         )
         self.last_commit = Gauge(
             prefix + "last_commit_timestamp_seconds",
-            "Unix time of the last transition this process committed (0: none since start).",
+            "Unix time of the last transition committed here (0: none since start).",
             scope,
             registry=registry,
         )
         self.transitions = Counter(
             prefix + "transitions",
-            "Finished transitions by outcome (committed, rejected, conflict, aborted; failed: "
-            "the coordinator itself raised).",
+            "Finished transitions by outcome (committed, rejected, conflict, aborted; the "
+            "operator also counts failed: its coordinator raised).",
             [*scope, "outcome"],
             registry=registry,
         )
@@ -109,7 +109,8 @@ class TransitionMetrics:
         )
 
     def start(self, *scope: str) -> None:
-        """Create a scope's series at 0 (the committed version at -1: not read yet)."""
+        """Create a scope's series at 0. The committed version appears with its first read
+        (`committed`): a standby operator replica never reads it."""
         preset(self.transitions, *((*scope, o) for o in OUTCOMES))
         preset(self.attempts, *((*scope, m, o) for m in MODES for o in ATTEMPT_OUTCOMES))
         preset(self.stages, *((*scope, s) for s in STAGES))
@@ -117,7 +118,6 @@ class TransitionMetrics:
             _child(metric, scope)
         _child(self.changed_fractions, scope)
         _child(self.last_commit, scope).set(0)
-        _child(self.committed_version, scope).set(-1)
 
     def committed(self, version: int, *scope: str) -> None:
         """The commit store's record, as just read."""

@@ -29,7 +29,8 @@ from refit_protocol.commit import CommitRecord
 from refit_protocol.keys import payload_mac_key
 from refit_protocol.receiver_api import PrewarmResponse, RestoreRequest
 from refit_sidecar.baseline.chunks import chunk_export
-from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+from refit_sidecar.baseline.config import BaselineConfig
+from refit_sidecar.baseline.source import SourceBaseline
 from refit_sidecar.bits import int_view
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.service import ProducerService

@@ -9,6 +9,7 @@ from prometheus_client.metrics_core import Metric
 from refit_operator import metrics
 from refit_operator.metrics import CoordinatorMetrics
 from refit_operator.transition_types import TransitionResult
+from refit_protocol.kit.metrics import SECONDS_BUCKETS
 
 
 def series_of(namespace: str, policy: str) -> list[str]:
@@ -60,7 +61,21 @@ def test_the_operator_and_a_coordinator_process_record_transitions_alike() -> No
     operator = _shape(list(REGISTRY.collect()), "kuberefit_operator_", {"namespace", "policy"})
     transition_families = {k: operator[k] for k in ours}
     assert ours == transition_families
-    assert len(ours) == 9
+    # Pinned, so a change of what dashboards and alerts read is a deliberate one:
+    assert {k: (v[0], sorted(v[2])) for k, v in ours.items()} == {  # type: ignore[index]
+        "committed_version": ("gauge", []),
+        "last_commit_timestamp_seconds": ("gauge", []),
+        "transitions": ("counter", ["outcome"]),
+        "attempts": ("counter", ["mode", "outcome"]),
+        "transition_latency_seconds": ("histogram", []),
+        "transition_stage_seconds": ("histogram", ["stage"]),
+        "wire_bytes": ("counter", []),
+        "changed_fraction": ("gauge", []),
+        "transition_changed_fraction": ("histogram", []),
+    }
+    seconds = [*SECONDS_BUCKETS, float("inf")]
+    assert ours["transition_latency_seconds"][3] == seconds  # type: ignore[index]
+    assert ours["transition_stage_seconds"][3] == seconds  # type: ignore[index]
 
     def sample(registry: object, name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, labels)  # type: ignore[attr-defined]

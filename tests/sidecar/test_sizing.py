@@ -12,6 +12,7 @@ from pydantic import SecretStr, ValidationError
 from safetensors.torch import save_file
 
 from refit_protocol.sizes import AUTO
+from refit_sidecar.baseline.config import BaselineConfig
 from refit_sidecar.baseline.sizing import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
@@ -19,7 +20,7 @@ from refit_sidecar.baseline.sizing import (
     auto_chunk_bytes,
     resolve_sizes,
 )
-from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+from refit_sidecar.baseline.source import SourceBaseline
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.pipeline.producer import ProducerPipeline
 from refit_sidecar.producer.main import ProducerProcessConfig, build

@@ -143,7 +143,8 @@ async def _run(
     from refit_protocol.keys import payload_mac_key
     from refit_protocol.tensors import TensorMetaModel
     from refit_sidecar.baseline.chunks import chunk_export
-    from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+    from refit_sidecar.baseline.config import BaselineConfig
+    from refit_sidecar.baseline.source import SourceBaseline
     from refit_sidecar.producer.service import ProducerService
     from refit_sidecar.trainer.synthetic import SyntheticTrainer
     from refit_sidecar.transport.relay.transport import RelayTransportConfig

@@ -60,6 +60,7 @@ class PolicyLease:
     ) -> None:
         self.api = api
         self.namespace = namespace  # where the Lease lives: the operator's own namespace
+        self.policy = policy
         self.name = lease_name(policy, policy_namespace)
         self.identity = identity
         self.duration_s = duration_s
@@ -77,17 +78,19 @@ class PolicyLease:
         """Stop holding at once (e.g. the renewal failed)."""
         self._set(False, self.holder)
 
-    async def keep(self, on_change: Callable[[bool], None]) -> None:
-        """Acquire or renew every third of a duration until cancelled; `on_change(held)`
+    async def keep(self, on_result: Callable[[bool], None]) -> None:
+        """Acquire or renew every third of a duration until cancelled; `on_result(held)`
         after each try. A failed try (the API server briefly unreachable) counts as lost."""
         while True:
             try:
                 held = await self.acquire_or_renew()
             except Exception as exc:
-                log.warning("lease.renew_failed", lease=self.name, error=str(exc))
+                log.warning(
+                    "lease.renew_failed", policy=self.policy, lease=self.name, error=str(exc)
+                )
                 held = False
                 self.lost()
-            on_change(held)
+            on_result(held)
             await asyncio.sleep(self.duration_s / 3)
 
     async def acquire_or_renew(self) -> bool:

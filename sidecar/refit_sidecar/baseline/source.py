@@ -35,13 +35,13 @@ import structlog
 from refit_protocol.sizes import AUTO
 from refit_sidecar.baseline.chunk_writer import ChunkWriter, PendingTensor, all_done
 from refit_sidecar.baseline.chunks import ExportChunk, owner_of, plan_chunks
-
-# Re-exported: the settings and the errors were defined here, and are still imported from here.
-from refit_sidecar.baseline.config import BaselineConfig as BaselineConfig
-from refit_sidecar.baseline.errors import BaselineError as BaselineError
-from refit_sidecar.baseline.errors import BaselinePoisonedError as BaselinePoisonedError
-from refit_sidecar.baseline.errors import ExportMismatchError as ExportMismatchError
-from refit_sidecar.baseline.errors import PendingStateError as PendingStateError
+from refit_sidecar.baseline.config import BaselineConfig
+from refit_sidecar.baseline.errors import (
+    BaselineError,
+    BaselinePoisonedError,
+    ExportMismatchError,
+    PendingStateError,
+)
 from refit_sidecar.baseline.sizing import resolve_sizes
 from refit_sidecar.baseline.storage import ChunkStore
 from refit_sidecar.bitdiff import (

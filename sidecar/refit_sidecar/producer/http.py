@@ -42,7 +42,7 @@ from refit_protocol.producer_api import (
     ProducerAttemptRequest,
     ProducerStatus,
 )
-from refit_sidecar.baseline.source import BaselineError, ExportMismatchError
+from refit_sidecar.baseline.errors import BaselineError, ExportMismatchError
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.trainer.errors import CandidateMismatchError, StagingError, StagingStateError
 from refit_sidecar.trainer.manifest import to_wire

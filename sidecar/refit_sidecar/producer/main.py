@@ -29,8 +29,9 @@ from refit_protocol.kit.cli import mark_started
 from refit_protocol.kit.config_files import ConfigPath
 from refit_protocol.kit.logs import configure_logging, log_settings
 from refit_protocol.kit.tokens import DEFAULT_ROTATION_GRACE_S, TokenRing
+from refit_sidecar.baseline.config import BaselineConfig
 from refit_sidecar.baseline.sizing import resolve_sizes
-from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+from refit_sidecar.baseline.source import SourceBaseline
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.http import create_producer_app, producer_status
 from refit_sidecar.producer.readiness import reference_problem, startup_problem

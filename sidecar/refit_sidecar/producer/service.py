@@ -37,7 +37,8 @@ from refit_protocol.producer_api import (
     StreamSettings,
 )
 from refit_sidecar.baseline.chunks import ExportChunk, owner_of, plan_chunks
-from refit_sidecar.baseline.source import BaselineError, SourceBaseline
+from refit_sidecar.baseline.errors import BaselineError
+from refit_sidecar.baseline.source import SourceBaseline
 from refit_sidecar.codec.records import Mode, TensorMeta
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.pipeline.metrics import PipelineMetrics

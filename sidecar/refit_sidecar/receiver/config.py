@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from refit_protocol.kit.config_files import ConfigPath
 from refit_protocol.kit.tokens import DEFAULT_ROTATION_GRACE_S
 from refit_protocol.sizes import ByteSize
-from refit_sidecar.transport.relay.node import RelayConfig
+from refit_sidecar.transport.relay.config import RelayConfig
 from refit_sidecar.transport.s3 import S3Config
 
 

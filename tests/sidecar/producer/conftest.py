@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from refit_sidecar.baseline.chunks import chunk_export
-from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+from refit_sidecar.baseline.config import BaselineConfig
+from refit_sidecar.baseline.source import SourceBaseline
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
 from tests.harness.s3_payloads import S3Delivery

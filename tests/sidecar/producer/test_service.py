@@ -16,7 +16,8 @@ from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
 from refit_protocol.producer_api import AttemptPlan, SentReport, StreamSettings
 from refit_sidecar.baseline.chunks import ExportChunk, chunk_export
-from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+from refit_sidecar.baseline.config import BaselineConfig
+from refit_sidecar.baseline.source import SourceBaseline
 from refit_sidecar.bits import int_view
 from refit_sidecar.codec import EncodedPayload, Op, decode_payload
 from refit_sidecar.producer.service import ProducerService

@@ -17,7 +17,7 @@ from pydantic import SecretStr
 
 from refit_protocol.receiver_api import PrepareRequest
 from refit_sidecar.codec.records import TensorMeta
-from refit_sidecar.transport.relay.dealer import DealerConfig
+from refit_sidecar.transport.relay.config import DealerConfig
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from tests.harness.operator_env import wait_for
 from tests.harness.receivers import NodeProc, metric_sum, start_cluster

@@ -16,7 +16,8 @@ from aiohttp import web
 
 from refit_protocol.commit import CommitRecord
 from refit_protocol.producer_api import AttemptPlan, SentReport
-from refit_sidecar.baseline.source import BaselineConfig, SourceBaseline
+from refit_sidecar.baseline.config import BaselineConfig
+from refit_sidecar.baseline.source import SourceBaseline
 from refit_sidecar.codec import EncodedPayload
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService

@@ -12,7 +12,7 @@ from pydantic import SecretStr
 
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import EncodedPayload
-from refit_sidecar.transport.relay.dealer import DealerConfig
+from refit_sidecar.transport.relay.config import DealerConfig
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from tests.sidecar.receiver.models import canonical, overwrite_payload
 

@@ -28,8 +28,9 @@ from refit_sidecar.transport.errors import (
     PayloadRejectedError,
     TransportStoppedError,
 )
+from refit_sidecar.transport.relay.config import DealerConfig
 from refit_sidecar.transport.relay.curve import curve_keys, secure_client, secure_server
-from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
+from refit_sidecar.transport.relay.dealer import RelayDealer
 from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from tests.harness.operator_env import wait_for

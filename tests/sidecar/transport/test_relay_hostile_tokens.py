@@ -30,9 +30,10 @@ from refit_sidecar.codec.records import Item, Op, TensorMeta
 from refit_sidecar.codec.wire import CODEC_VERSION, EncodedPayload, PayloadHeader
 from refit_sidecar.transport.errors import TransportError
 from refit_sidecar.transport.relay import dealer
-from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
+from refit_sidecar.transport.relay.config import DealerConfig, RelayConfig
+from refit_sidecar.transport.relay.dealer import RelayDealer
 from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta, Verdict
-from refit_sidecar.transport.relay.node import RelayConfig, RelayNode
+from refit_sidecar.transport.relay.node import RelayNode
 from tests.harness.operator_env import wait_for
 from tests.harness.procs import free_ports
 

@@ -19,7 +19,8 @@ from refit_protocol.keys import payload_mac_key
 from refit_protocol.kit.tokens import FileTokenRing
 from refit_protocol.receiver_api import PrepareRequest
 from refit_sidecar.transport.errors import DeliveryTimeoutError
-from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
+from refit_sidecar.transport.relay.config import DealerConfig
+from refit_sidecar.transport.relay.dealer import RelayDealer
 from refit_sidecar.transport.relay.frames import FrameMeta
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from tests.harness.operator_env import wait_for

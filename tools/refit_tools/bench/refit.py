@@ -68,11 +68,11 @@ from refit_protocol.errors import EndpointError
 from refit_protocol.kit.auth import bearer_header
 from refit_protocol.receiver_api import PrewarmRequest
 from refit_protocol.sizes import AUTO, SizeOrAuto
+from refit_sidecar.baseline.config import BaselineConfig
 from refit_sidecar.baseline.sizing import Sizes, resolve_sizes
-from refit_sidecar.baseline.source import BaselineConfig
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.main import ProducerProcessConfig
-from refit_sidecar.transport.relay.dealer import DealerConfig
+from refit_sidecar.transport.relay.config import DealerConfig
 from refit_sidecar.transport.relay.transport import RelayTransportConfig
 from refit_tools.bench.netns import Link, create_link, require_netns_tools
 from refit_tools.bench.nodes import BenchNodes

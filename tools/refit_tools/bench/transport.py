@@ -32,7 +32,7 @@ from refit_sidecar.codec.records import Item, Op, TensorMeta
 from refit_sidecar.codec.wire import CODEC_VERSION, DecodedPayload, EncodedPayload, PayloadHeader
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
 from refit_sidecar.transport.relay import tree
-from refit_sidecar.transport.relay.dealer import DealerConfig
+from refit_sidecar.transport.relay.config import DealerConfig
 from refit_sidecar.transport.relay.frames import DATA, FrameMeta
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from refit_sidecar.transport.s3 import S3Config, S3Fetcher, make_client, upload_payload

@@ -33,9 +33,9 @@ class Figure:
         v = self.value
         if isinstance(v, str):
             return v
-        if self.unit == "B":  # a size set in binary units (64MiB) is shown as it was set
-            exact = float(v).is_integer() and v > 0 and v % (1 << 20) == 0
-            return format_byte_size(int(v)) if exact else format_bytes(v)
+        if self.unit == "B":  # an input set in binary units (64MiB) is shown as it was set
+            binary = self.kind == "input" and v > 0 and v % (1 << 20) == 0
+            return format_byte_size(int(v)) if binary else format_bytes(v)
         if self.unit == "bit/s":
             return format_rate(v / 8)
         if self.unit == "B/s":
@@ -99,7 +99,7 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
             "inputs",
             "element width",
             d.element_bytes,
-            "bytes",
+            "B",
             "assumed" if "dtype_bytes" in ctx.defaulted else "input",
             ctx.element_how,
         ),

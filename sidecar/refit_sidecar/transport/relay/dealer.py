@@ -48,7 +48,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from refit_protocol.kit.tokens import TokenRing, as_ring, ring_accepts
 from refit_sidecar.transport.errors import TransportError
-from refit_sidecar.transport.relay.config import DealerConfig as DealerConfig  # was defined here
+from refit_sidecar.transport.relay.config import DealerConfig
 from refit_sidecar.transport.relay.curve import HANDSHAKE_FAILURES, secure_client
 from refit_sidecar.transport.relay.frames import (
     ACK,
@@ -59,7 +59,6 @@ from refit_sidecar.transport.relay.frames import (
     FrameMeta,
     parse_ack,
 )
-from refit_sidecar.transport.relay.key_hunt import MAX_LINKS as MAX_LINKS  # was defined here
 from refit_sidecar.transport.relay.key_hunt import KeyHunt, LinkState
 from refit_sidecar.transport.relay.send_schedule import Body, Outgoing, SendSchedule
 

@@ -40,7 +40,7 @@ from refit_protocol.kit.tokens import TokenRing, as_ring, ring_accepts
 from refit_sidecar.codec.errors import CodecError
 from refit_sidecar.transport.errors import TransportError
 from refit_sidecar.transport.relay import tree
-from refit_sidecar.transport.relay.config import RelayConfig as RelayConfig  # was defined here
+from refit_sidecar.transport.relay.config import RelayConfig
 from refit_sidecar.transport.relay.curve import HANDSHAKE_FAILURES, allow_clients, secure_server
 from refit_sidecar.transport.relay.dealer import RelayDealer
 from refit_sidecar.transport.relay.forwards import ForwardLedger

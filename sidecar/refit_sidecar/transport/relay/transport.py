@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from refit_protocol.kit.tokens import TokenRing
 from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.transport.base import SendInterval, SendObserver, TransportSummary
-from refit_sidecar.transport.relay.dealer import DealerConfig, RelayDealer
+from refit_sidecar.transport.relay.config import DealerConfig
+from refit_sidecar.transport.relay.dealer import RelayDealer
 from refit_sidecar.transport.relay.frames import FrameMeta
 from refit_sidecar.transport.window import AttemptSends, SendWindow
 

@@ -14,7 +14,7 @@ from types import ModuleType
 
 from refit_sidecar.vllm.quirks import amx_permission, cpu_unpacked_layout
 
-WORKER_QUIRKS: tuple[ModuleType, ...] = (amx_permission, cpu_unpacked_layout)
+WORKER_QUIRKS: tuple[ModuleType, ...] = (cpu_unpacked_layout, amx_permission)
 
 
 def apply_worker_quirks(quirks: tuple[ModuleType, ...] = WORKER_QUIRKS) -> list[str]:
