@@ -5,8 +5,10 @@ anyone else may take over, and a restarted holder (same identity) takes its Leas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
+import uuid
 
 from refit_operator.kube.api import KubeApi
 from refit_operator.kube.lease import PolicyLease, lease_name
@@ -54,3 +56,31 @@ def test_lease_names_in_the_operators_namespace_are_unique_dns_subdomains() -> N
         assert len(name) <= 253, name
         assert subdomain.fullmatch(name), name
     assert lease_name(long_a, "ns") != lease_name(long_b, "ns")
+
+
+async def test_keep_reports_each_try_and_counts_a_failed_one_as_lost(
+    api: KubeApi, namespace: str
+) -> None:
+    lease = PolicyLease(api, namespace, "kept", "op-a", duration_s=3)
+    results: list[bool] = []
+    task = asyncio.create_task(lease.keep(results.append))
+    try:
+        for _ in range(50):
+            if len(results) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert results[:2] == [True, True]  # acquired, then renewed a third of 3 s later
+        assert lease.held
+        # The API server refuses (a namespace that does not exist): the try counts as lost.
+        lease.namespace = f"gone-{uuid.uuid4().hex[:6]}"
+        seen = len(results)
+        for _ in range(30):
+            if len(results) > seen:
+                break
+            await asyncio.sleep(0.1)
+        assert results[-1] is False
+        assert not lease.held
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
