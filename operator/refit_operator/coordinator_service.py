@@ -252,15 +252,7 @@ async def _run(
 
 def _report(sink: JsonLinesSink, result: TransitionResult) -> None:
     p = result.progress
-    log.info(
-        "transition.done",
-        outcome=result.outcome,
-        version=result.version,
-        attempts=result.attempts,
-        modes=result.modes,
-        retired=result.retired,
-        latency_s=round(result.latency_s, 3),
-    )
+    log.info("transition.done", **result.summary())
     sink.write(
         {
             "event": "result",

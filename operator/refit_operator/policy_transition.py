@@ -208,17 +208,7 @@ class Coordinating:
 
 def log_done(policy: str, name: str, result: TransitionResult) -> None:
     """The one log line of a finished transition (RefitTransition `name`)."""
-    log.info(
-        "transition.done",
-        policy=policy,
-        transition=name,
-        outcome=result.outcome,
-        version=result.version,
-        attempts=result.attempts,
-        modes=result.modes,
-        retired=result.retired,
-        latency_s=round(result.latency_s, 3),
-    )
+    log.info("transition.done", policy=policy, transition=name, **result.summary())
 
 
 class _NullSink:

@@ -71,6 +71,17 @@ class TransitionResult:
     latency_s: float = 0.0  # timed window: first producer start .. last baseline update
     finalization_s: float = 0.0  # flush acknowledged .. last baseline update
 
+    def summary(self) -> dict[str, object]:
+        """The fields of the `transition.done` log line."""
+        return {
+            "outcome": self.outcome,
+            "version": self.version,
+            "attempts": self.attempts,
+            "modes": self.modes,
+            "retired": self.retired,
+            "latency_s": round(self.latency_s, 3),
+        }
+
     def stage_seconds(self) -> dict[str, float]:
         """The stage times of a committed transition (those its progress recorded)."""
         timings = self.progress.timings if self.progress is not None else {}
