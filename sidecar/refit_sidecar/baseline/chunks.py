@@ -66,17 +66,22 @@ def chunk_export(
 
 def plan_chunks(metas: Sequence[TensorMeta], limit_bytes: int) -> list[tuple[TensorMeta, ...]]:
     """The chunking `chunk_export` produces, computed from metadata alone."""
+    bounds = chunk_bounds([m.nbytes for m in metas], limit_bytes)
+    return [tuple(metas[a:b]) for a, b in bounds]
+
+
+def chunk_bounds(sizes: Sequence[int], limit_bytes: int) -> list[tuple[int, int]]:
+    """The chunking `chunk_export` produces, from tensor sizes alone (export order): each
+    chunk as the [start, end) range of the tensors it holds (what the planner projects)."""
     if limit_bytes < 1:
         raise ValueError("limit_bytes must be positive")
-    plan: list[tuple[TensorMeta, ...]] = []
-    current: list[TensorMeta] = []
-    size = 0
-    for meta in metas:
-        if _starts_new_chunk(size, len(current), meta.nbytes, limit_bytes):
-            plan.append(tuple(current))
-            current, size = [], 0
-        current.append(meta)
-        size += meta.nbytes
-    if current:
-        plan.append(tuple(current))
-    return plan
+    bounds: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, nbytes in enumerate(sizes):
+        if _starts_new_chunk(size, i - start, nbytes, limit_bytes):
+            bounds.append((start, i))
+            start, size = i, 0
+        size += nbytes
+    if start < len(sizes):
+        bounds.append((start, len(sizes)))
+    return bounds

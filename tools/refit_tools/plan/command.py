@@ -287,6 +287,7 @@ def plan(
     from refit_tools.plan import calibration as cal_mod
     from refit_tools.plan import sizing
     from refit_tools.plan.model import Deployment
+    from refit_tools.plan.payloads import payload_regions
     from refit_tools.plan.projection import plan as make_plan
     from refit_tools.plan.projection import product_sizes, sweep
     from refit_tools.plan.report import Context, plot_rates, svg, table
@@ -388,6 +389,11 @@ def plan(
         transport="s3" if transport == "s3" else "relay",
         last_tensor_bytes=size.last_tensor_bytes,
         first_tensor_bytes=size.first_tensor_bytes,
+        regions=(
+            payload_regions(size.tensor_bytes, producers, chunk_bytes, bucket_bytes)
+            if size.tensor_bytes
+            else None
+        ),
         element_bytes=element_bytes,
     )
     result = make_plan(

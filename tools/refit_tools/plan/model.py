@@ -78,7 +78,8 @@ class Deployment:
     #: waits for its whole chunk.
     first_tensor_bytes: int | None = None
     #: Bytes of H each of one producer's payloads covers, in send order, when the tensor layout
-    #: is known (a bench run); otherwise estimated from the chunk and bucket sizes.
+    #: is known (a bench run, or a Hugging Face config: `payloads.payload_regions`); otherwise
+    #: estimated from the chunk and bucket sizes.
     regions: tuple[int, ...] | None = None
     #: Every producer, relay and node shares this many cores (the bench machine); None: each
     #: has its own.

@@ -54,6 +54,9 @@ class ModelSize:
     element_bytes: int | None = None
     #: The dtype the width comes from, as the source names it.
     dtype: str | None = None
+    #: Bytes of each tensor in export order, when the source gives the layout (a Hugging Face
+    #: config: estimated from its sizes); the planner builds the producer's payloads from it.
+    tensor_bytes: tuple[int, ...] | None = None
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -115,6 +118,10 @@ def _int(cfg: dict[str, Any], *keys: str, default: int | None = None) -> int:
     raise SizingError(f"config has no positive {' / '.join(keys)}")
 
 
+#: The most tensors a layout is built for (a 1T MoE has ~70,000); beyond it H alone is used.
+MAX_TENSORS = 1_000_000
+
+
 def from_hf_config(path: Path) -> ModelSize:
     """Parameter count x dtype width, estimated from a Hugging Face config.json."""
     outer = _json(path)
@@ -140,16 +147,20 @@ def from_hf_config(path: Path) -> ModelSize:
     if width is None:
         shown = repr(dtype) if len(dtype) <= 40 else repr(dtype[:37] + "...")
         raise SizingError(f"{path}: unknown dtype {shown} (known: {', '.join(_DTYPE_BYTES)})")
-    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    # One layer's tensors in Hugging Face export order, as (elements, count) runs: norm, q, k,
+    # v, o, norm, then the MLP (gate, up, down; or the router, every expert's three and the
+    # shared expert's three).
+    q, kv = hidden * heads * head_dim, hidden * kv_heads * head_dim
+    layer = [(hidden, 1), (q, 1), (kv, 2), (q, 1), (hidden, 1)]
     if experts:
-        mlp = experts * 3 * hidden * moe_inter + experts * hidden  # experts + router
-        mlp += 3 * hidden * (shared_inter or shared_experts * moe_inter)
+        shared = shared_inter or shared_experts * moe_inter
+        layer += [(experts * hidden, 1), (hidden * moe_inter, 3 * experts)]
+        layer += [(hidden * shared, 3)] if shared else []
     else:
-        mlp = 3 * hidden * inter
-    per_layer = attention + mlp + 2 * hidden
+        layer += [(hidden * inter, 3)]
     tied = bool(cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", False)))
     head = 0 if tied else vocab * hidden
-    params = vocab * hidden + layers * per_layer + hidden + head
+    params = vocab * hidden + layers * sum(n * c for n, c in layer) + hidden + head
     if params * width > MAX_MODEL_BYTES:  # exact integers: checked before any float
         raise SizingError(
             f"{path}: the sizes in it give {params:.3g} parameters x {width} bytes: H must be "
@@ -160,6 +171,12 @@ def from_hf_config(path: Path) -> ModelSize:
         f"{layers} layers, hidden {hidden}, {f'{experts} experts, ' if experts else ''}"
         f"vocabulary {vocab}{', tied head' if tied else ''}"
     )
+    count = 2 + layers * sum(c for _, c in layer) + (1 if head else 0)
+    tensors: tuple[int, ...] | None = None
+    if count <= MAX_TENSORS:  # counted before any list is built
+        one = [n * width for n, c in layer for _ in range(c)]
+        tensors = (vocab * hidden * width, *layers * one, hidden * width)
+        tensors += (head * width,) if head else ()
     return ModelSize(
         params * width,
         head * width or None,
@@ -168,4 +185,5 @@ def from_hf_config(path: Path) -> ModelSize:
         vocab * hidden * width,
         element_bytes=width,
         dtype=dtype,
+        tensor_bytes=tensors,
     )

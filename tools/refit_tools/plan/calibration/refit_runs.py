@@ -21,6 +21,7 @@ from refit_tools.plan.calibration.results import (
 )
 from refit_tools.plan.files import quote
 from refit_tools.plan.model import ELEMENT_BYTES, Deployment, first_region, last_region
+from refit_tools.plan.payloads import payload_regions
 
 
 def load_of(result: Mapping[str, Any]) -> tuple[float | None, int]:
@@ -70,25 +71,10 @@ def bench_regions(
     grouped into export chunks (`refit_sidecar.baseline.chunks.plan_chunks`) and the chunks into
     buckets as the producer's `Bucketer` closes them (every chunk carries changes at the
     bench's rates). None when the layout cannot be rebuilt."""
-    from refit_sidecar.baseline.chunks import plan_chunks
-
     work = _bench_workload(result)
     if work is None:
         return None
-    regions: list[int] = []
-    current = 0
-    for chunk in plan_chunks(work.metas(), chunk_bytes):
-        nbytes = sum(m.nbytes for m in chunk)
-        if current and current + nbytes > bucket_bytes:
-            regions.append(current)
-            current = 0
-        current += nbytes
-        if current >= bucket_bytes:
-            regions.append(current)
-            current = 0
-    if current:
-        regions.append(current)
-    return tuple(regions)
+    return payload_regions([m.nbytes for m in work.metas()], 1, chunk_bytes, bucket_bytes)
 
 
 def bench_deployment(result: Mapping[str, Any], rate: float) -> Deployment:

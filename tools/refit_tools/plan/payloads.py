@@ -1,0 +1,51 @@
+"""The payloads a producer really builds, from the checkpoint's tensor sizes in export order.
+
+The producer groups the export into chunks (`refit_sidecar.baseline.chunks`: a tensor is never
+split, so one larger than the limit is a chunk of its own), producer `p` owns chunks
+`i % W == p` (❶), and its `Bucketer` coalesces its chunks in order into payloads of about the
+bucket size. The planner projects with these regions (bytes of H per payload, in send order)
+instead of H / bucket whenever it knows the tensor layout: a bench run's, or a Hugging Face
+config's (`sizing.from_hf_config`). Every chunk is taken to carry changes (true at the change
+rates the planner is for: a chunk holds thousands of elements).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def bucket_regions(chunk_bytes: Sequence[int], bucket_bytes: int) -> tuple[int, ...]:
+    """Bytes of H of each payload when chunks of these sizes are coalesced in order as the
+    producer's `Bucketer` closes them: a bucket closes before a chunk that would take it past
+    `bucket_bytes`, and as soon as it reaches it."""
+    regions: list[int] = []
+    current = 0
+    for nbytes in chunk_bytes:
+        if current and current + nbytes > bucket_bytes:
+            regions.append(current)
+            current = 0
+        current += nbytes
+        if current >= bucket_bytes:
+            regions.append(current)
+            current = 0
+    if current:
+        regions.append(current)
+    return tuple(regions)
+
+
+def producer_regions(
+    tensor_bytes: Sequence[int], producers: int, chunk_bytes: int, bucket_bytes: int
+) -> list[tuple[int, ...]]:
+    """Each producer's payload regions, for tensors of these sizes in export order."""
+    from refit_sidecar.baseline.chunks import chunk_bounds
+
+    chunks = [sum(tensor_bytes[a:b]) for a, b in chunk_bounds(tensor_bytes, chunk_bytes)]
+    return [bucket_regions(chunks[p::producers], bucket_bytes) for p in range(producers)]
+
+
+def payload_regions(
+    tensor_bytes: Sequence[int], producers: int, chunk_bytes: int, bucket_bytes: int
+) -> tuple[int, ...]:
+    """The payload regions of the producer with the most bytes of H (the one the attempt
+    waits for)."""
+    return max(producer_regions(tensor_bytes, producers, chunk_bytes, bucket_bytes), key=sum)
