@@ -247,7 +247,7 @@ def bench_transport(
 
     from refit_protocol.kit.logs import configure_logging
     from refit_sidecar.transport.s3 import S3Config
-    from refit_tools.bench.refit import default_results_dir
+    from refit_tools.bench.refit_report import default_results_dir
     from refit_tools.bench.transport import (
         format_report,
         run_relay_bench,
@@ -413,10 +413,10 @@ def bench_refit(
     from refit_tools.bench.refit import (
         RefitBenchConfig,
         RefitBenchError,
-        format_report,
         run_refit_bench,
         run_refit_links,
     )
+    from refit_tools.bench.refit_report import format_report
 
     configure_logging(default_level="warning")
     options: dict[str, object] = {
