@@ -29,7 +29,7 @@ from refit_sidecar.codec.encode import encode_payload
 from refit_sidecar.codec.records import Item, Op, TensorMeta
 from refit_sidecar.codec.wire import CODEC_VERSION, EncodedPayload, PayloadHeader
 from refit_sidecar.transport.errors import TransportError
-from refit_sidecar.transport.relay import dealer
+from refit_sidecar.transport.relay import key_hunt
 from refit_sidecar.transport.relay.config import DealerConfig, RelayConfig
 from refit_sidecar.transport.relay.dealer import RelayDealer
 from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta, Verdict
@@ -221,9 +221,9 @@ def test_a_thousand_token_ring_forwards_a_payload(closing: list[Any]) -> None:
     assert sample(registries[0], "kuberefit_relay_forwards_total", result="ok") == 2
     # However many tokens the ring lists, each forwarder holds a handful of sockets: the likely
     # keys (at most 4), the one found, and the fallback keys being tried (HUNT_WIDTH).
-    assert dealer.MAX_LINKS == 9
+    assert key_hunt.MAX_LINKS == 9
     for client in [producer, *relays[0]._clients.values()]:
-        assert len(client._links) <= dealer.MAX_LINKS
+        assert len(client._links) <= key_hunt.MAX_LINKS
 
 
 def test_a_forwarder_that_cannot_open_sockets_fails_each_send_with_a_typed_error() -> None:
