@@ -39,6 +39,7 @@ from refit_operator.ports import (
     ReceiverClient,
     TransitionProgress,
 )
+from refit_operator.server_groups import ServerGroups
 from refit_operator.transition_types import CoordinatorConfig, TransitionResult
 from refit_protocol.commit import AttemptMode, CommitRecord
 from refit_protocol.errors import EndpointError, PeerAuthenticationError
@@ -103,6 +104,7 @@ class Coordinator:
         self.name = name or f"coordinator-{uuid.uuid4().hex[:8]}"
         self.epoch = 0
         self._gate_closed: set[str] = set()
+        self._servers = ServerGroups()
         self._notices: list[tuple[str, str]] = []  # TransitionProgress.notices of the next one
 
     @property
@@ -216,8 +218,12 @@ class Coordinator:
                 # Alive but not on the transition's base (e.g. restarted between attempts): it
                 # cannot be repaired by this transition's deltas. It leaves the transition and
                 # is restored densely when the next one starts.
+                # A multi-host server's nodes go together (`server_groups`).
                 log.warning("attempt.rejected_after_admission", attempt=tau, error=str(exc))
-                dropped = set(exc.nodes)
+                dropped = self._servers.with_mates(
+                    await self._rejoin_hosts(set(exc.nodes), receivers, kv),
+                    [r.node for r in receivers],
+                )
                 receivers = [r for r in receivers if r.node not in dropped]
                 result.retired.extend(sorted(dropped))
             except CommitConflictError as exc:
@@ -332,6 +338,7 @@ class Coordinator:
             except (EndpointError, TimeoutError) as exc:
                 log.warning("receiver.unreachable", node=r.node, error=str(exc))
                 continue
+            self._servers.note(r.node, status)
             if status.gate_closed:  # e.g. closed by a coordinator that died: reopen it later
                 self._gate_closed.add(r.node)
             if status.gate_released:  # it reopened its gate itself while no coordinator was
@@ -513,7 +520,36 @@ class Coordinator:
                 raise InterventionRequiredError(
                     f"receiver {r.node} neither acknowledges stop nor is confirmed dead"
                 )
-        return alive
+        # The rest of a retired node's server cannot apply without it: it leaves too.
+        gone = {r.node for r in receivers} - {r.node for r in alive}
+        mates = self._servers.with_mates(gone, [r.node for r in alive]) - gone
+        if mates:
+            log.warning("receiver.server_left", nodes=sorted(mates), attempt=tau)
+            result.retired.extend(sorted(mates))
+        return [r for r in alive if r.node not in mates]
+
+    async def _rejoin_hosts(
+        self, rejected: set[str], receivers: Sequence[ReceiverClient], kv: CommitRecord
+    ) -> set[str]:
+        """Of the nodes an attempt rejected, the ones that leave the transition: a server's
+        host whose receiver restarted rejoins at once (it holds no weights: its restore only
+        checks the checkpoint its ranks read), so its server stays in for the retry."""
+        leaving: set[str] = set()
+        for r in receivers:
+            if r.node not in rejected:
+                continue
+            if self._servers.is_host(r.node):
+                try:
+                    await self.membership.restore(r, kv)
+                except (EndpointError, TimeoutError, RuntimeError, ValueError) as exc:
+                    log.warning("receiver.host_rejoin_failed", node=r.node, error=str(exc))
+                else:
+                    server = self._servers.server(r.node)
+                    log.info("receiver.host_rejoined", node=r.node, server=server)
+                    self._gate_closed.discard(r.node)  # a restore ends with the gate open
+                    continue
+            leaving.add(r.node)
+        return leaving
 
     async def _cleanup(self, tau: str, receivers: list[ReceiverClient]) -> None:
         await self._each_producer(lambda p: p.cleanup(tau), tolerate=True)

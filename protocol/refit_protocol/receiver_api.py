@@ -8,6 +8,8 @@ identifiers, counts and digests; the S3 transport's manifest pointers (`Manifest
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from refit_protocol.commit import AttemptMode
@@ -57,6 +59,7 @@ class AuditMismatch(_Msg):
 
 class RankAudit(_Msg):
     rank: int
+    host: str = ""  # the rank's host (pod); a server spanning several hosts names each
     ok: bool
     tensors: int
     elements: int
@@ -77,6 +80,7 @@ class AuditResponse(_Msg):
 
 class RankPrewarm(_Msg):
     rank: int
+    host: str = ""  # the rank's host (pod); a server spanning several hosts names each
     skipped: list[str] = Field(default_factory=list)
     xor_incompatible: dict[str, str] = Field(default_factory=dict)
     unsupported: dict[str, str] = Field(default_factory=dict)
@@ -213,6 +217,17 @@ class CommitNotice(_Msg):
     dense: bool = False  # a dense restore wrote every bit of `version` (no attempt involved)
 
 
+class ApplyProgress(_Msg):
+    """How far a server leader's receiver has applied its attempt (`GET /v1/progress`), read by
+    the receivers of the server's other hosts: their staged payload files may go once every
+    rank has read them. Not a coordinator call (it does not count as operator contact)."""
+
+    node: str
+    attempt: str | None
+    phase: str
+    applied: int = 0  # payloads applied by every rank, in the attempt's declared order
+
+
 class ReceiverStatus(_Msg):
     node: str
     held_version: int | None
@@ -231,3 +246,8 @@ class ReceiverStatus(_Msg):
     #: Set when the node reopened its gate without a coordinator (`receiver.absence`); cleared
     #: by the next prepare.
     gate_released: str | None = None
+    #: A vLLM server spanning several hosts: its name, and whether this node is the leader's
+    #: (it applies, through every rank) or another host's (it stages for its ranks). A
+    #: coordinator keeps or drops a server's nodes together.
+    server: str | None = None
+    server_role: Literal["leader", "host"] | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from refit_protocol.kit.config_files import ConfigPath
 from refit_protocol.kit.tokens import DEFAULT_ROTATION_GRACE_S
@@ -19,10 +19,12 @@ class ApplierConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["inprocess", "vllm", "factory"] = Field(
+    kind: Literal["inprocess", "vllm", "vllm_host", "factory"] = Field(
         default="vllm",
         description="inprocess: `factory` returns a torch module with load_weights (local mode, "
-        "tests); vllm: the vLLM server's refit control path; factory: `factory` returns an "
+        "tests); vllm: the vLLM server's refit control path (on a server spanning several "
+        "hosts: the leader's pod); vllm_host: another host of such a server (stages payload "
+        "files for its ranks; the leader's receiver applies); factory: `factory` returns an "
         "Applier.",
     )
     factory: str = Field(
@@ -45,10 +47,37 @@ class ApplierConfig(BaseModel):
         description="vllm: shared-memory directory the workers read staged payload files from.",
     )
     rpc_timeout_s: float = Field(default=600.0, gt=0, description="vllm: per-call timeout.")
+    stage_wait_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="vllm: how long a worker on another host of the server waits for its own "
+        "host's receiver to stage a payload file before the apply fails (less than "
+        "rpc_timeout_s); vllm_host: how long a staged file waits for the leader to apply it.",
+    )
+    leader_url: str = Field(
+        default="",
+        description="vllm_host: control URL of the server leader's receiver (e.g. "
+        "http://$(LWS_LEADER_ADDRESS):8470); it is asked how far the server has applied.",
+    )
     pause_mode: Literal["wait", "abort", "keep"] = Field(
         default="wait",
         description="vllm: how /pause treats in-flight requests when the gate closes.",
     )
+
+    @model_validator(mode="after")
+    def _server_settings(self) -> ApplierConfig:
+        if self.kind == "vllm_host" and not self.leader_url:
+            raise ValueError(
+                "applier kind vllm_host needs leader_url: the control URL of the receiver in "
+                "the server leader's pod"
+            )
+        if self.kind == "vllm" and self.stage_wait_s >= self.rpc_timeout_s:
+            raise ValueError(
+                f"applier.stage_wait_s ({self.stage_wait_s:g}) must be less than "
+                f"rpc_timeout_s ({self.rpc_timeout_s:g}): a worker waiting for its host's "
+                "payload file must fail before the call that waits for it"
+            )
+        return self
 
 
 class ReceiverConfig(BaseModel):
@@ -79,6 +108,12 @@ class ReceiverConfig(BaseModel):
         default=None,
         ge=0,
         description="Version whose bits the runtime holds at start (e.g. loaded densely).",
+    )
+    server: str | None = Field(
+        default=None,
+        description="The vLLM server spanning several hosts that this pod is one host of (the "
+        "same name in every host's receiver, e.g. the LeaderWorkerSet group); the applier kind "
+        "says which host: vllm for the leader's pod, vllm_host for the others.",
     )
     queue_groups: int = Field(default=32, ge=1, description="Resident groups of the apply queue.")
     group_size: int = Field(

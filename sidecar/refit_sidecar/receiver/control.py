@@ -20,10 +20,12 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from typing import Literal
 
 import structlog
 
 from refit_protocol.receiver_api import (
+    ApplyProgress,
     AuditRequest,
     AuditResponse,
     CommitNotice,
@@ -128,6 +130,23 @@ class ReceiverControl:
             self._reading = None
 
     # -- join: prewarm and dense restore --------------------------------------------------------
+    def _server_role(self) -> Literal["leader", "host"] | None:
+        if self.config.server is None:
+            return None
+        return "host" if self.config.applier.kind == "vllm_host" else "leader"
+
+    def progress(self) -> ApplyProgress:
+        """The current attempt's apply count, for the other hosts of this node's server."""
+        s = self.state
+        with s.cond:
+            st = s.current
+            return ApplyProgress(
+                node=s.node,
+                attempt=st.attempt if st else None,
+                phase=(st.phase if st else Phase.IDLE).value,
+                applied=st.applied if st else 0,
+            )
+
     def status(self) -> ReceiverStatus:
         s = self.state
         with s.cond:
@@ -146,6 +165,8 @@ class ReceiverControl:
                 prewarmed=bool(s.metas),
                 dropped=s.dropped,
                 gate_released=s.gate_released,
+                server=self.config.server,
+                server_role=self._server_role(),
             )
 
     # -- operator absence (`absence`) ------------------------------------------------------------

@@ -15,6 +15,7 @@ from refit_protocol.kit.cli import mark_started
 from refit_protocol.kit.logs import configure_logging, log_settings
 from refit_sidecar.receiver import appliers
 from refit_sidecar.receiver.appliers.base import Applier
+from refit_sidecar.receiver.appliers.vllm_host import VllmHostApplier
 from refit_sidecar.receiver.appliers.vllm_http import VllmHttpApplier
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.core import ReceiverCore
@@ -48,6 +49,9 @@ class ReceiverNode:
         self.applier = applier if applier is not None else appliers.make(config.applier)
         if isinstance(self.applier, VllmHttpApplier) and config.applier.control_token is None:
             # The vLLM server in this pod checks the pod's token on its refit control path.
+            self.applier.tokens = self.tokens
+        if isinstance(self.applier, VllmHostApplier):
+            # The server leader's receiver holds the same policy token.
             self.applier.tokens = self.tokens
         self.core = ReceiverCore(config, self.applier, metrics=self.metrics, fetcher=fetcher)
         # With a token, only payloads sealed with the policy's key(s) are decoded.

@@ -168,6 +168,9 @@ def create_app(
     async def status(_: web.Request) -> web.Response:
         return _model(core.control.status())
 
+    async def progress(_: web.Request) -> web.Response:
+        return _model(core.control.progress())
+
     async def prewarm(request: web.Request) -> web.Response:
         return _model(await blocking(core.control.prewarm, await _parse(request, PrewarmRequest)))
 
@@ -236,6 +239,7 @@ def create_app(
     probe = ReadinessProbe(core.readiness, timeout_s=READY_TIMEOUT_S + 1.0, blocking=True)
     add_probe_routes(app, probe, core.metrics.registry, alive={"node": core.node})
     app.router.add_get(f"{p}/status", status)
+    app.router.add_get(f"{p}/progress", progress)
     app.router.add_post(f"{p}/prewarm", prewarm)
     app.router.add_get(f"{p}/prewarm", prewarmed)
     app.router.add_post(f"{p}/prepare", prepare)

@@ -9,6 +9,8 @@ apply goes through the model's own `load_weights()` under the storage-write hook
 from __future__ import annotations
 
 import os
+import socket
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -63,21 +65,29 @@ class RefitWorkerExtension:
         ctx = ApplyContext(model, metas_from_wire(metas), device=device)
         report = prewarm(ctx)
         self._refit_ctx = ctx
-        return report.to_json() | {"rank": _rank()}
+        return report.to_json() | _where()
 
-    def refit_apply(self, path: str, check_samples: int = 0) -> dict[str, Any]:
-        """Apply one decoded payload file (written by the receiver); returns apply statistics."""
+    def refit_apply(
+        self, path: str, check_samples: int = 0, stage_wait_s: float = 0.0
+    ) -> dict[str, Any]:
+        """Apply one decoded payload file; returns apply statistics.
+
+        Each rank reads `path` in its own pod. On the leader's host the leader's receiver
+        staged it before this call; a server spanning several hosts has each other host's
+        receiver stage the same payload at the same path, possibly a little later, so a rank
+        waits up to `stage_wait_s` for it (the apply fails, writing nothing, if it never comes).
+        """
         from refit_sidecar.codec.decoded_file import read_decoded
 
         self._refit_check_runtime()
         ctx = self._refit_ctx
         if ctx is None:
             raise RuntimeError("refit_apply before refit_prewarm")
-        header, items = read_decoded(Path(path), ctx.metas)
+        header, items = read_decoded(_staged(Path(path), stage_wait_s), ctx.metas)
         stats = ctx.apply(items, check_samples=check_samples)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)  # the completion ACK means "written"
-        return asdict(stats) | {"rank": _rank(), "payload_id": header.payload_id}
+        return asdict(stats) | _where() | {"payload_id": header.payload_id}
 
     def refit_dense_load(self, checkpoint_dir: str) -> list[str]:
         """Dense load of every tensor of a safetensors checkpoint through `load_weights`.
@@ -100,7 +110,7 @@ class RefitWorkerExtension:
         if ctx is None:
             raise RuntimeError("refit_audit before refit_prewarm")
         report = audit(ctx, checkpoint_tensors(checkpoint_files(checkpoint_dir), ctx.metas))
-        return report.to_json() | {"rank": _rank()}
+        return report.to_json() | _where()
 
     def refit_dense_reload(self, checkpoint_dir: str) -> None:
         """vLLM's own dense in-place reload (re-runs post-load processing)."""
@@ -118,6 +128,31 @@ class RefitWorkerExtension:
         named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         named.update(("buffer:" + n, b) for n, b in model.named_buffers(remove_duplicate=False))
         return {n: named_tensors_digest([(n, t)]) for n, t in named.items()}
+
+
+class PayloadNotStagedError(FileNotFoundError):
+    """This rank's host never staged the payload file in time (its receiver is down or
+    behind): the apply fails before writing anything on this rank."""
+
+
+def _staged(path: Path, wait_s: float) -> Path:
+    """`path` once it exists (receivers write it atomically), waiting up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.005
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            raise PayloadNotStagedError(
+                f"payload file {path} was not staged on host {socket.gethostname()} "
+                f"(rank {_rank()}) within {wait_s:g}s: is this host's receiver running?"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    return path
+
+
+def _where() -> dict[str, Any]:
+    """Which rank answers, and on which host (pod): multi-host servers report per host."""
+    return {"rank": _rank(), "host": socket.gethostname()}
 
 
 def _rank() -> int:

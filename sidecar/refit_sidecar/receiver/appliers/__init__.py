@@ -2,7 +2,9 @@
 
 - `base`: the `Applier` interface, `StagedPayload` and `ApplyReport`;
 - `inprocess`: a torch module in this process (local mode, benches, tests);
-- `vllm_http`: a vLLM server in the same pod, through its worker extension.
+- `vllm_http`: a vLLM server in the same pod, through its worker extension;
+- `vllm_host`: another host of a vLLM server spanning several hosts (stages; the leader applies);
+- `payload_files`: where both stage a payload for vLLM workers (the same path on every host).
 
 `make(config)` is the registry: `ApplierConfig.kind` names the strategy. Factories are named in
 trusted configuration, never in requests.
@@ -43,6 +45,12 @@ def _vllm(cfg: ApplierConfig) -> Applier:
     return VllmHttpApplier(cfg)
 
 
+def _vllm_host(cfg: ApplierConfig) -> Applier:
+    from refit_sidecar.receiver.appliers.vllm_host import VllmHostApplier
+
+    return VllmHostApplier(cfg)
+
+
 def _inprocess(cfg: ApplierConfig) -> Applier:
     from refit_sidecar.receiver.appliers.inprocess import InProcessApplier
 
@@ -57,6 +65,7 @@ def _factory(cfg: ApplierConfig) -> Applier:
 #: ApplierConfig.kind -> how to build it.
 REGISTRY: dict[str, Callable[[ApplierConfig], Applier]] = {
     "vllm": _vllm,
+    "vllm_host": _vllm_host,
     "inprocess": _inprocess,
     "factory": _factory,
 }

@@ -7,14 +7,15 @@ never vLLM's development mode): `POST /kuberefit/v1/rpc` runs one of the worker 
 methods with JSON arguments (tensors cannot travel there): prewarm sends canonical metadata as
 lists; each payload, decoded once by the receiver, is written to a decoded payload file on the
 shared-memory volume (`codec.decoded_file`) and applied with `refit_apply(path, check_samples)`
-on every worker, which only reads it. The request gate is the engine's own pause
-(`/kuberefit/v1/pause?mode=wait`: in-flight requests finish first) and resume.
+on every worker, which only reads it (each in its own pod: a server spanning several hosts
+has a receiver per host staging the same file at the same path, `vllm_host`). The request
+gate is the engine's own pause (`/kuberefit/v1/pause?mode=wait`: in-flight requests finish
+first) and resume.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import re
 import time
@@ -29,10 +30,10 @@ from refit_protocol.kit.tokens import TokenRing, as_ring
 from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
 from refit_protocol.receiver_api import RankPrewarm
 from refit_sidecar.apply.checkpoint import CheckpointError
-from refit_sidecar.codec.decoded_file import write_decoded
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
+from refit_sidecar.receiver.appliers.payload_files import stage_file
 from refit_sidecar.receiver.config import ApplierConfig
 from refit_sidecar.vllm.control_path import PREFIX as CONTROL_PREFIX
 from refit_sidecar.vllm.rpc_args import metas_to_wire
@@ -146,6 +147,7 @@ class VllmHttpApplier:
             ranks.append(
                 RankPrewarm(
                     rank=int(r.get("rank", i)),
+                    host=str(r.get("host", "")),
                     skipped=list(r.get("skipped", [])),
                     xor_incompatible=dict(r.get("xor_incompatible", {})),
                     unsupported=dict(r.get("unsupported", {})),
@@ -155,17 +157,16 @@ class VllmHttpApplier:
         return ranks
 
     def stage(self, decoded: DecodedPayload) -> StagedPayload:
-        h = decoded.header
-        tag = hashlib.blake2b(h.attempt.encode(), digest_size=8).hexdigest()
-        path = self.shm_dir / f"{tag}-{h.producer}-{h.payload_id}.krd"
-        return StagedPayload(h, write_decoded(decoded, path), path=path)
+        return stage_file(self.shm_dir, decoded)
 
     def apply(self, batch: Sequence[StagedPayload], check_samples: int) -> ApplyReport:
         t0 = time.perf_counter()
         report = ApplyReport()
         for staged in batch:
             assert staged.path is not None
-            results = self._rpc("refit_apply", str(staged.path), check_samples)
+            results = self._rpc(
+                "refit_apply", str(staged.path), check_samples, self.config.stage_wait_s
+            )
             report.payloads += 1
             for r in results:
                 if not isinstance(r, dict):
