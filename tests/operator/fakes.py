@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from refit_operator.ports import ReceiverClient, TransitionProgress
 from refit_protocol.commit import CommitRecord
@@ -39,6 +40,8 @@ class FakeReceiver:
     die_on_notice: bool = False  # dies after its flush, before the commit notice arrives
     reject_overwrite: str = ""  # rejects overwrite prepares (restarted between attempts)
     prewarmed: bool = True
+    server: str | None = None  # a multi-host server's name, with this node's role in it
+    server_role: Literal["leader", "host"] | None = None
     gate_closed: bool = False
     gate_released: str | None = None  # reopened its gate without a coordinator (absence)
     attempt: str | None = None
@@ -62,6 +65,8 @@ class FakeReceiver:
             gate_closed=self.gate_closed,
             prewarmed=self.prewarmed,
             gate_released=self.gate_released,
+            server=self.server,
+            server_role=self.server_role,
         )
 
     async def prepare(self, req: PrepareRequest) -> PrepareResponse:
@@ -202,6 +207,7 @@ class FakeMembership:
         assert isinstance(receiver, FakeReceiver)
         receiver.bits, receiver.held_version = f"v{record.version}", record.version
         receiver.prewarmed, receiver.gate_closed = True, False  # as the real /v1/restore
+        receiver.reject_overwrite = ""  # restored: it holds a known version again
         self.restored.append(receiver.node)
 
 

@@ -174,6 +174,50 @@ async def test_a_receiver_rejecting_the_overwrite_retry_leaves_the_transition(
     assert_all_at(receivers[:2], 1)
 
 
+async def test_a_server_host_restarted_between_attempts_rejoins_for_the_retry(
+    tmp_path: Path,
+) -> None:
+    """r1 is the other host of r0's multi-host vLLM server and its receiver restarted: it holds
+    no weights of its own, so the coordinator restores it at once instead of retiring it, and
+    the server (which cannot apply without it) stays in the transition."""
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[0].server, receivers[0].server_role = "s", "leader"
+    receivers[1].server, receivers[1].server_role = "s", "host"
+    receivers[0].fail_flush_times = 1
+    receivers[1].reject_overwrite = "not prewarmed: call /v1/prewarm first"
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert (result.outcome, result.modes, result.retired) == (
+        "committed",
+        ["mixed", "overwrite", "overwrite"],
+        [],
+    )
+    assert membership.restored == ["r1"]
+    assert_all_at(receivers, 1)
+
+
+async def test_a_server_leaves_a_transition_with_any_of_its_nodes(tmp_path: Path) -> None:
+    """Servers a = (r0 leader, r1 host) and b = (r2 leader, r3 host), and a one-host r4: a's
+    host dies (a's leader leaves with it), then b's leader restarts (b's host leaves with it,
+    whose ranks it drives); r4 commits alone."""
+    store, receivers, producers, membership, sink = world(tmp_path, n=5)
+    for r, (server, role) in zip(
+        receivers, [("a", "leader"), ("a", "host"), ("b", "leader"), ("b", "host")], strict=False
+    ):
+        r.server, r.server_role = server, role  # type: ignore[assignment]
+    receivers[1].die_on_flush = True
+    membership.confirmed.add("r1")
+    receivers[2].reject_overwrite = "holds no known version (a dense restore is needed)"
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert (result.outcome, result.modes, result.retired) == (
+        "committed",
+        ["mixed", "overwrite", "overwrite"],
+        ["r1", "r0", "r2", "r3"],
+    )
+    assert_all_at(receivers[4:], 1)
+
+
 async def test_a_receiver_that_was_never_prewarmed_is_restored_before_joining(
     tmp_path: Path,
 ) -> None:
