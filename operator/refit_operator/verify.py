@@ -78,6 +78,9 @@ def render(results: Sequence[NodeAudit]) -> list[str]:
         if a.version_moved:
             lines.append(f"{a.node}: holds v{a.held_version}, not v{a.version}: not compared")
             continue
+        if a.audited_by_leader:
+            lines.append(f"{a.node}: a server's other host: its ranks are in its leader's audit")
+            continue
         tensors = sum(x.tensors for x in a.ranks)
         elements = sum(x.elements for x in a.ranks)
         verdict = "OK" if a.ok else "MISMATCH"

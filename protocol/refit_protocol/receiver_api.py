@@ -76,6 +76,9 @@ class AuditResponse(_Msg):
     ok: bool  # every rank holds exactly a dense load of the checkpoint
     seconds: float
     ranks: list[RankAudit] = Field(default_factory=list)
+    #: Another host of a multi-host server: nothing compared here; the leader's audit reaches
+    #: this host's ranks and reports each with its host.
+    audited_by_leader: bool = False
 
 
 class RankPrewarm(_Msg):

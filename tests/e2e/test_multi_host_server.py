@@ -228,6 +228,9 @@ def test_a_dense_server_spanning_two_hosts(group: ServerGroup, tmp_path: Path) -
                 assert [(r.rank, r.host) for r in prewarm.ranks] == [(0, "host-a"), (1, "host-b")]
                 await world.refit(1)
                 assert _ranks(await world.audit(1)) == BOTH_EXACT
+                req = AuditRequest(version=1, checkpoint=str(world.versions(1)))
+                host = await world.membership.client(world.other).audit(req)
+                assert (host.ok, host.audited_by_leader, host.ranks) == (True, True, [])
                 await world.refit(2, kill=True)
                 assert _ranks(await world.audit(2)) == BOTH_EXACT
                 refitted = _rpc(world.leader, "refit_fingerprint")

@@ -512,3 +512,65 @@ def test_auto_native_sidecars_follow_the_api_servers_version(
 
     cfg = CFG.model_copy(update={"native_sidecars": setting})
     assert with_native_sidecars(cfg, major, minor).native_sidecars == want
+
+
+def _receiver_settings(pod: Any) -> ReceiverConfig:
+    return ReceiverConfig.model_validate_json(
+        _expand_env(_sidecar(pod), FIELDS)["KUBEREFIT_CONFIG"]
+    )
+
+
+def _lws_pod(worker: int, *, size: str = "2", subdomain: str | None = "big") -> Any:
+    """A pod of LeaderWorkerSet `big`, group 3, as its controller creates it."""
+    labels = {
+        "leaderworkerset.sigs.k8s.io/name": "big",
+        "leaderworkerset.sigs.k8s.io/group-index": "3",
+        "leaderworkerset.sigs.k8s.io/worker-index": str(worker),
+    }
+    pod = _pod("rollout", labels=labels, annotations={"leaderworkerset.sigs.k8s.io/size": size})
+    if subdomain:
+        pod["spec"]["subdomain"] = subdomain
+    return pod
+
+
+def test_a_leader_worker_set_group_is_one_server() -> None:
+    """Worker index 0 is the leader (it applies through every rank); the others stage for their
+    own ranks and ask the leader's receiver, at LeaderWorkerSet's DNS name for it, how far it
+    got (docs/multi-host.md). A group of one pod is an ordinary server."""
+    leader = _receiver_settings(_applied(_lws_pod(0)))
+    assert (leader.server, leader.applier.kind) == ("big-3", "vllm")
+    assert leader.applier.vllm_url == "http://127.0.0.1:8123"
+    worker = _applied(_lws_pod(1))
+    settings = _receiver_settings(worker)
+    assert (settings.server, settings.applier.kind) == ("big-3", "vllm_host")
+    assert settings.applier.leader_url == "http://big-3.big:8470"
+    assert str(settings.applier.shm_dir) == CFG.shm_dir  # the same path in every pod
+    assert worker["spec"]["containers"][0]["args"][-2] == (
+        f"--worker-extension-cls={VLLM_WORKER_EXTENSION}"  # its ranks run the refit methods
+    )
+    single = _receiver_settings(_applied(_lws_pod(0, size="1")))
+    assert (single.server, single.applier.kind) == (None, "vllm")
+
+
+def test_other_launchers_name_the_server_and_roles_by_annotation() -> None:
+    def annotated(**annotations: str) -> Any:
+        keys = {"server": "kuberefit.io/server", "role": "kuberefit.io/server-role"}
+        keys["leader"] = "kuberefit.io/server-leader"
+        return _pod("rollout", annotations={keys[k]: v for k, v in annotations.items()})
+
+    leader = _receiver_settings(_applied(annotated(server="ray-big", role="leader")))
+    assert (leader.server, leader.applier.kind) == ("ray-big", "vllm")
+    worker = _receiver_settings(
+        _applied(annotated(server="ray-big", role="worker", leader="10.0.0.7"))
+    )
+    assert (worker.applier.kind, worker.applier.leader_url) == ("vllm_host", "http://10.0.0.7:8470")
+    refusals = {
+        "needs kuberefit.io/server-leader": annotated(server="ray-big", role="worker"),
+        "must be leader or worker, not 'head'": annotated(server="ray-big", role="head"),
+        "set kuberefit.io/server too": annotated(role="leader"),
+        "has no spec.subdomain": _lws_pod(1, subdomain=None),
+    }
+    for says, pod in refusals.items():
+        denied = inject(pod, CFG, POLICY).denied
+        assert denied is not None, says
+        assert says in denied, denied

@@ -49,6 +49,7 @@ from refit_operator.injection.resources import (
     restricted,
     sidecar_resources,
 )
+from refit_operator.injection.server import ServerRole, server_role
 from refit_operator.injection.vllm_launch import LaunchRefusedError, VllmWiring, wire_vllm
 from refit_operator.kube.names import (
     CONTAINER,
@@ -245,7 +246,8 @@ def _build(
         ]
     else:
         wiring = wire_vllm(paired, base, annotations)
-        sidecar = _receiver(cfg, token_file, wiring.port, policy, resources)
+        server = server_role(pod)
+        sidecar = _receiver(cfg, token_file, wiring.port, policy, resources, server)
         paired_env = list(wiring.env)
     bundle = role == "rollout"
     paired_env += [_env(TOKEN_FILE_ENV, token_file)]
@@ -348,20 +350,27 @@ def _sidecar(
 
 
 def _receiver(
-    cfg: InjectionConfig, token_file: str, vllm_port: int, policy: PolicyFacts, resources: Obj
+    cfg: InjectionConfig,
+    token_file: str,
+    vllm_port: int,
+    policy: PolicyFacts,
+    resources: Obj,
+    server: ServerRole | None,
 ) -> Obj:
-    settings = {
+    applier: Obj = {"kind": "vllm", "vllm_url": f"http://127.0.0.1:{vllm_port}"}
+    if server is not None and not server.leader:  # its vLLM runs ranks only (--headless)
+        leader_url = f"http://{server.leader_address}:{cfg.ports.control}"
+        applier = {"kind": "vllm_host", "leader_url": leader_url}
+    settings: Obj = {
         "token_rotation_grace_s": policy.token_rotation_grace_s,
         "node": f"$({POD_NAME_ENV})",
         "host": f"$({POD_IP_ENV})",
         "port": cfg.ports.control,
         "relay": {"bind": f"tcp://$({POD_IP_ENV}):{cfg.ports.relay}"},
-        "applier": {
-            "kind": "vllm",
-            "vllm_url": f"http://127.0.0.1:{vllm_port}",
-            "shm_dir": cfg.shm_dir,
-        },
+        "applier": applier | {"shm_dir": cfg.shm_dir},
     }
+    if server is not None:
+        settings["server"] = server.server
     ports = [
         {"name": CONTROL_PORT, "containerPort": cfg.ports.control, "protocol": "TCP"},
         {"name": RELAY_PORT, "containerPort": cfg.ports.relay, "protocol": "TCP"},

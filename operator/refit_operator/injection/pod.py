@@ -96,6 +96,7 @@ class PodSpec(ObjectPart):
     image_pull_secrets: list[LocalObjectReference] | None = None
     security_context: dict[str, Any] | None = None
     restart_policy: str | None = None
+    subdomain: str | None = None  # LeaderWorkerSet sets it: its leader's DNS name uses it
 
 
 class Pod(ObjectPart):

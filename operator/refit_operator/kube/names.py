@@ -16,6 +16,11 @@ REFERENCE_CHECKPOINT = "kuberefit.io/reference-checkpoint"
 #: Optional rollout pod annotations: the port vLLM serves on (default: its --port) and the
 #: user's own vLLM worker extension, composed with KubeRefit's (injection.vllm_launch).
 VLLM_PORT, USER_WORKER_EXTENSION = "kuberefit.io/vllm-port", "kuberefit.io/worker-extension"
+#: A vLLM server spanning several pods, for launchers other than LeaderWorkerSet (whose labels
+#: are recognised, `injection.server`): the server's name in every pod, each pod's role
+#: (leader|worker), and on workers the leader pod's address (docs/multi-host.md).
+SERVER, SERVER_ROLE = "kuberefit.io/server", "kuberefit.io/server-role"
+SERVER_LEADER = "kuberefit.io/server-leader"
 #: Optional per-pod overrides of the chart's sidecar settings (as Istio's
 #: sidecar.istio.io/proxyCPU...): the sidecar's CPU and memory requests and limits, and the
 #: sizeLimit of the shared-memory volume.

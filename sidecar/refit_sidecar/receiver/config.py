@@ -52,7 +52,8 @@ class ApplierConfig(BaseModel):
         ge=0,
         description="vllm: how long a worker on another host of the server waits for its own "
         "host's receiver to stage a payload file before the apply fails (less than "
-        "rpc_timeout_s); vllm_host: how long a staged file waits for the leader to apply it.",
+        "rpc_timeout_s); vllm_host: this plus rpc_timeout_s is how long a staged payload waits "
+        "for the leader to apply it.",
     )
     leader_url: str = Field(
         default="",

@@ -317,6 +317,16 @@ class ReceiverControl:
                 # Partial writes since the held version (a failed attempt awaiting its
                 # overwrite retry, or flushed but not yet committed): not that version.
                 held = None if s.dirty else s.held_version
+            if held == req.version and self.config.applier.kind == "vllm_host":
+                return AuditResponse(
+                    node=s.node,
+                    version=req.version,
+                    held_version=held,
+                    version_moved=False,
+                    ok=True,
+                    seconds=time.perf_counter() - t0,
+                    audited_by_leader=True,
+                )
             if held != req.version:
                 return AuditResponse(
                     node=s.node,

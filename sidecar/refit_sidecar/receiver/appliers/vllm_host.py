@@ -137,6 +137,7 @@ class VllmHostApplier:
         return checkpoint_names(checkpoint_files(source))
 
     def audit(self, source: str) -> list[dict[str, Any]]:
+        """Never reached: the node answers an audit itself (`audited_by_leader`)."""
         raise LeaderProgressError(
             "this pod is another host of a multi-host vLLM server: audit its leader's receiver, "
             "whose audit reaches every rank on every host"
