@@ -21,6 +21,7 @@ from refit_operator.kube.names import (
     INJECT,
     POLICY,
     RELAY_PORT,
+    SERVER_LABEL,
     SIDECAR_CONTAINER,
     TOKEN_VOLUME,
 )
@@ -48,6 +49,12 @@ class PodView:
     injected: bool = True  # the pod has the sidecar container
     #: The token Secret (name, key) injection mounted, fixed when the pod was created.
     token_secret: tuple[str, str] | None = None
+
+    @property
+    def server(self) -> str:
+        """The vLLM server this pod serves in: its own name, unless injection labelled it as
+        one pod of a server spanning several (`kuberefit.io/server`)."""
+        return self.labels.get(SERVER_LABEL) or self.name
 
     @property
     def running(self) -> bool:
@@ -167,6 +174,13 @@ class Discovered:
     @property
     def ready_rollouts(self) -> tuple[PodView, ...]:
         return tuple(p for p in self.rollouts if p.running)
+
+    def servers(self) -> tuple[int, int]:
+        """(vLLM servers with every pod running, vLLM servers) among the rollout pods."""
+        pods: dict[str, list[bool]] = {}
+        for p in self.rollouts:
+            pods.setdefault(p.server, []).append(p.running)
+        return sum(all(up) for up in pods.values()), len(pods)
 
 
 def discover(pods: Iterable[PodView], spec: PolicySpec) -> Discovered:

@@ -29,6 +29,10 @@ class Observed:
     trainers_ready: int = 0
     rollouts: int = 0
     rollouts_ready: int = 0
+    #: vLLM servers among the rollout pods (a server may span several pods) and those with
+    #: every pod running; equal to the pod counts when every server is one pod.
+    servers: int = 0
+    servers_ready: int = 0
     current: str = ""
     current_summary: str = ""
     last: str = ""
@@ -201,7 +205,7 @@ def policy_status(o: Observed, previous: Mapping[str, Any] | None) -> dict[str, 
         "committedVersion": o.committed_version,
         "aborted": o.aborted_by,
         "trainers": f"{o.trainers_ready}/{o.producers_expected}",
-        "rollouts": f"{o.rollouts_ready}/{o.rollouts}",
+        "rollouts": _rollouts(o),
         "producers": {"discovered": o.trainers, "ready": o.trainers_ready},
         "receivers": {"discovered": o.rollouts, "ready": o.rollouts_ready},
         "currentTransition": o.current or None,
@@ -209,6 +213,14 @@ def policy_status(o: Observed, previous: Mapping[str, Any] | None) -> dict[str, 
         "coordinator": o.coordinator or None,
         "conditions": conds,
     }
+
+
+def _rollouts(o: Observed) -> str:
+    """The ROLLOUTS column: pods, or servers then pods where a server spans several pods."""
+    pods = f"{o.rollouts_ready}/{o.rollouts}"
+    if o.servers in (0, o.rollouts):
+        return pods
+    return f"{o.servers_ready}/{o.servers} servers ({pods} pods)"
 
 
 def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any]) -> bool:

@@ -6,6 +6,7 @@ from typing import Any
 
 from refit_operator.discovery import discover, pod_view
 from refit_operator.policy_spec import parse_spec
+from refit_operator.policy_status import Observed, policy_status
 
 
 def _pod(name: str, role: str, **kw: Any) -> dict[str, Any]:
@@ -108,3 +109,27 @@ def test_discover_splits_roles_applies_selectors_and_readiness() -> None:
     assert [p.name for p in found.rollouts] == ["r0", "r1", "r2", "r3"]
     assert [p.name for p in found.ready_rollouts] == ["r0", "r1"]
     assert [p.name for p in found.unknown_role] == ["x"]
+
+
+def test_servers_spanning_several_pods_are_counted_once() -> None:
+    """Pods injection labelled `kuberefit.io/server` are one vLLM server, ready when every pod
+    runs; the others are a server each (the ROLLOUTS column)."""
+    spec = parse_spec({"tokenSecret": {"name": "t"}})
+    big0, big1 = {"kuberefit.io/server": "big-0"}, {"kuberefit.io/server": "big-1"}
+    pods = [
+        pod_view(_pod("big-0", "rollout", labels=big0)),
+        pod_view(_pod("big-0-1", "rollout", labels=big0)),
+        pod_view(_pod("big-1", "rollout", labels=big1)),
+        pod_view(_pod("big-1-1", "rollout", labels=big1, phase="Pending")),
+        pod_view(_pod("small", "rollout")),
+    ]
+    found = discover([p for p in pods if p is not None], spec)
+    assert found.servers() == (2, 3)  # big-0 and small run; big-1 waits for a pod
+    rendered = policy_status(
+        Observed(1, rollouts=5, rollouts_ready=4, servers=3, servers_ready=2), None
+    )
+    assert rendered["rollouts"] == "2/3 servers (4/5 pods)"
+    assert (
+        policy_status(Observed(1, rollouts=2, rollouts_ready=1, servers=2), None)["rollouts"]
+        == "1/2"
+    )

@@ -541,6 +541,7 @@ def test_a_leader_worker_set_group_is_one_server() -> None:
     assert (leader.server, leader.applier.kind) == ("big-3", "vllm")
     assert leader.applier.vllm_url == "http://127.0.0.1:8123"
     worker = _applied(_lws_pod(1))
+    assert worker["metadata"]["labels"]["kuberefit.io/server"] == "big-3"  # counted once
     settings = _receiver_settings(worker)
     assert (settings.server, settings.applier.kind) == ("big-3", "vllm_host")
     assert settings.applier.leader_url == "http://big-3.big:8470"

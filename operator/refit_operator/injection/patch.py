@@ -62,6 +62,7 @@ from refit_operator.kube.names import (
     REFERENCE_CHECKPOINT,
     RELAY_PORT,
     ROLE_LABEL,
+    SERVER_LABEL,
     SHM_SIZE_LIMIT,
     SIDECAR_CONTAINER,
     TOKEN_VOLUME,
@@ -232,6 +233,7 @@ def _build(
     base = f"/spec/containers/{index}"
     resources = sidecar_resources(cfg, spec, annotations)
     wiring: VllmWiring | None = None
+    server: ServerRole | None = None
     native = role == "trainer" and cfg.native_sidecars == "on"
     if role == "trainer":
         reference = annotations.get(REFERENCE_CHECKPOINT) or ""
@@ -256,6 +258,8 @@ def _build(
     labels = {ROLE_LABEL: role}
     if _label_value_ok(policy_name):
         labels[POLICY_LABEL] = policy_name
+    if server is not None and _label_value_ok(server.server):
+        labels[SERVER_LABEL] = server.server
     ops += _merge_map(meta.labels, "/metadata/labels", labels)
     shm_limit = annotated_quantity(annotations, SHM_SIZE_LIMIT, cfg.shm_size_limit)
     ops += _append(spec.volumes, "/spec/volumes", _volumes(shm_limit, policy.token_secret, bundle))

@@ -21,6 +21,9 @@ VLLM_PORT, USER_WORKER_EXTENSION = "kuberefit.io/vllm-port", "kuberefit.io/worke
 #: (leader|worker), and on workers the leader pod's address (docs/multi-host.md).
 SERVER, SERVER_ROLE = "kuberefit.io/server", "kuberefit.io/server-role"
 SERVER_LEADER = "kuberefit.io/server-leader"
+#: Written by injection on every pod of such a server (LeaderWorkerSet's included): its name,
+#: so the operator counts servers (the ROLLOUTS column).
+SERVER_LABEL = "kuberefit.io/server"
 #: Optional per-pod overrides of the chart's sidecar settings (as Istio's
 #: sidecar.istio.io/proxyCPU...): the sidecar's CPU and memory requests and limits, and the
 #: sizeLimit of the shared-memory volume.
