@@ -74,15 +74,18 @@ class PodMembership(HttpMembership):
 
     async def totals(self) -> dict[str, int]:
         """Staged and applied payloads summed over the attempt's receivers (those answering
-        within 2 s): a RefitTransition's progress."""
+        within 2 s; a multi-host server counted once): a RefitTransition's progress."""
         answers = await asyncio.gather(
             *(asyncio.wait_for(self.client(n).status(), 2.0) for n in self.nodes),
             return_exceptions=True,
         )
         ok = [a for a in answers if not isinstance(a, BaseException)]
+        # A multi-host server's other hosts stage the leader's payloads again: count the
+        # leader's (it applies through every rank).
+        counted = [a for a in ok if a.server_role != "host"]
         return {
-            "staged": sum(a.staged for a in ok),
-            "applied": sum(a.applied for a in ok),
+            "staged": sum(a.staged for a in counted),
+            "applied": sum(a.applied for a in counted),
             "nodes": len(ok),
         }
 
