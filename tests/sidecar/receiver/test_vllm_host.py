@@ -5,18 +5,26 @@ path, with two hosts and real vLLM ranks, is `tests/e2e/test_multi_host_server.p
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from pydantic import SecretStr, ValidationError
 
+from refit_protocol.kit.auth import ring_accepts_bearer
+from refit_protocol.kit.tokens import as_ring
+from refit_sidecar.codec.wire import PayloadHeader
+from refit_sidecar.receiver.appliers.base import StagedPayload
+from refit_sidecar.receiver.appliers.vllm_host import LeaderProgressError, VllmHostApplier
 from refit_sidecar.receiver.config import ApplierConfig, ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode
 from refit_sidecar.vllm.worker_extension import PayloadNotStagedError, _staged
 from tests.harness.procs import free_port
+from tests.harness.web import serve_app
 from tests.sidecar.receiver.models import NODE_TOKEN
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,3 +80,69 @@ def test_a_worker_waits_for_its_hosts_payload_file_then_fails_clearly(tmp_path: 
         timer.cancel()
     with pytest.raises(PayloadNotStagedError, match=r"not staged on host .* within 0\.3s"):
         _staged(tmp_path / "never.krd", wait_s=0.3)
+
+
+class LeaderProgressFake:
+    """Fault injection: a leader receiver's `GET /v1/progress`, answering from a script (the
+    real leader runs in tests/e2e/test_multi_host_server.py; these are the answers it gives
+    only when it fails or restarts, on demand)."""
+
+    def __init__(self, answers: list[dict[str, Any]]) -> None:
+        self.answers, self.calls = answers, 0
+
+    async def progress(self, request: web.Request) -> web.Response:
+        assert ring_accepts_bearer(as_ring(NODE_TOKEN), request.headers["Authorization"])
+        answer = self.answers[min(self.calls, len(self.answers) - 1)]
+        self.calls += 1
+        return web.json_response({"node": "host-a", **answer})
+
+
+async def _host_apply(tmp_path: Path, answers: list[dict[str, Any]]) -> tuple[Path, Any, int]:
+    """Stage one payload file as a host would and apply it against the scripted leader."""
+    fake = LeaderProgressFake(answers)
+    app = web.Application()
+    app.router.add_get("/v1/progress", fake.progress)
+    runner, url = await serve_app(app)
+    config = ApplierConfig(
+        kind="vllm_host", leader_url=url, shm_dir=tmp_path, stage_wait_s=0.5, rpc_timeout_s=1
+    )
+    applier = VllmHostApplier(config)
+    applier.tokens = as_ring(NODE_TOKEN)
+    path = tmp_path / "staged.krd"
+    path.write_bytes(b"decoded payload")
+    staged = StagedPayload(PayloadHeader(1, "a1", 0, 0, 0), 15, path=path)
+    try:
+        outcome: Any = await asyncio.to_thread(applier.apply, [staged], 0)
+    except LeaderProgressError as exc:
+        outcome = exc
+    finally:
+        applier.close()
+        await runner.cleanup()
+    return path, outcome, fake.calls
+
+
+async def test_a_host_releases_a_payload_file_once_the_leader_applied_it(tmp_path: Path) -> None:
+    applying = {"attempt": "a1", "phase": "applying", "applied": 0}
+    path, outcome, calls = await _host_apply(
+        tmp_path, [applying, applying, applying | {"applied": 1}]
+    )
+    assert outcome.payloads == 1
+    assert calls == 3
+    assert not path.exists()  # released: every rank has read it
+
+
+@pytest.mark.parametrize(
+    ("leader", "says"),
+    [
+        ({"attempt": "a1", "phase": "failed", "applied": 0}, "failed attempt a1"),
+        ({"attempt": None, "phase": "idle", "applied": 0}, "is on attempt None, not a1"),
+        ({"attempt": "a1", "phase": "applying", "applied": 0}, "when this host stopped waiting"),
+    ],
+)
+async def test_a_host_fails_its_part_when_the_leader_will_not_apply(
+    tmp_path: Path, leader: dict[str, Any], says: str
+) -> None:
+    """The leader failed the attempt, restarted (no attempt), or never got there in time."""
+    _, outcome, _ = await _host_apply(tmp_path, [leader])
+    assert isinstance(outcome, LeaderProgressError)
+    assert says in str(outcome)

@@ -104,7 +104,8 @@ class VllmHostApplier:
                     f"the server leader {p.node} {p.phase} attempt {attempt} after applying "
                     f"{p.applied} payloads"
                 )
-            if p.attempt is not None and p.attempt != attempt:
+            if p.attempt != attempt:
+                # It was prepared before any payload flowed: it restarted or moved on.
                 raise LeaderProgressError(
                     f"the server leader {p.node} is on attempt {p.attempt}, not {attempt}"
                 )
