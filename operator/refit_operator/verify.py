@@ -57,13 +57,15 @@ async def verify_nodes(
 
 def exit_code(results: Sequence[NodeAudit]) -> int:
     """1 when a node holds other bits; 3 when a node could not be compared (or there was no
-    node to compare); else 0."""
+    node to compare, or only hosts whose leader was not audited); else 0."""
     if any(
         r.answer is not None and not r.answer.ok and not r.answer.version_moved for r in results
     ):
         return EXIT_MISMATCH
     if not results or any(r.answer is None or r.answer.version_moved for r in results):
         return EXIT_INCOMPLETE
+    if all(r.answer is not None and r.answer.audited_by_leader for r in results):
+        return EXIT_INCOMPLETE  # only a server's other hosts: their leader compared nothing yet
     return EXIT_OK
 
 
@@ -90,8 +92,9 @@ def render(results: Sequence[NodeAudit]) -> list[str]:
         )
         for rank in a.ranks:
             for m in rank.mismatches:
+                where = f"rank {rank.rank}" + (f" on {rank.host}" if rank.host else "")
                 lines.append(
-                    f"  rank {rank.rank} {m.name} -> {','.join(m.storages)}: {m.count} element(s)"
+                    f"  {where} {m.name} -> {','.join(m.storages)}: {m.count} element(s)"
                     f" differ, first at {m.positions[:3]} (holds {m.held_bits[:3]}, "
                     f"dense load writes {m.expected_bits[:3]})"
                 )

@@ -54,3 +54,22 @@ def test_render_names_tensor_position_and_both_patterns() -> None:
     )
     assert lines[2] == "n2: holds v3, not v4: not compared"
     assert lines[3] == "u3: not audited: HTTP 401"
+
+
+def test_a_multi_host_server_is_reported_per_rank_and_host() -> None:
+    """The leader's audit names the host of each rank; another host's receiver says its ranks
+    are in the leader's audit (it compared nothing itself)."""
+    leader = _answer("big-0", ok=False)
+    leader = leader.model_copy(
+        update={"ranks": [leader.ranks[0].model_copy(update={"rank": 1, "host": "big-0-1"})]}
+    )
+    host = AuditResponse(
+        node="big-0-1", version=4, held_version=4, version_moved=False, ok=True, seconds=0.0,
+        audited_by_leader=True,
+    )  # fmt: skip
+    lines = render([NodeAudit("u0", leader), NodeAudit("u1", host)])
+    assert lines[1].startswith("  rank 1 on big-0-1 w -> p: 1 element(s) differ")
+    assert lines[2] == "big-0-1: a server's other host: its ranks are in its leader's audit"
+    assert exit_code([NodeAudit("u1", host)]) == EXIT_INCOMPLETE  # its leader is the proof
+    fine = _answer("big-0")
+    assert exit_code([NodeAudit("u0", fine), NodeAudit("u1", host)]) == EXIT_OK
