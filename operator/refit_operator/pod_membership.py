@@ -89,6 +89,15 @@ class PodMembership(HttpMembership):
             "nodes": len(ok),
         }
 
+    def servers_of(self, nodes: Sequence[str]) -> dict[str, list[str]]:
+        """The vLLM servers spanning several of `nodes` (pods injection labelled with one
+        server), each with its pods: a RefitTransition's `receivers.servers`."""
+        server = {p.name: p.server for p in self.pods()}
+        grouped: dict[str, list[str]] = {}
+        for node in sorted(nodes):
+            grouped.setdefault(server.get(node, node), []).append(node)
+        return {name: pods for name, pods in grouped.items() if len(pods) > 1}
+
     def refresh(self) -> list[PodView]:
         """Take the running pods as the node list; returns them."""
         running = [p for p in self.pods() if p.running]

@@ -170,7 +170,9 @@ class Coordinating:
         finally:
             self.recorder = None
             await recorder.close()
-        await recorder.finish(result, None if result.outcome == "failed" else result.receivers)
+        required = None if result.outcome == "failed" else result.receivers
+        servers = self.membership.servers_of(required) if required else None
+        await recorder.finish(result, required, servers)
         return result
 
     async def _while_leader(

@@ -310,9 +310,15 @@ class TransitionRecorder:
         await self._patch({"receivers": {"restored": sorted(set(self.restored))}}, force=True)
         await self._event("Restored", f"{node}: {how}")
 
-    async def finish(self, result: TransitionResult, required: list[str] | None) -> None:
+    async def finish(
+        self,
+        result: TransitionResult,
+        required: list[str] | None,
+        servers: Mapping[str, list[str]] | None = None,
+    ) -> None:
         """Write the outcome once. `required`: the receivers of the last attempt (None keeps
-        what is recorded). A coordinator fenced by a newer one (`conflict`) only posts an
+        what is recorded); `servers`: those of them that are one vLLM server spanning several
+        pods, by server. A coordinator fenced by a newer one (`conflict`) only posts an
         Event: the object may already be continued by the coordinator that took over."""
         await self._stop_poller()
         ok = result.outcome == "committed"
@@ -332,6 +338,8 @@ class TransitionRecorder:
         receivers["restored"] = sorted(set(self.restored))
         if required is not None:
             receivers["required"] = sorted(required)
+        if servers:
+            receivers["servers"] = {name: sorted(pods) for name, pods in servers.items()}
         status["receivers"] = receivers
         self._phase = status["phase"]
         await self._patch(status, force=True)

@@ -178,3 +178,19 @@ async def test_a_pod_refusing_the_token_stays_out_and_the_others_go_on(
     finally:
         await good.close()
         await other.close()
+
+
+async def test_a_transitions_servers_group_the_pods_injection_labelled(
+    session: aiohttp.ClientSession,
+) -> None:
+    """A RefitTransition's `receivers.servers`: the pods of one vLLM server spanning several
+    pods, by server; one-pod servers are not listed."""
+    big = {"kuberefit.io/server": "big-0"}
+    pods = [
+        replace(_pod(1, labels=big), name="big-0"),
+        replace(_pod(2, labels=big), name="big-0-1"),
+        replace(_pod(3), name="small"),
+    ]
+    m, _ = _membership(session, pods)
+    assert m.servers_of(["small", "big-0-1", "big-0"]) == {"big-0": ["big-0", "big-0-1"]}
+    assert m.servers_of(["big-0", "small"]) == {}  # one pod of it took part: nothing to group
