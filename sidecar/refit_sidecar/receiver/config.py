@@ -52,8 +52,8 @@ class ApplierConfig(BaseModel):
         ge=0,
         description="vllm: how long a worker on another host of the server waits for its own "
         "host's receiver to stage a payload file before the apply fails (less than "
-        "rpc_timeout_s); vllm_host: this plus rpc_timeout_s is how long a staged payload waits "
-        "for the leader to apply it.",
+        "rpc_timeout_s; by default at most half of it); vllm_host: this plus rpc_timeout_s is "
+        "how long a staged payload waits for the leader to apply it.",
     )
     leader_url: str = Field(
         default="",
@@ -72,13 +72,22 @@ class ApplierConfig(BaseModel):
                 "applier kind vllm_host needs leader_url: the control URL of the receiver in "
                 "the server leader's pod"
             )
-        if self.kind == "vllm" and self.stage_wait_s >= self.rpc_timeout_s:
+        chosen = "stage_wait_s" in self.model_fields_set
+        if self.kind == "vllm" and chosen and self.stage_wait_s >= self.rpc_timeout_s:
             raise ValueError(
                 f"applier.stage_wait_s ({self.stage_wait_s:g}) must be less than "
                 f"rpc_timeout_s ({self.rpc_timeout_s:g}): a worker waiting for its host's "
                 "payload file must fail before the call that waits for it"
             )
         return self
+
+    @property
+    def stage_wait(self) -> float:
+        """`stage_wait_s`; left at its default, never more than half of `rpc_timeout_s` (a
+        short per-call timeout set for one-host servers stays valid)."""
+        if "stage_wait_s" in self.model_fields_set:
+            return self.stage_wait_s
+        return min(self.stage_wait_s, self.rpc_timeout_s / 2)
 
 
 class ReceiverConfig(BaseModel):

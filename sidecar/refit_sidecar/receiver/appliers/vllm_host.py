@@ -93,7 +93,7 @@ class VllmHostApplier:
         t0 = time.perf_counter()
         attempt = batch[0].header.attempt
         target = self._applied.get(attempt, 0) + len(batch)
-        deadline = time.monotonic() + self.config.stage_wait_s + self.config.rpc_timeout_s
+        deadline = time.monotonic() + self.config.stage_wait + self.config.rpc_timeout_s
         pause = 0.01
         while True:
             p = self._progress(timeout_s=5.0)

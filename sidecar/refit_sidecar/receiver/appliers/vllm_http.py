@@ -165,7 +165,7 @@ class VllmHttpApplier:
         for staged in batch:
             assert staged.path is not None
             results = self._rpc(
-                "refit_apply", str(staged.path), check_samples, self.config.stage_wait_s
+                "refit_apply", str(staged.path), check_samples, self.config.stage_wait
             )
             report.payloads += 1
             for r in results:
