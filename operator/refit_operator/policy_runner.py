@@ -326,7 +326,7 @@ class PolicyRunner:
 
     def _observed(self, spec: PolicySpec, found: Discovered, state: StoreState) -> Observed:
         name, outcome, message = self._last
-        servers = found.servers()
+        servers_ready, servers = found.servers()
         return Observed(
             generation=self._generation,
             token_error=self.token.error,
@@ -338,8 +338,8 @@ class PolicyRunner:
             trainers_ready=len(found.ready_trainers),
             rollouts=len(found.rollouts),
             rollouts_ready=len(found.ready_rollouts),
-            servers=servers[1],
-            servers_ready=servers[0],
+            servers=servers,
+            servers_ready=servers_ready,
             current=self._current[0],
             current_summary=self._current[1],
             last=name,

@@ -19,10 +19,14 @@ One scenario, in order:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import secrets
 import shutil
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +52,8 @@ from refit_sidecar.trainer.synthetic import SyntheticTrainer
 from refit_sidecar.transport.relay.transport import RelayTransportConfig
 from refit_sidecar.transport.selector import TransportSelector
 from refit_tools.local.membership import LocalMembership
-from tests.harness.server_group import ServerGroup, ServerHost, create_server_group
+from refit_tools.tiny_models import Family, write_tiny_model
+from tests.harness.server_group import VLLM_PORT, ServerGroup, ServerHost, create_server_group
 
 CHUNK = 256 << 10
 
@@ -82,17 +87,11 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerGroup]:
 def _rpc(host: ServerHost, method: str, *args: Any) -> list[Any]:
     """A refit worker method on every rank, through the leader's control path (from inside the
     leader's pod: the path answers loopback peers only)."""
-    from tests.harness.server_group import VLLM_PORT
-
     script = (
         "import json,sys; from refit_tools.local.nodes import vllm_rpc; "
         f"print(json.dumps(vllm_rpc('http://127.0.0.1:{VLLM_PORT}', sys.argv[1], sys.argv[2], "
         "*json.loads(sys.argv[3]))))"
     )
-    import json
-    import subprocess
-    import sys
-
     assert host.vllm is not None
     out = subprocess.run(
         ["nsenter", "-t", str(host.vllm.pid), "--net", sys.executable, "-c", script,
@@ -108,12 +107,10 @@ class World:
     started from a tiny `family` model; `kill_at_streaming` SIGKILLs host-b's receiver once the
     next attempt streams, and restarts it in place, as the kubelet restarts a sidecar."""
 
-    def __init__(self, group: ServerGroup, root: Path, family: str, session: Any) -> None:
-        from refit_tools.tiny_models import write_tiny_model
-
+    def __init__(self, group: ServerGroup, root: Path, family: Family, session: Any) -> None:
         self.group, self.root = group, root
         self.leader, self.other = group.hosts
-        self.versions = Versions(root, write_tiny_model(root / "v0", family, seed=3))  # type: ignore[arg-type]
+        self.versions = Versions(root, write_tiny_model(root / "v0", family, seed=3))
         self.state = load_file(str(self.versions.v0 / "model.safetensors"))
         self.metas = [
             TensorMetaModel(name=n, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
@@ -204,6 +201,18 @@ class World:
         self.baseline.close()
 
 
+@contextlib.asynccontextmanager
+async def _world(group: ServerGroup, root: Path, family: Family) -> AsyncIterator[World]:
+    """A World over `group`; the server, its receivers and the trainer's side stopped after."""
+    async with aiohttp.ClientSession() as session:
+        world = World(group, root, family, session)
+        try:
+            yield world
+        finally:
+            world.close()
+            group.stop()
+
+
 BOTH_EXACT = [(0, "host-a", True), (1, "host-b", True)]
 
 
@@ -221,33 +230,28 @@ def test_a_dense_server_spanning_two_hosts(group: ServerGroup, tmp_path: Path) -
     recreated and restored densely (a cold dense load of the same layout) holds the same bits."""
 
     async def scenario() -> None:
-        async with aiohttp.ClientSession() as session:
-            world = World(group, tmp_path, "qwen3", session)
-            try:
-                prewarm = await world.start()
-                assert [(r.rank, r.host) for r in prewarm.ranks] == [(0, "host-a"), (1, "host-b")]
-                await world.refit(1)
-                assert _ranks(await world.audit(1)) == BOTH_EXACT
-                req = AuditRequest(version=1, checkpoint=str(world.versions(1)))
-                host = await world.membership.client(world.other).audit(req)
-                assert (host.ok, host.audited_by_leader, host.ranks) == (True, True, [])
-                await world.refit(2, kill=True)
-                assert _ranks(await world.audit(2)) == BOTH_EXACT
-                refitted = _rpc(world.leader, "refit_fingerprint")
-                assert len(refitted) == 2
-                # host-b's pod is deleted: the whole group restarts from v0 (vLLM cannot rejoin
-                # a running world; LeaderWorkerSet's RecreateGroupOnPodRestart does the same)
-                # and is restored densely to v2: the bits the refits left, on every rank.
-                group.stop()
-                group.start(world.versions.v0)
-                group.start_receivers(held_version=None)
-                await world.restore(2)
-                assert _rpc(world.leader, "refit_fingerprint") == refitted
-                await world.refit(3)
-                assert _ranks(await world.audit(3)) == BOTH_EXACT
-            finally:
-                world.close()
-                group.stop()
+        async with _world(group, tmp_path, "qwen3") as world:
+            prewarm = await world.start()
+            assert [(r.rank, r.host) for r in prewarm.ranks] == [(0, "host-a"), (1, "host-b")]
+            await world.refit(1)
+            assert _ranks(await world.audit(1)) == BOTH_EXACT
+            req = AuditRequest(version=1, checkpoint=str(world.versions(1)))
+            host = await world.membership.client(world.other).audit(req)
+            assert (host.ok, host.audited_by_leader, host.ranks) == (True, True, [])
+            await world.refit(2, kill=True)
+            assert _ranks(await world.audit(2)) == BOTH_EXACT
+            refitted = _rpc(world.leader, "refit_fingerprint")
+            assert len(refitted) == 2
+            # host-b's pod is deleted: the whole group restarts from v0 (vLLM cannot rejoin
+            # a running world; LeaderWorkerSet's RecreateGroupOnPodRestart does the same)
+            # and is restored densely to v2: the bits the refits left, on every rank.
+            group.stop()
+            group.start(world.versions.v0)
+            group.start_receivers(held_version=None)
+            await world.restore(2)
+            assert _rpc(world.leader, "refit_fingerprint") == refitted
+            await world.refit(3)
+            assert _ranks(await world.audit(3)) == BOTH_EXACT
 
     asyncio.run(scenario())
 
@@ -260,47 +264,33 @@ def test_expert_parallel_across_two_hosts(group: ServerGroup, tmp_path: Path) ->
     group.extra_args = ["--enable-expert-parallel"]
 
     async def scenario() -> None:
-        async with aiohttp.ClientSession() as session:
-            world = World(group, tmp_path, "qwen3_moe", session)
-            try:
-                prewarm = await world.start()
-                experts = {
-                    r.rank: sorted(
-                        {
-                            n.split(".experts.")[1].split(".")[0]
-                            for n in r.skipped
-                            if ".experts." in n
-                        }
-                    )
-                    for r in prewarm.ranks
-                }
-                assert experts == {0: ["2", "3"], 1: ["0", "1"]}, experts
-                await world.refit(1)
-                assert _ranks(await world.audit(1)) == BOTH_EXACT
-                await world.refit(2, kill=True)
-                assert _ranks(await world.audit(2)) == BOTH_EXACT
-                # One bit of an expert that only rank 1 holds, flipped through a legitimate
-                # path (a dense load of a one-bit change).
-                v2 = load_file(str(world.versions(2) / "model.safetensors"))
-                name = "model.layers.1.mlp.experts.3.down_proj.weight"
-                bits = int_view(v2[name]).clone().reshape(-1)
-                bits[7] ^= 1 << 3
-                flip = tmp_path / "flipped"
-                flip.mkdir()
-                shutil.copy(world.versions.v0 / "config.json", flip / "config.json")
-                save_file(
-                    {name: bits.view(v2[name].dtype).reshape(v2[name].shape)},
-                    str(flip / "model.safetensors"),
-                )
-                _rpc(world.leader, "refit_dense_load", str(flip))
-                found = await world.audit(2)
-                assert _ranks(found) == [(0, "host-a", True), (1, "host-b", False)]
-                [mismatch] = found.ranks[1].mismatches
-                assert (mismatch.name, mismatch.count) == (name, 1), mismatch
-                await world.restore(2)
-                assert _ranks(await world.audit(2)) == BOTH_EXACT
-            finally:
-                world.close()
-                group.stop()
+        async with _world(group, tmp_path, "qwen3_moe") as world:
+            prewarm = await world.start()
+            experts = {r.rank: _experts(r.skipped) for r in prewarm.ranks}
+            assert experts == {0: ["2", "3"], 1: ["0", "1"]}, experts
+            await world.refit(1)
+            assert _ranks(await world.audit(1)) == BOTH_EXACT
+            await world.refit(2, kill=True)
+            assert _ranks(await world.audit(2)) == BOTH_EXACT
+            # One bit of an expert that only rank 1 holds, flipped through a legitimate
+            # path (a dense load of a one-bit change).
+            v2 = load_file(str(world.versions(2) / "model.safetensors"))
+            name = "model.layers.1.mlp.experts.3.down_proj.weight"
+            bits = int_view(v2[name]).clone().reshape(-1)
+            bits[7] ^= 1 << 3
+            flip = tmp_path / "flipped"
+            flip.mkdir()
+            shutil.copy(world.versions.v0 / "config.json", flip / "config.json")
+            save_file(
+                {name: bits.view(v2[name].dtype).reshape(v2[name].shape)},
+                str(flip / "model.safetensors"),
+            )
+            _rpc(world.leader, "refit_dense_load", str(flip))
+            found = await world.audit(2)
+            assert _ranks(found) == [(0, "host-a", True), (1, "host-b", False)]
+            [mismatch] = found.ranks[1].mismatches
+            assert (mismatch.name, mismatch.count) == (name, 1), mismatch
+            await world.restore(2)
+            assert _ranks(await world.audit(2)) == BOTH_EXACT
 
     asyncio.run(scenario())

@@ -82,6 +82,11 @@ class ApplierConfig(BaseModel):
         return self
 
     @property
+    def server_host(self) -> bool:
+        """Another host of a multi-host server: it stages for its ranks, the leader applies."""
+        return self.kind == "vllm_host"
+
+    @property
     def stage_wait(self) -> float:
         """`stage_wait_s`; left at its default, never more than half of `rpc_timeout_s` (a
         short per-call timeout set for one-host servers stays valid)."""

@@ -133,7 +133,7 @@ class ReceiverControl:
     def _server_role(self) -> Literal["leader", "host"] | None:
         if self.config.server is None:
             return None
-        return "host" if self.config.applier.kind == "vllm_host" else "leader"
+        return "host" if self.config.applier.server_host else "leader"
 
     def progress(self) -> ApplyProgress:
         """The current attempt's apply count, for the other hosts of this node's server."""
@@ -317,7 +317,7 @@ class ReceiverControl:
                 # Partial writes since the held version (a failed attempt awaiting its
                 # overwrite retry, or flushed but not yet committed): not that version.
                 held = None if s.dirty else s.held_version
-            if held == req.version and self.config.applier.kind == "vllm_host":
+            if held == req.version and self.config.applier.server_host:
                 return AuditResponse(
                     node=s.node,
                     version=req.version,

@@ -1,5 +1,6 @@
 """Where a decoded payload is staged for vLLM workers: one file per payload, named only by the
-attempt, producer and payload id, so every host of a server stages it at the same path."""
+attempt, producer and payload id, so every host of a server stages it at the same path; and
+its release once applied or dropped."""
 
 from __future__ import annotations
 
@@ -21,3 +22,10 @@ def stage_file(shm_dir: Path, decoded: DecodedPayload) -> StagedPayload:
     """Write the decoded payload to its file (atomically) for the workers to read."""
     path = staged_path(shm_dir, decoded.header)
     return StagedPayload(decoded.header, write_decoded(decoded, path), path=path)
+
+
+def discard_file(staged: StagedPayload) -> None:
+    """Delete a staged payload's file (applied by every rank, or dropped)."""
+    if staged.path is not None:
+        staged.path.unlink(missing_ok=True)
+        staged.path = None

@@ -27,7 +27,7 @@ from refit_sidecar.apply.checkpoint import checkpoint_files, checkpoint_names
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
-from refit_sidecar.receiver.appliers.payload_files import stage_file
+from refit_sidecar.receiver.appliers.payload_files import discard_file, stage_file
 from refit_sidecar.receiver.config import ApplierConfig
 
 #: Phases in which the leader's attempt will apply nothing more.
@@ -122,9 +122,7 @@ class VllmHostApplier:
         return ApplyReport(payloads=len(batch), seconds=time.perf_counter() - t0)
 
     def discard(self, staged: StagedPayload) -> None:
-        if staged.path is not None:
-            staged.path.unlink(missing_ok=True)
-            staged.path = None
+        discard_file(staged)
 
     def sync(self) -> None:
         """The leader's apply synchronizes every rank's device."""

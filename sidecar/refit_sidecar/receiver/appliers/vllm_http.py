@@ -33,7 +33,7 @@ from refit_sidecar.apply.checkpoint import CheckpointError
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
-from refit_sidecar.receiver.appliers.payload_files import stage_file
+from refit_sidecar.receiver.appliers.payload_files import discard_file, stage_file
 from refit_sidecar.receiver.config import ApplierConfig
 from refit_sidecar.vllm.control_path import PREFIX as CONTROL_PREFIX
 from refit_sidecar.vllm.rpc_args import metas_to_wire
@@ -181,9 +181,7 @@ class VllmHttpApplier:
         return report
 
     def discard(self, staged: StagedPayload) -> None:
-        if staged.path is not None:
-            staged.path.unlink(missing_ok=True)
-            staged.path = None
+        discard_file(staged)
 
     def sync(self) -> None:
         """refit_apply synchronizes the device before it returns: nothing left to wait for."""
