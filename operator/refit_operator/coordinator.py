@@ -248,7 +248,7 @@ class Coordinator:
             if tau is not None:
                 try:
                     await self.store.mark_obsolete(self.epoch, tau)
-                    receivers = await self._stop(tau, receivers, result)
+                    receivers = await self._stop(tau, receivers, result, kv)
                     await self._cleanup(tau, receivers)
                 except CommitConflictError as exc:
                     outcome, result.message = "conflict", str(exc)
@@ -302,7 +302,7 @@ class Coordinator:
     ) -> TransitionResult | None:
         log.info("coordinator.takeover", attempt=old)
         await self.store.mark_obsolete(self.epoch, old)
-        await self._stop(old, receivers, result)
+        await self._stop(old, receivers, result, kv)
         k = await self.store.read_commit(self.epoch, old)
         if k != kv:
             # The old coordinator's commit took effect: finish its transition and step back.
@@ -498,9 +498,14 @@ class Coordinator:
         return t_updated
 
     async def _stop(
-        self, tau: str, receivers: list[ReceiverClient], result: TransitionResult
+        self,
+        tau: str,
+        receivers: list[ReceiverClient],
+        result: TransitionResult,
+        kv: CommitRecord,
     ) -> list[ReceiverClient]:
-        """stop_and_wait on every endpoint; retire receivers confirmed dead."""
+        """stop_and_wait on every endpoint; retire receivers confirmed dead, except a server's
+        host whose receiver restarted in its pod: it rejoins (`_rejoin_host`)."""
         await self._each_producer(lambda p: p.stop_and_wait(tau), tolerate=True)
         alive: list[ReceiverClient] = []
         for r in receivers:
@@ -511,6 +516,9 @@ class Coordinator:
                     break
                 except (EndpointError, TimeoutError) as exc:
                     if await self.membership.confirmed_dead(r.node):
+                        if await self._rejoin_host(r, kv):
+                            alive.append(r)
+                            break
                         log.warning("receiver.retired", node=r.node, attempt=tau)
                         result.retired.append(r.node)
                         self._gate_closed.discard(r.node)
@@ -532,24 +540,34 @@ class Coordinator:
         self, rejected: set[str], receivers: Sequence[ReceiverClient], kv: CommitRecord
     ) -> set[str]:
         """Of the nodes an attempt rejected, the ones that leave the transition: a server's
-        host whose receiver restarted rejoins at once (it holds no weights: its restore only
-        checks the checkpoint its ranks read), so its server stays in for the retry."""
+        host whose receiver restarted rejoins (`_rejoin_host`), so its server stays in."""
         leaving: set[str] = set()
         for r in receivers:
-            if r.node not in rejected:
-                continue
-            if self._servers.is_host(r.node):
-                try:
-                    await self.membership.restore(r, kv)
-                except (EndpointError, TimeoutError, RuntimeError, ValueError) as exc:
-                    log.warning("receiver.host_rejoin_failed", node=r.node, error=str(exc))
-                else:
-                    server = self._servers.server(r.node)
-                    log.info("receiver.host_rejoined", node=r.node, server=server)
-                    self._gate_closed.discard(r.node)  # a restore ends with the gate open
-                    continue
-            leaving.add(r.node)
+            if r.node in rejected and not await self._rejoin_host(r, kv):
+                leaving.add(r.node)
         return leaving
+
+    async def _rejoin_host(self, r: ReceiverClient, kv: CommitRecord) -> bool:
+        """A multi-host server's host whose receiver restarted in its pod rejoins between two
+        attempts: it holds no weights (its restore loads nothing) and its vLLM ranks live on,
+        so the overwrite retry repairs them with the rest of the server. Waits up to
+        control_timeout_s for the restarted receiver to answer. False for any other node,
+        and for a host whose pod is gone (its ranks went with it)."""
+        if not self._servers.is_host(r.node) or await self.membership.host_gone(r.node):
+            return False
+        deadline = time.monotonic() + self.config.control_timeout_s
+        while True:
+            try:
+                await self.membership.restore(r, kv)
+            except (EndpointError, TimeoutError, RuntimeError, ValueError) as exc:
+                if time.monotonic() < deadline:
+                    await asyncio.sleep(0.5)
+                    continue
+                log.warning("receiver.host_rejoin_failed", node=r.node, error=str(exc))
+                return False
+            log.info("receiver.host_rejoined", node=r.node, server=self._servers.server(r.node))
+            self._gate_closed.discard(r.node)  # a restore ends with the gate open
+            return True
 
     async def _cleanup(self, tau: str, receivers: list[ReceiverClient]) -> None:
         await self._each_producer(lambda p: p.cleanup(tau), tolerate=True)

@@ -83,6 +83,10 @@ class HttpMembership:
             return False
         return False
 
+    async def host_gone(self, node: str) -> bool:
+        """Unknown for a static node list: a host that never answers again stays out."""
+        return False
+
     async def restore(self, receiver: ReceiverClient, record: CommitRecord) -> None:
         source = self.checkpoint_of(record.version)
         metas = await self.metas(record.version)

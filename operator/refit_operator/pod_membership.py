@@ -119,6 +119,12 @@ class PodMembership(HttpMembership):
             return True
         return await super().confirmed_dead(node)
 
+    async def host_gone(self, node: str) -> bool:
+        """The pod is deleted, being deleted, or another pod of the same name (a new UID)."""
+        pod = next((p for p in self.pods() if p.name == node), None)
+        seen = self._incarnation.get(node)
+        return pod is None or pod.deleting or (seen is not None and pod.uid != seen[0])
+
     async def restore(self, receiver: ReceiverClient, record: CommitRecord) -> None:
         status = await self.client(receiver.node).status()
         if status.held_version == record.version and not status.dirty:

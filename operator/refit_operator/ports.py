@@ -80,6 +80,12 @@ class Membership(Protocol):
         """True once the node's process and pending writes cannot resume (safe to retire)."""
         ...
 
+    async def host_gone(self, node: str) -> bool:
+        """True when the node's host is gone or replaced (its pod deleted or recreated), not
+        only its receiver process: what a restarted receiver drove there (a multi-host
+        server's vLLM ranks) is gone too. False where this cannot be known."""
+        ...
+
     async def restore(self, receiver: ReceiverClient, record: CommitRecord) -> None:
         """Dense refit of a new or restarted receiver to the committed version, then prewarm."""
         ...

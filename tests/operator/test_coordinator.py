@@ -196,6 +196,28 @@ async def test_a_server_host_restarted_between_attempts_rejoins_for_the_retry(
     assert_all_at(receivers, 1)
 
 
+async def test_a_server_host_whose_receiver_restarts_mid_attempt_rejoins(tmp_path: Path) -> None:
+    """r1, the other host of r0's server, loses its receiver mid-flush; the container restarts
+    in its pod (a new incarnation: confirmed dead, but its pod and vLLM ranks stay). The
+    coordinator waits for it to answer and restores it (it holds no weights) instead of
+    retiring the server; the overwrite retry commits with both nodes."""
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[0].server, receivers[0].server_role = "s", "leader"
+    receivers[1].server, receivers[1].server_role = "s", "host"
+    receivers[1].die_on_flush = True
+    receivers[1].restarts_after = 3
+    membership.confirmed.add("r1")
+    c = await coordinator(store, producers, membership, sink)
+    result = await c.run_transition()
+    assert (result.outcome, result.modes, result.retired) == (
+        "committed",
+        ["mixed", "overwrite"],
+        [],
+    )
+    assert membership.restored == ["r1"]
+    assert_all_at(receivers, 1)
+
+
 async def test_a_server_leaves_a_transition_with_any_of_its_nodes(tmp_path: Path) -> None:
     """Servers a = (r0 leader, r1 host) and b = (r2 leader, r3 host), and a one-host r4: a's
     host dies (a's leader leaves with it), then b's leader restarts (b's host leaves with it,
@@ -207,6 +229,7 @@ async def test_a_server_leaves_a_transition_with_any_of_its_nodes(tmp_path: Path
         r.server, r.server_role = server, role  # type: ignore[assignment]
     receivers[1].die_on_flush = True
     membership.confirmed.add("r1")
+    membership.hosts_gone.add("r1")  # its pod was deleted: its ranks went with it
     receivers[2].reject_overwrite = "holds no known version (a dense restore is needed)"
     c = await coordinator(store, producers, membership, sink)
     result = await c.run_transition()

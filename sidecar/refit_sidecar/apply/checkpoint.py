@@ -167,12 +167,6 @@ def open_checkpoint(files: Iterable[Path]) -> Iterator[list[SafetensorsFile]]:
         yield opened
 
 
-def checkpoint_names(files: Iterable[Path]) -> set[str]:
-    """Every tensor name of a checkpoint, from its validated headers (no tensor is read)."""
-    with open_checkpoint(files) as opened:
-        return {name for f in opened for name in f.names()}
-
-
 def feed_checkpoint(model: _Loader, files: Iterable[Path]) -> set[str]:
     """Stream every tensor of `files` into `model.load_weights`; returns the names fed."""
     fed: set[str] = set()

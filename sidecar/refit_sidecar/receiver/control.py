@@ -283,7 +283,7 @@ class ReceiverControl:
                 f"dense restore from {req.source} failed",
             ):
                 loaded = s.applier.restore(req.source)
-            missing = sorted({m.name for m in req.metas} - loaded)
+            missing = [] if loaded is None else sorted({m.name for m in req.metas} - loaded)
             if missing:
                 raise ReceiverError(
                     f"dense restore from {req.source}: {len(missing)} expected tensors are not "

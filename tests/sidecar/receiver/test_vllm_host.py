@@ -72,6 +72,37 @@ async def test_readyz_names_the_leader_when_it_does_not_answer(tmp_path: Path) -
     assert (status["server"], status["server_role"]) == ("big-server", "host")
 
 
+async def test_a_hosts_restore_reads_no_checkpoint(tmp_path: Path) -> None:
+    """A host's sidecar does not mount the checkpoint (only vLLM containers read it): its
+    restore, to rejoin, loads and reads nothing, and the node then holds the version."""
+    cfg = ReceiverConfig(
+        node="host-b",
+        port=0,
+        token=SecretStr(NODE_TOKEN),
+        server="big-server",
+        applier={
+            "kind": "vllm_host",
+            "leader_url": f"http://127.0.0.1:{free_port()}",
+            "shm_dir": str(tmp_path / "shm"),
+        },
+    )
+    node = ReceiverNode(cfg)
+    await node.start()
+    try:
+        base = f"http://127.0.0.1:{node.port}/v1"
+        auth = {"Authorization": f"Bearer {NODE_TOKEN}"}
+        metas = [{"name": "model.embed_tokens.weight", "shape": [4, 2], "dtype": "bfloat16"}]
+        body = {"version": 3, "source": "/not/in/this/pod/v3", "metas": metas}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(base + "/restore", json=body, headers=auth) as resp:
+                assert resp.status == 200, await resp.text()
+            async with session.get(base + "/status", headers=auth) as resp:
+                status = await resp.json()
+    finally:
+        await node.close()
+    assert (status["held_version"], status["server_role"]) == (3, "host")
+
+
 def test_a_worker_waits_for_its_hosts_payload_file_then_fails_clearly(tmp_path: Path) -> None:
     path = tmp_path / "payload.krd"
     timer = threading.Timer(0.2, path.write_bytes, args=(b"staged",))

@@ -171,6 +171,9 @@ class BenchMembership:
     async def confirmed_dead(self, node: str) -> bool:
         return not self.nodes.alive(self.index[node])
 
+    async def host_gone(self, node: str) -> bool:
+        return not self.nodes.alive(self.index[node])
+
     async def restore(self, receiver: ReceiverClient, record: CommitRecord) -> None:
         raise EndpointError(
             f"{receiver.node} does not hold committed v{record.version}; bench nodes are never "

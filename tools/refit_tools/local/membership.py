@@ -45,6 +45,10 @@ class LocalMembership:
     async def confirmed_dead(self, node: str) -> bool:
         return not self.nodes[node].alive()
 
+    async def host_gone(self, node: str) -> bool:
+        """A local node's host is this machine; a node that never answers again stays out."""
+        return False
+
     async def prewarm(self, node: LocalNode) -> set[str]:
         """Classify the node's loaders; returns its XOR-incompatible names (fails closed)."""
         answer = await self.client(node).prewarm(PrewarmRequest(metas=self.metas))

@@ -66,9 +66,10 @@ class Applier(Protocol):
         """Close (hold new requests, wait for in-flight ones) or reopen the request gate."""
         ...
 
-    def restore(self, source: str) -> set[str]:
+    def restore(self, source: str) -> set[str] | None:
         """Dense load of every tensor of a safetensors checkpoint directory (joining node);
-        returns the canonical names loaded (on every rank)."""
+        returns the canonical names loaded (on every rank), or None where this node loads
+        nothing itself (another host of a multi-host server: its leader's restore loads it)."""
         ...
 
     def audit(self, source: str) -> list[dict[str, Any]]:

@@ -23,7 +23,6 @@ from refit_protocol.kit.auth import bearer_header
 from refit_protocol.kit.config_files import ensure_directory
 from refit_protocol.kit.tokens import TokenRing, as_ring
 from refit_protocol.receiver_api import API_PREFIX, ApplyProgress, RankPrewarm
-from refit_sidecar.apply.checkpoint import checkpoint_files, checkpoint_names
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
@@ -130,10 +129,10 @@ class VllmHostApplier:
     def gate(self, closed: bool) -> None:
         """The server's request gate is the leader's API server."""
 
-    def restore(self, source: str) -> set[str]:
-        """The leader's dense restore loads every rank, this host's too, from `source` in each
-        rank's own pod; here, check that the checkpoint is there for them."""
-        return checkpoint_names(checkpoint_files(source))
+    def restore(self, source: str) -> None:
+        """Nothing to load here: the leader's dense restore loads every rank, this host's too,
+        from `source` in each rank's own vLLM container. This sidecar does not mount the
+        checkpoint (no rollout sidecar does); the leader's restore fails if a rank cannot."""
 
     def audit(self, source: str) -> list[dict[str, Any]]:
         """Never reached: the node answers an audit itself (`audited_by_leader`)."""
