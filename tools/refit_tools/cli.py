@@ -381,6 +381,27 @@ def _links(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
     "(default: a temp dir, removed).",
 )
 @click.option("--keep-workdir", is_flag=True, help="Keep the temp work directory (logs).")
+@click.option(
+    "--delay-ms",
+    type=click.FloatRange(0, 2000),
+    default=0,
+    help="Round trip added on the link between the clusters (emulated by a delaying TCP "
+    "relay in the trainer namespace; docs/performance.md says how it differs from a WAN).",
+)
+@click.option(
+    "--loss",
+    type=click.FloatRange(0, 0.5, max_open=True),
+    default=0,
+    help="Fraction of the link's packets dropped each way (nftables), e.g. 0.001.",
+)
+@click.option(
+    "--cut-link-s",
+    type=click.FloatRange(0, 600),
+    default=0,
+    help="Take the link down (ip link set down) for this many seconds in the middle of the "
+    "first timed transition's stream: it must complete or retry in place, bit-exact (its "
+    "attempts and modes are in the JSON).",
+)
 def bench_refit(
     quick: bool,
     as_json: bool,
@@ -395,6 +416,9 @@ def bench_refit(
     results_dir: Path | None,
     workdir: Path | None,
     keep_workdir: bool,
+    delay_ms: float,
+    loss: float,
+    cut_link_s: float,
 ) -> None:
     """End-to-end refit latency over a shaped link vs. moving the full checkpoint.
 
@@ -428,6 +452,9 @@ def bench_refit(
         "chunk_bytes": chunk_mib,
         "workdir": workdir,
         "keep_workdir": keep_workdir,
+        "link_cut_s": cut_link_s,
+        "delay_ms": delay_ms,
+        "loss": loss,
     }
     if checkpoint_mib is not None:
         options["checkpoint_bytes"] = checkpoint_mib << 20

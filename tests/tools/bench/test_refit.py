@@ -206,3 +206,34 @@ def test_clear_error_without_iproute2(tmp_path: Path) -> None:
     )
     assert proc.returncode != 0
     assert "iproute2" in proc.stderr, proc.stderr
+
+
+def test_a_link_cut_mid_stream_completes_or_retries_in_place(tmp_path: Path) -> None:
+    """The link between the clusters goes down for 10 s in the middle of a transition's stream
+    (`ip link set … down`): the transition completes, or retries in place, with no step by
+    anyone, and every node holds the target's bits after (the bench compares every bit of
+    every node after every transition and fails otherwise)."""
+    proc = subprocess.run(
+        [
+            *CLI,
+            *("--checkpoint-mib", "8", "--nodes", "2", "--link-mbit", "8"),
+            *("--rates", "0.05", "--repeats", "1", "--warmup", "0", "--cut-link-s", "10"),
+            *("--json", "--results-dir", str(tmp_path / "results")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "the link goes down for 10 s mid-stream" in proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    (row,) = result["rates"]["0.05"]["runs"]
+    assert row["bit_exact"] is True
+    assert row["link_cut_s"] == 10
+    # The cut fell inside the stream (before the last payload reached the root relay), so the
+    # transition could only end once the link was back.
+    assert row["link_cut_at_s"] < row["startup_s"] + row["transport_span_s"], row
+    assert row["latency_s"] > 10, row
+    print(
+        f"link cut: {row['attempts']} attempt(s) {row['modes']}, latency {row['latency_s']:.1f} s"
+    )

@@ -392,3 +392,24 @@ def test_unreadable_or_foreign_results_are_skipped_with_the_reason(tmp_path: Pat
     }
     assert fitted.relay_hop is None
     assert fitted.construction_isolated is None
+
+
+def test_a_wan_emulated_run_gives_its_byte_counts_only(tmp_path: Path) -> None:
+    """A `bench refit --delay-ms/--loss/--cut-link-s` run measured a link the plan's model does
+    not have (a round trip, retransmits): its V_payload counts, its timings and link bytes not."""
+    good = _refit_files()[-3:]
+    for path in good:
+        shutil.copy(path, tmp_path)
+    clean = cal.fit(tmp_path)
+    data = json.loads(good[0].read_text())  # quiet, 100 Mbit/s: its timings would be used
+    assert cal.is_quiet(data)
+    data["settings"]["delay_ms"] = 50.0
+    crafted = "refit-20261202T060000Z.json"
+    (tmp_path / crafted).write_text(json.dumps(data))
+    fitted = cal.fit(tmp_path)
+    by_file = {s.file: s for s in fitted.sources}
+    assert by_file[crafted].why.startswith("a WAN-emulated run"), by_file[crafted].why
+    # The same timings as without it (a copy of a used run's V_payload moves only the fit's
+    # byte-count curve, which it shares with that run).
+    assert fitted.finalization == clean.finalization
+    assert fitted.construction == clean.construction

@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 
 #: The payload link's addresses are 10.213.<s>.0/30; control veths 10.214.<s> (rollout) and
@@ -45,7 +46,8 @@ def require_netns_tools() -> None:
         )
 
 
-def _run(*argv: str) -> str:
+def run_checked(*argv: str) -> str:
+    """Run a setup command (ip, tc, nft); its stdout, or NetnsError with its message."""
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     if proc.returncode != 0:
         raise NetnsError(f"{' '.join(argv)}: {proc.stderr.strip() or proc.stdout.strip()}")
@@ -64,6 +66,7 @@ class Link:
     rate_mbit: float
     trainer_control_ip: str = ""  # the trainer namespace's control address (trainer_control)
     shaped_dev: str = ""  # the tbf-shaped device, inside trainer_ns
+    rollout_dev: str = ""  # the payload veth's other end, inside rollout_ns
     _created: list[str] = field(default_factory=list)
     _host_veths: list[str] = field(default_factory=list)
 
@@ -90,15 +93,28 @@ class Link:
         """Bytes sent over the payload link so far (L2 frames): the tbf qdisc's count, or the
         veth's transmit counter when the link is unshaped."""
         if not self.shaped:
-            out = _run(
+            out = run_checked(
                 "ip", "-n", self.trainer_ns, "-s", "-j", "link", "show", "dev", self.shaped_dev
             )
             return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
-        out = _run("tc", "-n", self.trainer_ns, "-s", "-j", "qdisc", "show", "dev", self.shaped_dev)
+        out = run_checked(
+            "tc", "-n", self.trainer_ns, "-s", "-j", "qdisc", "show", "dev", self.shaped_dev
+        )
         for qdisc in json.loads(out or "[]"):
             if qdisc.get("kind") == "tbf":
                 return int(qdisc.get("bytes", 0))
         raise NetnsError(f"no tbf qdisc on {self.shaped_dev} in {self.trainer_ns}")
+
+    def cut(self, seconds: float) -> None:
+        """Take the payload link down for `seconds` (its rollout end: the trainer side loses
+        carrier and every packet on the link is lost), then up again; blocks meanwhile.
+        The control veths stay up, as a cluster's own network does when the link between
+        the clusters drops."""
+        run_checked("ip", "-n", self.rollout_ns, "link", "set", self.rollout_dev, "down")
+        try:
+            time.sleep(seconds)
+        finally:
+            run_checked("ip", "-n", self.rollout_ns, "link", "set", self.rollout_dev, "up")
 
     def close(self) -> None:
         for ns in reversed(self._created):
@@ -111,7 +127,7 @@ class Link:
 
 def _free_subnet() -> int:
     """A third octet no host route uses yet (several links may exist at once)."""
-    routes = _run("ip", "-o", "-4", "route", "show")
+    routes = run_checked("ip", "-o", "-4", "route", "show")
     for _ in range(64):
         s = secrets.randbelow(200) + 20
         if f"{_ROLLOUT_CTL_NET}.{s}." not in routes and f"{_TRAINER_CTL_NET}.{s}." not in routes:
@@ -133,22 +149,23 @@ def create_link(rate_mbit: float, *, latency_ms: int = 100, trainer_control: boo
         control_ip=f"{_ROLLOUT_CTL_NET}.{s}.2",
         rate_mbit=rate_mbit,
         shaped_dev=f"krvt{tag}",
+        rollout_dev=f"krvr{tag}",
     )
     t, r = link.trainer_ns, link.rollout_ns
-    vt, vr = link.shaped_dev, f"krvr{tag}"
+    vt, vr = link.shaped_dev, link.rollout_dev
     try:
         for ns in (t, r):
-            _run("ip", "netns", "add", ns)
+            run_checked("ip", "netns", "add", ns)
             link._created.append(ns)
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-        _run("ip", "link", "add", vt, "type", "veth", "peer", "name", vr)
+            run_checked("ip", "-n", ns, "link", "set", "lo", "up")
+        run_checked("ip", "link", "add", vt, "type", "veth", "peer", "name", vr)
         link._host_veths.append(vt)  # until both ends moved; deleting a missing link is harmless
-        _run("ip", "link", "set", vt, "netns", t)
-        _run("ip", "link", "set", vr, "netns", r)
-        _run("ip", "-n", t, "addr", "add", f"{link.trainer_ip}/30", "dev", vt)
-        _run("ip", "-n", r, "addr", "add", f"{link.rollout_ip}/30", "dev", vr)
-        _run("ip", "-n", t, "link", "set", vt, "up")
-        _run("ip", "-n", r, "link", "set", vr, "up")
+        run_checked("ip", "link", "set", vt, "netns", t)
+        run_checked("ip", "link", "set", vr, "netns", r)
+        run_checked("ip", "-n", t, "addr", "add", f"{link.trainer_ip}/30", "dev", vt)
+        run_checked("ip", "-n", r, "addr", "add", f"{link.rollout_ip}/30", "dev", vr)
+        run_checked("ip", "-n", t, "link", "set", vt, "up")
+        run_checked("ip", "-n", r, "link", "set", vr, "up")
         if link.rate_bytes_s is not None:
             _shape(link, latency_ms)
         link.control_ip = _control_veth(link, r, f"krvh{tag}", f"krvc{tag}", _ROLLOUT_CTL_NET, s)
@@ -166,7 +183,7 @@ def _shape(link: Link, latency_ms: int) -> None:
     """tbf on the trainer end of the payload veth (the payload direction)."""
     assert link.rate_bytes_s is not None
     burst = max(16_000, int(link.rate_bytes_s / 250))  # ~4 ms of tokens
-    _run(
+    run_checked(
         "tc",
         "-n",
         link.trainer_ns,
@@ -187,11 +204,11 @@ def _shape(link: Link, latency_ms: int) -> None:
 
 def _control_veth(link: Link, ns: str, host_dev: str, ns_dev: str, net: str, s: int) -> str:
     """An unshaped veth between the caller's namespace and `ns`; returns `ns`'s address."""
-    _run("ip", "link", "add", host_dev, "type", "veth", "peer", "name", ns_dev)
+    run_checked("ip", "link", "add", host_dev, "type", "veth", "peer", "name", ns_dev)
     link._host_veths.append(host_dev)
-    _run("ip", "link", "set", ns_dev, "netns", ns)
-    _run("ip", "addr", "add", f"{net}.{s}.1/30", "dev", host_dev)
-    _run("ip", "-n", ns, "addr", "add", f"{net}.{s}.2/30", "dev", ns_dev)
-    _run("ip", "link", "set", host_dev, "up")
-    _run("ip", "-n", ns, "link", "set", ns_dev, "up")
+    run_checked("ip", "link", "set", ns_dev, "netns", ns)
+    run_checked("ip", "addr", "add", f"{net}.{s}.1/30", "dev", host_dev)
+    run_checked("ip", "-n", ns, "addr", "add", f"{net}.{s}.2/30", "dev", ns_dev)
+    run_checked("ip", "link", "set", host_dev, "up")
+    run_checked("ip", "-n", ns, "link", "set", ns_dev, "up")
     return f"{net}.{s}.2"

@@ -32,9 +32,21 @@ def _rect(x: float, y: float, w: float, h: float, fill: str, title: str = "") ->
     )
 
 
-def link_label(link_mbit: float) -> str:
-    """How a result names its link (rate 0 is the unshaped veth)."""
-    return "the unshaped veth" if link_mbit == 0 else f"{link_mbit:g} Mbit/s (tbf)"
+def link_label(link_mbit: float, delay_ms: float = 0.0, loss: float = 0.0) -> str:
+    """How a result names its link (rate 0 is the unshaped veth), with its emulated round
+    trip and loss (`bench/wan.py`) where set."""
+    label = "the unshaped veth" if link_mbit == 0 else f"{link_mbit:g} Mbit/s (tbf)"
+    if delay_ms:
+        label += f" + {delay_ms:g} ms RTT"
+    if loss:
+        label += f" + {loss:.2%} loss"
+    return label
+
+
+def link_of(result: dict[str, Any]) -> tuple[float, float, float]:
+    """A refit result's link: rate, round trip, loss (results older than the WAN emulation
+    have neither)."""
+    return result["link_mbit"], result.get("delay_ms", 0.0), result.get("loss", 0.0)
 
 
 def refit_svg(result: dict[str, Any]) -> str:
@@ -53,7 +65,7 @@ def refit_svg(result: dict[str, Any]) -> str:
             10,
             20,
             f"kuberefit bench refit: H = {result['checkpoint_bytes'] / MIB:.1f} MiB, "
-            f"{result['nodes']} nodes, link {link_label(result['link_mbit'])}; full-checkpoint "
+            f"{result['nodes']} nodes, link {link_label(*link_of(result))}; full-checkpoint "
             f"reference {ref['seconds']:.1f} s",
             13,
             font_weight="bold",

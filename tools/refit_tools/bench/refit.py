@@ -85,6 +85,7 @@ from refit_tools.bench.refit_report import (
     write_results,
 )
 from refit_tools.bench.refit_workload import MIB, Workload, reference_plan
+from refit_tools.bench.wan import add_loss, start_delay
 from refit_tools.local.procs import ManagedProcess, free_port, log_tail
 
 log = structlog.get_logger("kuberefit.bench.refit")
@@ -139,6 +140,27 @@ class RefitBenchConfig(BaseModel):
         default=16 * MIB, ge=1 << 16, description="Payload size of the full-checkpoint reference."
     )
     seed: int = Field(default=0, ge=0, description="Seed of the checkpoint and the changes.")
+    delay_ms: float = Field(
+        default=0.0,
+        ge=0,
+        le=2000,
+        description="Round trip added to the producer's connections over the link (a delaying "
+        "TCP relay in the trainer namespace, `bench/wan.py`: this kernel has no netem). 0: none.",
+    )
+    loss: float = Field(
+        default=0.0,
+        ge=0,
+        lt=0.5,
+        description="Fraction of the link's packets dropped, each way (nftables `numgen "
+        "random`). 0: none.",
+    )
+    link_cut_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Take the payload link down for this many seconds in the middle of the "
+        "first timed transition's stream (`ip link set down`); that transition must complete "
+        "or retry in place (up to 3 attempts, reported), bit-exact. 0: no cut.",
+    )
     workdir: Path | None = Field(
         default=None,
         description="Each run uses a fresh subdirectory of it for the baseline, configs and logs "
@@ -185,13 +207,17 @@ class BenchMembership:
 
 
 class PhaseClock:
-    """Progress sink: notes when each version's flush ACKs were in (phase "Committing")."""
+    """Progress sink: notes when each version began streaming and when its flush ACKs were in
+    (phases "Streaming" and "Committing")."""
 
     def __init__(self) -> None:
+        self.streaming: dict[int, float] = {}
         self.committing: dict[int, float] = {}
         self.phases: list[str] = []
 
     async def update(self, progress: TransitionProgress) -> None:
+        if progress.phase == "Streaming":
+            self.streaming.setdefault(progress.to_version, time.monotonic())
         if progress.phase == "Committing":
             self.committing[progress.to_version] = time.monotonic()
         self.phases.append(progress.phase)
@@ -285,14 +311,17 @@ class _Driver:
                 control_timeout_s=self.timeout,
                 flush_timeout_s=self.timeout,
                 commit_timeout_s=self.timeout,
-                max_attempts=1,  # a retry would time something else than a refit
+                # A retry would time something else than a refit; after a link cut, retrying
+                # in place is what is checked.
+                max_attempts=3 if run.cfg.link_cut_s else 1,
             ),
             name="bench-coordinator",
         )
         await self.coordinator.start()
 
-    async def transition(self, rate: float, seed: int) -> dict[str, Any]:
-        """Inject a change at `rate`, run one transition, measure it and verify every bit."""
+    async def transition(self, rate: float, seed: int, cut_s: float = 0.0) -> dict[str, Any]:
+        """Inject a change at `rate`, run one transition, measure it and verify every bit;
+        `cut_s`: the link goes down for that long in the middle of its stream."""
         run, coordinator = self.run, self.coordinator
         assert coordinator is not None
         version = run.version + 1
@@ -303,7 +332,14 @@ class _Driver:
         reopens = [read_digest(p)[0] for p in digests]
         link_bytes = run.link.shaped_bytes()
         log.info("bench.transition", version=version, rate=rate)
-        result = await coordinator.run_transition(run.incompatible)
+        done = asyncio.Event()
+        cut = self._cut_mid_stream(version, link_bytes, cut_s, done) if cut_s else None
+        cutting = asyncio.create_task(cut) if cut is not None else None
+        try:
+            result = await coordinator.run_transition(run.incompatible)
+        finally:
+            done.set()
+            cut_at = await cutting if cutting is not None else None  # the link is up after
         link_bytes = run.link.shaped_bytes() - link_bytes
         if result.outcome != "committed":
             run.nodes.check_alive()
@@ -349,10 +385,30 @@ class _Driver:
             "changed_fraction": progress.changed_elements / max(progress.total_elements, 1),
             "attempts": result.attempts,
             "modes": list(result.modes),
+            "link_cut_s": cut_s,
+            "link_cut_at_s": None if cut_at is None else cut_at - t0,
             "pipeline": t["pipeline"],
             "coordinator_latency_s": result.latency_s,
             "bit_exact": True,
         }
+
+    async def _cut_mid_stream(
+        self, version: int, bytes_before: int, seconds: float, done: asyncio.Event
+    ) -> float | None:
+        """Once `version` streams and some of its payload bytes crossed the link, take the
+        link down for `seconds`; returns when it went down (time.monotonic()), or None when
+        the transition ended first."""
+        run = self.run
+        while version not in run.clock.streaming or run.link.shaped_bytes() - bytes_before < (
+            64 << 10
+        ):
+            if done.is_set():
+                return None
+            await asyncio.sleep(0.05)
+        at = time.monotonic()
+        run.say(f"[bench refit] v{version}: the link goes down for {seconds:g} s mid-stream")
+        await asyncio.to_thread(run.link.cut, seconds)
+        return at
 
     async def reference(self) -> dict[str, Any]:
         """The transport-only full-checkpoint reference (see the module docstring)."""
@@ -407,7 +463,7 @@ async def _measure(run: _Run) -> dict[str, Any]:
         nominal = _nominal(run.workload.nbytes, run.link)
         say(
             f"[bench refit] full-checkpoint reference: {run.workload.nbytes / MIB:.1f} MiB to "
-            f"{cfg.nodes} nodes over {link_label(cfg.link_mbit)}"
+            f"{cfg.nodes} nodes over {link_label(cfg.link_mbit, cfg.delay_ms, cfg.loss)}"
             + ("" if nominal is None else f" (~{nominal:.0f} s at the nominal rate)")
         )
         reference = await driver.reference()
@@ -416,7 +472,8 @@ async def _measure(run: _Run) -> dict[str, Any]:
         for k, rate in enumerate(cfg.rates):
             runs = []
             for r in range(cfg.repeats):
-                row = await driver.transition(rate, seed=1 + 100 * k + r)
+                cut_s = cfg.link_cut_s if (k, r) == (0, 0) else 0.0
+                row = await driver.transition(rate, seed=1 + 100 * k + r, cut_s=cut_s)
                 row["speedup"] = reference["seconds"] / row["latency_s"]
                 runs.append(row)
                 say(
@@ -535,7 +592,8 @@ def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print)
             link = create_link(cfg.link_mbit, trainer_control=True)
             say(
                 f"[bench refit] H = {workload.nbytes / MIB:.1f} MiB ({len(workload.layout())} "
-                f"tensors); link {link_label(cfg.link_mbit)} between namespaces "
+                f"tensors); link {link_label(cfg.link_mbit, cfg.delay_ms, cfg.loss)} between "
+                "namespaces "
                 f"{link.trainer_ns} -> {link.rollout_ns}; starting 1 producer and {cfg.nodes} "
                 f"receiver nodes (workdir {workdir})"
             )
@@ -558,6 +616,10 @@ def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print)
             )
             producer, producer_url, token = _start_producer(cfg, workload, link, nodes, workdir)
             procs.append(producer)
+            if cfg.loss:
+                add_loss(link, cfg.loss)
+            if cfg.delay_ms:
+                procs.append(start_delay(link, nodes.relays[0], cfg.delay_ms, workdir))
             nodes.start()  # boots while the producer builds its baseline
             producer.wait_ready(partial(_healthy, producer_url), timeout=600)
             run = _Run(cfg, workload, link, nodes, workdir, producer_url, token, say)
@@ -599,6 +661,8 @@ def _result(
         "benchmark": "refit",
         "started": started.isoformat(timespec="seconds"),
         "link_mbit": cfg.link_mbit,
+        "delay_ms": cfg.delay_ms,
+        "loss": cfg.loss,
         "checkpoint_bytes": workload.nbytes,
         "tensors": len(workload.layout()),
         "nodes": cfg.nodes,

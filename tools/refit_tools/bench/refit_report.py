@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from refit_tools.bench.plot import link_label, refit_svg
+from refit_tools.bench.plot import link_label, link_of, refit_svg
 from refit_tools.bench.refit_workload import MIB
 
 
@@ -93,7 +93,7 @@ def format_report(result: dict[str, Any]) -> str:
     ref = result["full_reference"]
     lines = [
         f"H = {result['checkpoint_bytes'] / MIB:.1f} MiB, {result['nodes']} nodes, link "
-        f"{link_label(result['link_mbit'])}; full-checkpoint reference {ref['seconds']:.2f} s"
+        f"{link_label(*link_of(result))}; full-checkpoint reference {ref['seconds']:.2f} s"
         + ("" if ref["nominal_s"] is None else f" (nominal {ref['nominal_s']:.2f} s)"),
         "",
         f"{'rate':>5} {'latency s':>10} {'V_payload MiB':>14} {'speedup':>8} "

@@ -38,6 +38,13 @@ def is_quiet(result: Mapping[str, Any], per_cpu: float = QUIET_LOAD_PER_CPU) -> 
     return load is not None and load <= per_cpu * cpus
 
 
+def is_wan(result: Mapping[str, Any]) -> bool:
+    """A run with an emulated round trip, loss or link cut (`bench refit --delay-ms --loss
+    --cut-link-s`): its timings and link bytes are not the model's link."""
+    settings = result.get("settings") or {}
+    return any(settings.get(k) for k in ("delay_ms", "loss", "link_cut_s"))
+
+
 def link_bytes_s(result: Mapping[str, Any]) -> float | None:
     """The shaped link's rate in bytes/s; None for an unshaped run (no `link_mbit`, or 0)."""
     mbit = result.get("link_mbit")
@@ -211,13 +218,14 @@ def read_refit(path: Path) -> tuple[RefitRun | None, str]:
         return None, f"not a refit result (benchmark {quote(data.get('benchmark'))})"
     try:
         check_refit(data)
-        quiet = is_quiet(data)
+        wan = is_wan(data)
+        quiet = is_quiet(data) and not wan
         h = float(data["checkpoint_bytes"])
         v_points = [(rate, float(row["v_payload_bytes"]) / h) for _, rate, row in rate_rows(data)]
         full = data.get("full_reference") or {}
         reference = (
             (float(full["link_bytes"]), float(full["wire_bytes"]))
-            if link_bytes_s(data) and full.get("link_bytes")
+            if link_bytes_s(data) and full.get("link_bytes") and not wan
             else None
         )
         points = _points(path.name, data) if quiet else []
@@ -232,4 +240,6 @@ def read_refit(path: Path) -> tuple[RefitRun | None, str]:
         if load is not None
         else "no load average before the run: byte counts only"
     )
+    if wan:  # the model has no round trip, loss or cut; retransmits inflate the link's bytes
+        why = "a WAN-emulated run (round trip, loss or a link cut): V_payload / H only"
     return RefitRun(path.name, data, quiet, v_points, reference, points), why
