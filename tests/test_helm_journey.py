@@ -1013,6 +1013,20 @@ def _verify(j: Journey, leader: LocalPod, version: int) -> list[dict[str, Any]]:
     return list(answer["answer"]["ranks"])
 
 
+def _finished(j: Journey, version: int) -> dict[str, Any]:
+    """The status of the policy's RefitTransition to `version` once it says Committed (its
+    status is written after the commit record moved)."""
+
+    def status() -> dict[str, Any]:
+        found = j.custom.get_namespaced_custom_object(
+            "refit.kuberefit.io", "v1alpha1", j.ns, "refittransitions", f"alpha-v{version:06d}"
+        )
+        st = dict(found.get("status") or {})
+        return st if st.get("phase") == "Committed" else {}
+
+    return wait_for(f"alpha-v{version:06d} Committed", status, timeout=60)
+
+
 def _start_group(j: Journey) -> tuple[LocalPod, LocalPod]:
     """Create LeaderWorkerSet `big`'s group 0 through the webhook and run both pods, each in
     its own namespaces (`LocalKubelet` isolated pods); returns once vLLM answers."""
@@ -1082,11 +1096,14 @@ def test_a_leader_worker_set_server_refitted_through_the_operator(journey: Journ
     # v1: one server of two pods; the refit is exact on both ranks, each on its own host.
     (release / "1").touch()
     wait_for("v1 committed", lambda: j.committed() >= 1, timeout=400)
-    rollouts = j.kubectl("get", "refitpolicies", "alpha", "-n", j.ns, "--no-headers")
-    assert "1/1 servers (2/2 pods)" in rollouts, rollouts
-    status = j.custom.get_namespaced_custom_object(
-        "refit.kuberefit.io", "v1alpha1", j.ns, "refittransitions", "alpha-v000001"
-    )["status"]
+    wait_for(  # the policy's status follows the commit record on the operator's next pass
+        "ROLLOUTS counts the server",
+        lambda: (
+            "1/1 servers (2/2 pods)"
+            in j.kubectl("get", "refitpolicies", "alpha", "-n", j.ns, "--no-headers")
+        ),
+    )
+    status = _finished(j, 1)
     assert status["receivers"]["servers"] == {"big-0": ["big-0", "big-0-1"]}, status
     ranks = _verify(j, leader, 1)
     assert [(r["rank"], r["host"], r["ok"]) for r in ranks] == [
@@ -1113,9 +1130,7 @@ def test_a_leader_worker_set_server_refitted_through_the_operator(journey: Journ
     j.kubelet.restart(worker, "kuberefit-sidecar")
     subprocess.run(["tc", "qdisc", "del", "dev", worker.address.host_dev, "root"], check=True)
     wait_for("v2 committed", lambda: j.committed() >= 2, timeout=400)
-    status = j.custom.get_namespaced_custom_object(
-        "refit.kuberefit.io", "v1alpha1", j.ns, "refittransitions", "alpha-v000002"
-    )["status"]
+    status = _finished(j, 2)
     assert status["attempt"] >= 2, status
     assert status["modes"][-1] == "overwrite", status
     assert status["receivers"]["retired"] == [], status
@@ -1130,9 +1145,7 @@ def test_a_leader_worker_set_server_refitted_through_the_operator(journey: Journ
     leader, worker = _start_group(j)
     (release / "3").touch()
     wait_for("v3 committed", lambda: j.committed() >= 3, timeout=400)
-    status = j.custom.get_namespaced_custom_object(
-        "refit.kuberefit.io", "v1alpha1", j.ns, "refittransitions", "alpha-v000003"
-    )["status"]
+    status = _finished(j, 3)
     assert status["receivers"]["restored"] == ["big-0", "big-0-1"], status
     assert status["modes"] == ["mixed"], status
     ranks = _verify(j, leader, 3)
