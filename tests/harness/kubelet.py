@@ -397,12 +397,7 @@ class LocalKubelet:
             return self._isolated_process(pod, local, container, words, env, extra)
         # The pod's network namespace: a wildcard bind is a bind of the pod's own address.
         words = [remap(w).replace("0.0.0.0:", f"{local.ip}:") for w in words]
-        image = self.images.get(str(container.get("image") or ""))
-        executables = image.executables if image is not None else self.executables
-        words[0] = executables.get(words[0], words[0])
-        base = {k: v for k, v in os.environ.items() if not _DROPPED_ENV.match(k)}
-        if image is not None:
-            base.update(image.env(base))
+        words[0], base = self._from_image(container, words[0])
         full_env = {**base, **self.extra_env, **extra, **{k: remap(v) for k, v in env.items()}}
         return ManagedProcess(
             f"{local.name}/{container['name']}",
@@ -439,12 +434,8 @@ class LocalKubelet:
         spec_path = self.root / f"{local.name}-{container['name']}.sandbox.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(json.dumps({"hostname": _hostname(pod), "mounts": mounts}))
-        image = self.images.get(str(container.get("image") or ""))
-        executables = image.executables if image is not None else self.executables
-        words = [executables.get(words[0], words[0]), *words[1:]]
-        base = {k: v for k, v in os.environ.items() if not _DROPPED_ENV.match(k)}
-        if image is not None:
-            base.update(image.env(base))
+        executable, base = self._from_image(container, words[0])
+        words = [executable, *words[1:]]
         sandbox = [
             *local.address.exec_prefix,
             "unshare", "--mount", "--uts", "--propagation", "private",
@@ -456,6 +447,16 @@ class LocalKubelet:
             self.root / f"{local.name}-{container['name']}.log",
             env={**base, **self.extra_env, **extra, **env},
         )
+
+    def _from_image(self, container: Mapping[str, Any], command: str) -> tuple[str, dict[str, str]]:
+        """What the container's image gives: the executable `command` names, and the base
+        environment (this process's, less KubeRefit settings, plus the image's)."""
+        image = self.images.get(str(container.get("image") or ""))
+        executables = image.executables if image is not None else self.executables
+        base = {k: v for k, v in os.environ.items() if not _DROPPED_ENV.match(k)}
+        if image is not None:
+            base.update(image.env(base))
+        return executables.get(command, command), base
 
     def _env(
         self, pod: Mapping[str, Any], local: LocalPod, container: Mapping[str, Any]
