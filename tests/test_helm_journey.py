@@ -1122,17 +1122,26 @@ def test_a_leader_worker_set_server_refitted_through_the_operator(journey: Journ
     # the overwrite retry commits with it.
     assert worker.address is not None
     slow = ["tc", "qdisc", "add", "dev", worker.address.host_dev, "root", "tbf"]
-    subprocess.run([*slow, "rate", "100kbit", "burst", "4kb", "latency", "60s"], check=True)
+    subprocess.run([*slow, "rate", "20kbit", "burst", "4kb", "latency", "60s"], check=True)
     (release / "2").touch()
-    wait_for(
-        "the worker's receiver prepared for v2",
-        lambda: (
-            str((s := _receiver_status(worker, j.token))["attempt"]).startswith("alpha-v2-")
-            and s["phase"] in ("prepared", "streaming")
-        ),
-        timeout=120,
-        every=0.05,
-    )
+
+    def admitted_not_staged() -> bool:
+        """The attempt streams (admitted: a retry must overwrite) and the worker has not
+        staged its payload yet (it crawls over the slowed link)."""
+        try:
+            t = j.custom.get_namespaced_custom_object(
+                "refit.kuberefit.io", "v1alpha1", j.ns, "refittransitions", "alpha-v000002"
+            )
+        except client.ApiException as exc:
+            if exc.status == 404:  # not created yet
+                return False
+            raise
+        if (t.get("status") or {}).get("phase") != "Streaming":
+            return False
+        s = _receiver_status(worker, j.token)
+        return str(s["attempt"]).startswith("alpha-v2-") and s["staged"] == 0
+
+    wait_for("v2 streaming, not yet staged by the worker", admitted_not_staged, timeout=120)
     j.kubelet.restart(worker, "kuberefit-sidecar")
     subprocess.run(["tc", "qdisc", "del", "dev", worker.address.host_dev, "root"], check=True)
     wait_for("v2 committed", lambda: j.committed() >= 2, timeout=400)
