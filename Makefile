@@ -1,6 +1,7 @@
 # KubeRefit — the two commands a user needs: `make demo` and `make test`.
 # Everything they need is installed by these targets, except Python 3.11, make and torch's CPU
-# wheel (pip must find torch 2.13.0+cpu: README, "Set up"); `make test` also needs root and iproute2.
+# wheel (pip must find torch 2.13.0+cpu: README, "Set up"); `make test` also needs root,
+# iproute2 and nftables.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
