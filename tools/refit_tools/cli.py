@@ -402,6 +402,20 @@ def _links(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
     "first timed transition's stream: it must complete or retry in place, bit-exact (its "
     "attempts and modes are in the JSON).",
 )
+@click.option(
+    "--max-in-flight",
+    type=click.IntRange(1),
+    default=None,
+    help="The producer's send window in payloads (transport.max_in_flight; default: the "
+    "product's, 16).",
+)
+@click.option(
+    "--window-bytes",
+    type=str,
+    default=None,
+    help="The producer's send window in bytes, e.g. 64MiB (transport.window_bytes; default: "
+    "the product's, 128MiB). Size it to the link's bandwidth-delay product.",
+)
 def bench_refit(
     quick: bool,
     as_json: bool,
@@ -419,6 +433,8 @@ def bench_refit(
     delay_ms: float,
     loss: float,
     cut_link_s: float,
+    max_in_flight: int | None,
+    window_bytes: str | None,
 ) -> None:
     """End-to-end refit latency over a shaped link vs. moving the full checkpoint.
 
@@ -455,6 +471,8 @@ def bench_refit(
         "link_cut_s": cut_link_s,
         "delay_ms": delay_ms,
         "loss": loss,
+        "max_in_flight": max_in_flight,
+        "window_bytes": window_bytes,
     }
     if checkpoint_mib is not None:
         options["checkpoint_bytes"] = checkpoint_mib << 20

@@ -302,7 +302,8 @@ class S3Transport:
             raise ValueError(f"payload of attempt {payload.header.attempt!r} sent as {attempt!r}")
         self._window.admit(attempt, payload.header.producer, payload.size)
         fut = self._pool.submit(self._deliver, attempt, payload)
-        fut.add_done_callback(lambda f: self._window.settle(attempt, f.exception()))
+        size = payload.size
+        fut.add_done_callback(lambda f: self._window.settle(attempt, f.exception(), size))
 
     def stop_and_wait(self, attempt: str) -> TransportSummary:
         deadline = time.monotonic() + self.config.stop_timeout_s

@@ -1,9 +1,16 @@
 """The send window every transport shares: per-attempt in-flight accounting.
 
 `send` admits a payload only while fewer than `max_in_flight` of the attempt's payloads are
-unacknowledged (this is the pipeline's backpressure), counts acknowledgments, keeps the first
-failure so later sends fail fast, and `stop_and_wait` drains it. Transports only say how a
-payload travels; this bookkeeping is written once.
+unacknowledged and, past the first two, while their bytes stay within `window_bytes` (this is
+the pipeline's backpressure), counts acknowledgments, keeps the first failure so later sends fail
+fast, and `stop_and_wait` drains it. Transports only say how a payload travels; this bookkeeping
+is written once.
+
+Why bytes as well as a count: a payload leaves the window when its ACK comes back, a round trip
+after its last byte left. To keep a link busy the window must hold the link's bandwidth-delay
+product (100 Mbit/s x 50 ms = 625 KB; 10 Gbit/s x 100 ms = 125 MB), whatever the payload size: a
+count alone is either too small for small payloads on a long link or too much memory for large
+ones. Two payloads are always admitted, however large, so sending overlaps validation.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ class AttemptSends:
     bytes_sent: int = 0
     acked: int = 0
     in_flight: int = 0
+    in_flight_bytes: int = 0
     stopped: bool = False
     ended: bool = False  # the stream-end mark was acknowledged
     error: BaseException | None = None
@@ -38,8 +46,10 @@ class AttemptSends:
 class SendWindow:
     """Thread-safe; one per transport instance."""
 
-    def __init__(self, max_in_flight: int) -> None:
+    def __init__(self, max_in_flight: int, window_bytes: int | None = None) -> None:
+        """`window_bytes`: None bounds the payloads by count alone."""
         self.max_in_flight = max_in_flight
+        self.window_bytes = window_bytes
         self.lock = threading.Condition()
         self._attempts: dict[str, AttemptSends] = {}
 
@@ -56,21 +66,31 @@ class SendWindow:
                     raise st.error
                 if st.stopped:
                     raise TransportStoppedError(f"{attempt}: stopped; no more sends")
-                if st.in_flight < self.max_in_flight:
+                if self._room(st, size):
                     break
                 self.lock.wait(0.5)
             st.in_flight += 1
+            st.in_flight_bytes += size
             st.sent += 1
             st.bytes_sent += size
             st.producers.add(producer)
 
-    def settle(self, attempt: str, exc: BaseException | None) -> None:
-        """A send finished: acknowledged, or failed with `exc` (the first failure is kept)."""
+    def _room(self, st: AttemptSends, size: int) -> bool:
+        if st.in_flight >= self.max_in_flight:
+            return False
+        if self.window_bytes is None or st.in_flight < 2:
+            return True
+        return st.in_flight_bytes + size <= self.window_bytes
+
+    def settle(self, attempt: str, exc: BaseException | None, size: int) -> None:
+        """A send of `size` bytes finished: acknowledged, or failed with `exc` (the first
+        failure is kept)."""
         with self.lock:
             st = self._attempts.get(attempt)
             if st is None:
                 return  # cleaned up meanwhile
             st.in_flight -= 1
+            st.in_flight_bytes -= size
             if exc is None:
                 st.acked += 1
             else:

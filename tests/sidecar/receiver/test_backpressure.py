@@ -17,7 +17,7 @@ from pydantic import SecretStr
 
 from refit_protocol.receiver_api import PrepareRequest
 from refit_sidecar.codec.records import TensorMeta
-from refit_sidecar.transport.relay.config import DealerConfig
+from refit_sidecar.transport.relay.config import RootDealerConfig
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from tests.harness.operator_env import wait_for
 from tests.harness.receivers import NodeProc, metric_sum, start_cluster
@@ -108,7 +108,7 @@ def test_slow_applier_keeps_receiver_rss_bounded(tmp_path: Path) -> None:
                 root=node.relay,
                 token=SecretStr(cluster.token),
                 max_in_flight=WINDOW,
-                client=DealerConfig(ack_timeout_s=10, max_retries=2, max_wait_s=60),
+                client=RootDealerConfig(ack_timeout_s=10, max_retries=2, max_wait_s=60),
             )
         )
         t0 = time.monotonic()

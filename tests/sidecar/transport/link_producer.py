@@ -12,7 +12,7 @@ from pydantic import SecretStr
 
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.codec.wire import EncodedPayload
-from refit_sidecar.transport.relay.config import DealerConfig
+from refit_sidecar.transport.relay.config import RootDealerConfig
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from tests.sidecar.receiver.models import canonical, overwrite_payload
 
@@ -52,7 +52,7 @@ def main() -> None:
         RelayTransportConfig(
             root=args.root,
             token=SecretStr(args.token),
-            client=DealerConfig(ack_timeout_s=30, min_bandwidth_bytes_s=1e6),
+            client=RootDealerConfig(ack_timeout_s=30, min_bandwidth_bytes_s=1e6),
         )
     )
     t0 = time.monotonic()

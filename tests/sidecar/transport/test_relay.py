@@ -559,3 +559,12 @@ def _metric(node: NodeProc, name: str) -> float:
         if line.startswith(name):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_the_producer_hop_window_follows_the_send_window_unless_set() -> None:
+    """The producer's DEALER to its root defaults to 16 frames (as many as the send window's
+    payloads); a plain `DealerConfig` keeps what it sets and takes that default otherwise."""
+    assert RelayTransportConfig(root="tcp://r:1").client.window == 16
+    timeouts = RelayTransportConfig(root="tcp://r:1", client=DealerConfig(ack_timeout_s=3))
+    assert (timeouts.client.window, timeouts.client.ack_timeout_s) == (16, 3)
+    assert RelayTransportConfig(root="tcp://r:1", client=DealerConfig(window=4)).client.window == 4

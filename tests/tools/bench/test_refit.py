@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from refit_sidecar.fingerprint import named_tensors_digest
-from refit_tools.bench.refit import union_seconds
+from refit_tools.bench.refit import median_payload_s, union_seconds
 from refit_tools.bench.refit_workload import Workload
 from refit_tools.bench.synthetic import perturb
 
@@ -63,6 +63,14 @@ def test_union_counts_overlaps_once_and_clips() -> None:
     assert union_seconds([], 0.0, 1.0) == 0.0
 
 
+def test_the_median_payload_takes_its_share_of_the_span() -> None:
+    # 1 + 1 + 2 + 4 = 8 bytes over 4 s: the median payload (1.5 bytes) takes 0.75 s
+    sizes = [1, 4, 1, 2]
+    intervals = [(0.0, 1.0, size, True) for size in sizes]
+    assert median_payload_s(intervals, 4.0) == pytest.approx(0.75)
+    assert median_payload_s([], 4.0) is None
+
+
 def test_tiny_refit_bench_reports_consistent_bit_exact_numbers(tmp_path: Path) -> None:
     work, results = tmp_path / "work", tmp_path / "results"
     proc = subprocess.run(
@@ -105,6 +113,9 @@ def test_tiny_refit_bench_reports_consistent_bit_exact_numbers(tmp_path: Path) -
         assert row["changed_fraction"] == pytest.approx(float(key), rel=0.05)
         assert row["link_limit"] == pytest.approx(h / row["v_payload_bytes"])
         assert row["speedup_over_limit"] == pytest.approx(row["speedup"] / row["link_limit"])
+        for r in row["runs"]:
+            assert r["median_payload_s"] <= r["transport_span_s"]
+            assert r["drain_over_payload"] == pytest.approx(r["drain_s"] / r["median_payload_s"])
         volumes.append(row["v_payload_bytes"])
     assert volumes == sorted(volumes)
     ref = out["full_reference"]

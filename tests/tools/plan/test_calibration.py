@@ -19,7 +19,7 @@ RESULTS = REPO / "bench" / "results"
 SUPERSEDED = RESULTS / "superseded"
 TOLERANCE = 0.25
 #: Today's runs: the acceptance set of the leave-one-out validation.
-TODAY = "refit-20261202T08"
+TODAY = "refit-20261206T02"
 REGENERATE = (
     "regenerate it: .venv/bin/kuberefit plan --calibrate --results-dir bench/results "
     "--calibration tools/refit_tools/plan/calibration.json"
@@ -153,10 +153,10 @@ def test_leave_one_out_projects_every_quiet_run_within_25_percent(
 @pytest.mark.parametrize(
     ("name", "wrong_mbit"),
     [
-        ("refit-20261202T081134Z.json", 1000.0),  # 3 nodes at 100 Mbit/s, projected at 1 Gbit/s
-        ("refit-20261202T081512Z.json", 0.0),  # quick at 100 Mbit/s, projected unshaped
-        ("refit-20261202T081415Z.json", 100.0),  # 3 nodes unshaped, projected at 100 Mbit/s
-        ("refit-20261202T081602Z.json", 100.0),  # quick unshaped, projected at 100 Mbit/s
+        ("refit-20261206T024833Z.json", 1000.0),  # 3 nodes at 100 Mbit/s, projected at 1 Gbit/s
+        ("refit-20261206T023738Z.json", 0.0),  # quick at 100 Mbit/s, projected unshaped
+        ("refit-20261206T025129Z.json", 100.0),  # 3 nodes unshaped, projected at 100 Mbit/s
+        ("refit-20261206T023834Z.json", 100.0),  # quick unshaped, projected at 100 Mbit/s
     ],
 )
 def test_leave_one_out_misses_with_a_wrong_link(name: str, wrong_mbit: float) -> None:
@@ -173,7 +173,7 @@ def test_leave_one_out_misses_with_a_wrong_link(name: str, wrong_mbit: float) ->
 
 
 def test_project_for_bench_is_one_rate_of_project_bench() -> None:
-    result = json.loads((RESULTS / "refit-20261202T081134Z.json").read_text())
+    result = json.loads((RESULTS / "refit-20261206T024833Z.json").read_text())
     shipped = cal.load()
     latency = project_for_bench(result, shipped, "0.03")
     assert latency == project_bench(result, shipped)["0.03"].latency_s
@@ -186,7 +186,7 @@ def test_project_for_bench_is_one_rate_of_project_bench() -> None:
 
 def test_an_unshaped_bench_run_is_bounded_by_the_cpu_stages() -> None:
     """A result without a link rate (the unshaped case) projects without a link term."""
-    result = json.loads((RESULTS / "refit-20261202T081134Z.json").read_text())
+    result = json.loads((RESULTS / "refit-20261206T024833Z.json").read_text())
     unshaped = dict(result, link_mbit=None)
     b = project_bench(unshaped, cal.load())["0.03"]
     assert b.bound == "shared CPU"  # producer, relays and receivers on the bench's 2 CPUs

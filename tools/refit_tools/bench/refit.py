@@ -40,6 +40,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -66,12 +67,12 @@ from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import EndpointError
 from refit_protocol.kit.auth import bearer_header
 from refit_protocol.receiver_api import PrewarmRequest
-from refit_protocol.sizes import AUTO, SizeOrAuto
+from refit_protocol.sizes import AUTO, ByteSize, SizeOrAuto
 from refit_sidecar.baseline.config import BaselineConfig
 from refit_sidecar.baseline.sizing import Sizes, resolve_sizes
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.main import ProducerProcessConfig
-from refit_sidecar.transport.relay.config import DealerConfig
+from refit_sidecar.transport.relay.config import RootDealerConfig
 from refit_sidecar.transport.relay.transport import RelayTransportConfig
 from refit_tools.bench.netns import Link, create_link, require_netns_tools
 from refit_tools.bench.nodes import BenchNodes
@@ -160,6 +161,18 @@ class RefitBenchConfig(BaseModel):
         description="Take the payload link down for this many seconds in the middle of the "
         "first timed transition's stream (`ip link set down`); that transition must complete "
         "or retry in place (up to 3 attempts, reported), bit-exact. 0: no cut.",
+    )
+    max_in_flight: int | None = Field(
+        default=None,
+        ge=1,
+        description="The producer's send window in payloads (`transport.max_in_flight`); "
+        "None: the product's default.",
+    )
+    window_bytes: ByteSize | None = Field(
+        default=None,
+        ge=1,
+        description="The producer's send window in bytes (`transport.window_bytes`); None: the "
+        "product's default.",
     )
     workdir: Path | None = Field(
         default=None,
@@ -255,6 +268,27 @@ def union_seconds(spans: Sequence[tuple[float, float]], lo: float, hi: float) ->
         total += b - max(a, end)
         end = b
     return total
+
+
+def median_payload_s(intervals: Sequence[Sequence[Any]], span_s: float) -> float | None:
+    """The time the median payload takes at the stream's own pace: its size times the
+    transport span per byte sent (`intervals`: (start, end, size, ok) per payload). Start-up
+    and drain are compared with it: a whole large tensor as the first or last payload shows
+    up as a start-up or drain of many payload times."""
+    sizes = sorted(int(i[2]) for i in intervals)
+    total = sum(sizes)
+    if not sizes or total <= 0 or span_s <= 0:
+        return None
+    return float(statistics.median(sizes)) * span_s / total
+
+
+def _in_payload_times(row: dict[str, Any]) -> str:
+    if row["startup_over_payload"] is None:
+        return ""
+    return (
+        f", start-up {row['startup_over_payload']:.1f} and drain "
+        f"{row['drain_over_payload']:.1f} median payload times"
+    )
 
 
 @dataclass
@@ -367,6 +401,7 @@ class _Driver:
         flushed = run.clock.committing[version]
         first = min((a for a, _ in spans), default=t0)
         last = max((b for _, b in spans), default=t0)
+        payload_s = median_payload_s(t["intervals"], last - first)
         return {
             "latency_s": latency,
             "v_payload_bytes": progress.wire_bytes,
@@ -378,6 +413,9 @@ class _Driver:
             "startup_s": first - t0,
             "transport_span_s": last - first,
             "drain_s": flushed - last,
+            "median_payload_s": payload_s,
+            "startup_over_payload": (first - t0) / payload_s if payload_s else None,
+            "drain_over_payload": (flushed - last) / payload_s if payload_s else None,
             "link_bytes": link_bytes,
             "link_busy_share": link_busy,
             "payloads": progress.payloads,
@@ -480,7 +518,8 @@ async def _measure(run: _Run) -> dict[str, Any]:
                     f"[bench refit] {rate:.0%} #{r + 1}: latency {row['latency_s']:.2f} s, "
                     f"V_payload {row['v_payload_bytes'] / MIB:.2f} MiB, speedup "
                     f"{row['speedup']:.1f}x, transport share {row['transport_share']:.0%}, "
-                    f"finalization {row['finalization_s']:.3f} s, bit-exact"
+                    f"finalization {row['finalization_s']:.3f} s{_in_payload_times(row)}, "
+                    "bit-exact"
                 )
             rates[format(rate, "g")] = summarize(runs, reference["seconds"], run.workload.nbytes)
         return {
@@ -518,8 +557,10 @@ def _start_producer(
         root=nodes_relay_root,
         # ACK deadlines sized for the emulated link: a payload may queue behind another.
         stop_timeout_s=60 + 8 * max(cfg.reference_payload_bytes, sizes.bucket_bytes) / rate,
-        client=DealerConfig(min_bandwidth_bytes_s=rate / 4),
+        client=RootDealerConfig(min_bandwidth_bytes_s=rate / 4),
     )
+    window = {"max_in_flight": cfg.max_in_flight, "window_bytes": cfg.window_bytes}
+    transport = transport.model_copy(update={k: v for k, v in window.items() if v is not None})
     config = RefitProducerConfig(
         producer=ProducerProcessConfig(
             host="0.0.0.0",  # noqa: S104 - its own namespace, reached over the control veth

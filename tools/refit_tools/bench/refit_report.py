@@ -39,6 +39,12 @@ DEFINITIONS = {
     "speedup_over_limit": "speedup / link_limit: how close the run is to what the link allows",
     "finalization_s": "every receiver's completion ACK reached the coordinator .. t1 "
     "(compare-and-set commit + baseline update)",
+    "startup_s": "t0 .. the first payload submitted to the transport",
+    "drain_s": "the last root ACK .. every receiver's completion ACK",
+    "median_payload_s": "the median payload's wire size x transport_span_s / the bytes of every "
+    "payload: how long the median payload takes at the stream's pace",
+    "startup_over_payload": "startup_s / median_payload_s",
+    "drain_over_payload": "drain_s / median_payload_s",
 }
 
 
@@ -52,6 +58,9 @@ def summarize(
         *("startup_s", "transport_span_s", "drain_s"),
     )
     out: dict[str, Any] = {k: statistics.fmean(float(r[k]) for r in runs) for k in keys}
+    for k in ("median_payload_s", "startup_over_payload", "drain_over_payload"):
+        got = [float(r[k]) for r in runs if r.get(k) is not None]
+        out[k] = statistics.fmean(got) if len(got) == len(runs) else None
     busy = [r["link_busy_share"] for r in runs]
     out["link_busy_share"] = None if None in busy else statistics.fmean(busy)
     out["v_payload_bytes"] = round(out["v_payload_bytes"])

@@ -32,7 +32,7 @@ from refit_sidecar.codec.records import Item, Op, TensorMeta
 from refit_sidecar.codec.wire import CODEC_VERSION, DecodedPayload, EncodedPayload, PayloadHeader
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
 from refit_sidecar.transport.relay import tree
-from refit_sidecar.transport.relay.config import DealerConfig
+from refit_sidecar.transport.relay.config import RootDealerConfig
 from refit_sidecar.transport.relay.frames import DATA, FrameMeta
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from refit_sidecar.transport.s3 import S3Config, S3Fetcher, make_client, upload_payload
@@ -110,7 +110,7 @@ def _relay_round(
     nodes.each(lambda u: nodes.post(u, "/prewarm", PrewarmRequest(metas=metas)))
     t = RelayTransport(
         RelayTransportConfig(
-            root=nodes.relays[0], token=SecretStr(nodes.token), client=DealerConfig()
+            root=nodes.relays[0], token=SecretStr(nodes.token), client=RootDealerConfig()
         )
     )
 
@@ -203,7 +203,8 @@ DEFINITIONS = {
     "processes and the same tree (no checks, no staging): first send until every bare node "
     "received every frame; measured in the same run",
     "hop_ratio": "bare_delivery_s / delivery_s: the share of the socket's ceiling the relay keeps",
-    "per_payload_ms": "time per payload of a stream of 1 KiB payloads (window 4)",
+    "per_payload_ms": "time per payload of a stream of 1 KiB payloads (the product's default "
+    "send window)",
     "tree_depth": "hops from the producer to the deepest node of the balanced binary tree",
     "hop_gb_s": "with 1 node only: unique_gb_s, one relay hop's throughput",
 }

@@ -40,6 +40,17 @@ class DealerConfig(BaseModel):
     connect_timeout_s: float = Field(default=10.0, gt=0, description="TCP connect timeout.")
 
 
+class RootDealerConfig(DealerConfig):
+    """A producer's hop to its root relay: the link between the clusters, so a wider window."""
+
+    window: int = Field(
+        default=16,
+        ge=1,
+        description="Frames sent and not yet answered (not below the transport's "
+        "`max_in_flight`: the frames past it wait in the producer).",
+    )
+
+
 class RelayConfig(BaseModel):
     """One node's place in the relay tree."""
 

@@ -1,11 +1,13 @@
 """The producer side of the ZeroMQ relay tree: `Transport` over one DEALER to the assigned root.
 
 Each payload is sent once to the root relay, which stages it and forwards it down the tree; the
-root's staged ACK completes the send. Up to `max_in_flight` payloads are on the wire at once, so
-payload N+1 travels while N is being validated. `send` blocks while the window is full (the
-pipeline's backpressure) and raises the first delivery error of the attempt. `stop_and_wait`
-drains the window and, when every payload was acknowledged, announces the stream end (the
-producer's total) so receivers know its declared order is complete.
+root's staged ACK completes the send. Up to `max_in_flight` payloads, and past the first two up
+to `window_bytes`, are on the wire at once (`window.py`: a window that holds the link's
+bandwidth-delay product keeps a long link busy), so payload N+1 travels while N is validated.
+`send` blocks while the window is full (the pipeline's backpressure) and raises the first
+delivery error of the attempt. `stop_and_wait` drains the window and, when every payload was
+acknowledged, announces the stream end (the producer's total) so receivers know its declared
+order is complete.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Any
 
 import structlog
 import zmq
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from refit_protocol.kit.tokens import TokenRing
+from refit_protocol.sizes import ByteSize
 from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.transport.base import SendInterval, SendObserver, TransportSummary
-from refit_sidecar.transport.relay.config import DealerConfig
+from refit_sidecar.transport.relay.config import DealerConfig, RootDealerConfig
 from refit_sidecar.transport.relay.dealer import RelayDealer
 from refit_sidecar.transport.relay.frames import FrameMeta
 from refit_sidecar.transport.window import AttemptSends, SendWindow
@@ -42,13 +45,30 @@ class RelayTransportConfig(BaseModel):
         description="This producer's id, for the stream-end mark of an attempt that sent no "
         "payload (otherwise taken from the payload headers).",
     )
-    max_in_flight: int = Field(default=2, ge=1, description="Payloads sent and not yet staged.")
+    max_in_flight: int = Field(
+        default=16, ge=1, description="Payloads sent and not yet staged by the root, at most."
+    )
+    window_bytes: ByteSize = Field(
+        default=128 << 20,
+        gt=0,
+        description="Bytes sent and not yet staged by the root (two payloads are always "
+        "allowed, however large). Size it to the link's bandwidth-delay product: 10 Gbit/s "
+        "with a 100 ms round trip is 125 MB. The producer holds these bytes in memory.",
+    )
     stop_timeout_s: float = Field(
         default=60.0, gt=0, description="How long stop_and_wait waits for outstanding ACKs."
     )
-    client: DealerConfig = Field(
-        default_factory=DealerConfig, description="Window and retries of the sends to the root."
+    client: RootDealerConfig = Field(
+        default_factory=RootDealerConfig, description="Window and retries of the sends to the root."
     )
+
+    @field_validator("client", mode="before")
+    @classmethod
+    def _root_hop_defaults(cls, value: Any) -> Any:
+        """A plain `DealerConfig` keeps what it sets; the rest takes the root hop's defaults."""
+        if isinstance(value, DealerConfig) and not isinstance(value, RootDealerConfig):
+            return value.model_dump(exclude_unset=True)
+        return value
 
 
 class RelayTransport:
@@ -75,7 +95,7 @@ class RelayTransport:
             context=context,
             name="zmq-producer",
         )
-        self._window = SendWindow(config.max_in_flight)
+        self._window = SendWindow(config.max_in_flight, config.window_bytes)
 
     # -- Transport --------------------------------------------------------------------------------
     def send(self, attempt: str, payload: EncodedPayload) -> None:
@@ -116,7 +136,7 @@ class RelayTransport:
     def _settled(self, meta: FrameMeta, submitted: float, fut: Future[Any]) -> None:
         settled = time.monotonic()
         exc = fut.exception()
-        self._window.settle(meta.attempt, exc)
+        self._window.settle(meta.attempt, exc, meta.size)
         if self._observer is not None:
             self._observer(
                 SendInterval(
