@@ -12,6 +12,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from refit_protocol.transports import TRANSPORT_KINDS, ZMQ
 from tests.harness.kube import KubeCluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,3 +188,18 @@ def test_every_schema_field_is_described() -> None:
     done, total = counts["refitpolicies"]
     assert total > 50, counts  # the walk reached the nested spec and status fields
     assert done >= total, counts  # 100%: every RefitPolicy field, spec and status
+
+
+def test_the_policys_transport_enum_is_the_protocols_kinds() -> None:
+    """`spec.transport` accepts exactly the kinds every layer names (`refit_protocol.transports`):
+    a kind added to the protocol and not to the CRD (or the reverse) fails here, not in a
+    user's `kubectl apply`."""
+    (policy,) = [
+        d for d in (yaml.safe_load(p.read_text()) for p in CRD_FILES)
+        if d["spec"]["names"]["kind"] == "RefitPolicy"
+    ]  # fmt: skip
+    (version,) = policy["spec"]["versions"]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    transport = spec["properties"]["transport"]
+    assert transport["enum"] == list(TRANSPORT_KINDS)
+    assert transport["default"] == ZMQ

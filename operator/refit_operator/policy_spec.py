@@ -16,6 +16,7 @@ from pydantic.alias_generators import to_camel
 from refit_operator.transition_types import CoordinatorConfig
 from refit_protocol.producer_api import StreamSettings
 from refit_protocol.sizes import AUTO, SizeOrAuto
+from refit_protocol.transports import TransportKind
 
 
 class _Spec(BaseModel):
@@ -91,7 +92,7 @@ class PolicySpec(_Spec):
     selector: Selectors = Field(default_factory=Selectors)
     producers: int = Field(1, ge=1)
     token_secret: SecretKeyRef
-    transport: Literal["zmq", "s3"] = "zmq"
+    transport: TransportKind = "zmq"
     s3: S3Spec | None = None
     encoding: EncodingSpec = Field(default_factory=EncodingSpec)
     chunk_bytes: SizeOrAuto = AUTO  # auto: sized from the checkpoint (baseline/sizing.py)

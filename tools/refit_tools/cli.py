@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from refit_protocol.transports import TRANSPORT_KINDS
 from refit_tools.plan.command import plan
 
 #: Exit codes of the benches.
@@ -65,7 +66,7 @@ def commands() -> None:
 )
 @click.option(
     "--transport",
-    type=click.Choice(["zmq", "s3"]),
+    type=click.Choice(TRANSPORT_KINDS),
     default="zmq",
     show_default=True,
     help="Payload path: the ZeroMQ relay tree, or S3 (starts a local SeaweedFS server).",

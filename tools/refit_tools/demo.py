@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from refit_protocol.transports import TRANSPORT_KINDS
+
 PROMPTS = [[1, 5, 9, 33], [1, 7, 7, 7, 100], [1, 400, 3, 2, 17, 250]]
 
 
@@ -113,8 +115,8 @@ def run_demo(
     `verify_every` K: after every K-th commit, `kuberefit verify` audits every node against the
     committed checkpoint (the engines' own loaders in compare mode; nothing is written).
     """
-    if transport not in ("zmq", "s3"):
-        raise ValueError(f"unknown transport {transport!r} (zmq or s3)")
+    if transport not in TRANSPORT_KINDS:
+        raise ValueError(f"unknown transport {transport!r} ({' or '.join(TRANSPORT_KINDS)})")
     return asyncio.run(
         _run(steps, nodes, kill_receiver_every, verify_every, workdir, seed, transport, sync, say)
     )

@@ -6,15 +6,16 @@
 - `window`: the send window both share; `selector`: a producer's transport per attempt.
 
 `make(kind, config)` is the registry: "zmq" (`RelayTransportConfig`) or "s3"
-(`S3TransportConfig`). Both kinds are imported only when made, so importing this package pulls
-in neither pyzmq nor boto3.
+(`S3TransportConfig`), the names `refit_protocol.transports` spells for every layer. Both kinds
+are imported only when made, so importing this package pulls in neither pyzmq nor boto3.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from refit_protocol.kit.tokens import TokenRing
+from refit_protocol.transports import TRANSPORT_KINDS, TransportKind
 from refit_sidecar.transport.base import SendObserver, Transport, TransportSummary
 
 if TYPE_CHECKING:
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = ["KINDS", "Kind", "SendObserver", "Transport", "TransportSummary", "make"]
 
-Kind = Literal["zmq", "s3"]
-KINDS: tuple[Kind, ...] = ("zmq", "s3")
+Kind = TransportKind
+KINDS: tuple[Kind, ...] = TRANSPORT_KINDS
 
 
 def make(

@@ -51,7 +51,7 @@ def test_help_explains_every_input() -> None:
         (["--change-rate", "0"], "--change-rate", "above 0"),
         (["--change-rate", "-3%"], "--change-rate", "above 0"),
         (["--change-rate", "lots"], "--change-rate", "not a change rate"),
-        (["--transport", "carrier-pigeon"], "--transport", "relay"),
+        (["--transport", "carrier-pigeon"], "--transport", "zmq"),
         (["--model-bytes", "-5GB"], "--model-bytes", "size"),
         (["--model-bytes", "0"], "--model-bytes", "positive"),
         (["--producers", "0"], "--producers", "1"),
@@ -469,7 +469,7 @@ def test_relay_hop_rate_is_for_the_relay_tree(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2, result.output
     assert "'--relay-hop-rate'" in result.output
-    assert "give it with --transport relay" in result.output
+    assert "give it with --transport zmq" in result.output
 
 
 def test_fitted_figures_say_they_are_fitted() -> None:
@@ -535,3 +535,14 @@ def test_json_figures_carry_values_in_the_unit_they_name() -> None:
     table = run(*BASE, "--intra-link", "25Gbit/s", "--chunk-size", "64MiB").output
     assert re.search(r"cross-cluster link\s+10 Gbit/s", table)
     assert re.search(r"export chunk\s+64MiB", table)
+
+
+def test_the_transport_is_named_as_a_policy_names_it_and_relay_still_works() -> None:
+    """`--transport zmq` as in a RefitPolicy's spec.transport; `relay`, the plan's former name
+    for it, gives the same projection and is reported as zmq."""
+    zmq, relay = (
+        json.loads(run(*BASE, "--transport", t, "--json").output) for t in ("zmq", "relay")
+    )
+    assert zmq == relay
+    (shown,) = [f["value"] for f in zmq["figures"] if f["name"] == "transport"]
+    assert shown == "zmq"

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from click.core import ParameterSource
 
+from refit_protocol.transports import ALIASES, TRANSPORT_KINDS
 from refit_tools.plan.files import MAX_INPUT_DEPTH, MAX_INPUT_FILE_BYTES, MAX_INPUT_NUMBER_CHARS
 from refit_tools.plan.units import (
     LINK_BOUNDS_TEXT,
@@ -178,11 +179,12 @@ def _count(_ctx: click.Context, param: click.Parameter, value: str) -> int:
 )
 @click.option(
     "--transport",
-    type=click.Choice(["relay", "s3"]),
-    default="relay",
+    type=click.Choice([*TRANSPORT_KINDS, *ALIASES]),
+    default="zmq",
     show_default=True,
-    help="Payload path: the ZeroMQ relay tree (each payload crosses once), or S3 (every "
-    "node's download crosses; needs an S3 transport bench result in the calibration).",
+    help="Payload path, named as a RefitPolicy's spec.transport: zmq, the ZeroMQ relay tree "
+    "(each payload crosses once; `relay` is its former name here), or s3 (every node's "
+    "download crosses; needs an S3 transport bench result in the calibration).",
 )
 @click.option(
     "--chunk-size",
@@ -366,7 +368,7 @@ def plan(
         )
     if transport == "s3" and relay_hop_rate is not None:
         raise click.BadParameter(
-            "it sets the relay tree's hop throughput: give it with --transport relay",
+            "it sets the relay tree's hop throughput: give it with --transport zmq",
             param_hint="'--relay-hop-rate'",
         )
     chunk_bytes, bucket_bytes, _ = product_sizes(
@@ -386,7 +388,7 @@ def plan(
         intra_bytes_s=intra_link,
         chunk_bytes=chunk_bytes,
         bucket_bytes=bucket_bytes,
-        transport="s3" if transport == "s3" else "relay",
+        transport=ALIASES.get(transport, "s3" if transport == "s3" else "zmq"),
         last_tensor_bytes=size.last_tensor_bytes,
         first_tensor_bytes=size.first_tensor_bytes,
         regions=(

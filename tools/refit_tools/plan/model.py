@@ -44,9 +44,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
-Transport = Literal["relay", "s3"]
+from refit_protocol.transports import TransportKind
+
+Transport = TransportKind
 #: Stage names, in pipeline order (S3 adds "upload"; its "fan-out" is every node's download;
 #: a deployment on shared cores adds "shared CPU").
 STAGES = ("construction", "upload", "cross-cluster", "fan-out", "apply", "shared CPU")
@@ -70,7 +71,7 @@ class Deployment:
     #: product's `auto`).
     chunk_bytes: int
     bucket_bytes: int
-    transport: Transport = "relay"
+    transport: Transport = "zmq"
     #: Size of the last tensor in export order (the output head), when known: its payload is
     #: applied after the last send, however small the buckets.
     last_tensor_bytes: int | None = None
@@ -217,7 +218,7 @@ def project(d: Deployment, k: Constants) -> Breakdown:
     hop_bound: dict[str, str] = {}
     stages: dict[str, float] = {"construction": construction}
     relay_cpu = 0.0  # each node's receive at the relay hop's pace (shared cores only)
-    if d.transport == "relay":
+    if d.transport == "zmq":
         hop = _min_rate(d.intra_bytes_s, k.hop_bytes_s)
         cross_link = _per(v * k.link_overhead, d.cross_bytes_s)
         # One producer's flow to its relay root also passes a relay hop (the root's receive).
@@ -277,7 +278,7 @@ def project(d: Deployment, k: Constants) -> Breakdown:
         v_payload_bytes=v,
         cross_bytes=cross_bytes,
         payloads=n_p * p,
-        tree_depth=depth if d.transport == "relay" else 1,
+        tree_depth=depth if d.transport == "zmq" else 1,
         stages=stages,
         bound=bound,
         startup_s=k.startup_fixed_s + first / k.construction_bytes_s,

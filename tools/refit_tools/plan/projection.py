@@ -72,12 +72,12 @@ def plan(
         )
     breakdown = project(d, constants)
     notes = notes + breakdown.notes
-    if d.transport == "relay" and constants.hop_bytes_s is None:
+    if d.transport == "zmq" and constants.hop_bytes_s is None:
         notes.append(
             "fan-out: relay hop throughput and per-payload cost assumed unlimited (no transport "
             "bench result); only the intra-cluster link rate bounds it"
         )
-    if d.transport == "relay" and relay_hop_bytes_s is None and breakdown.hop_bound:
+    if d.transport == "zmq" and relay_hop_bytes_s is None and breakdown.hop_bound:
         notes.append(_hop_note(breakdown.hop_bound, calibration, constants.hop_bytes_s))
     if d.transport == "s3":
         notes.append("s3: start-up, drain and finalization come from relay-tree refit runs")

@@ -206,7 +206,7 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
         else "assumed: no CPU-bound bench refit run",
         kind=cal.apply.kind,
     )
-    if d.transport == "relay":
+    if d.transport == "zmq":
         if "relay_hop" in ctx.overridden:
             assert k.hop_bytes_s is not None
             out.append(

@@ -114,7 +114,7 @@ def bench_deployment(result: Mapping[str, Any], rate: float) -> Deployment:
         intra_bytes_s=None,
         chunk_bytes=sizes.chunk_bytes,
         bucket_bytes=sizes.bucket_bytes,
-        transport="relay",
+        transport="zmq",
         last_tensor_bytes=bench_last_tensor_bytes(result),
         regions=bench_regions(result, sizes.chunk_bytes, sizes.bucket_bytes),
         shared_cpus=cpus,
