@@ -414,13 +414,13 @@ def test_the_element_width_follows_the_dtype(tmp_path: Path) -> None:
 
 HOP_NOTE = (
     "note: fan-out and the full-checkpoint reference are bounded by the relay hop measured on "
-    "the 2-CPU bench machine (0.468 GB/s), not by --intra-link; give --relay-hop-rate for your "
+    "the 2-CPU bench machine (0.589 GB/s), not by --intra-link; give --relay-hop-rate for your "
     "hosts"
 )
 
 
 def test_a_relay_hop_that_bounds_fan_out_is_said(tmp_path: Path) -> None:
-    """At 100 Gbit/s inside the cluster the bench VM's loopback relay hop (~0.47 GB/s), not the
+    """At 100 Gbit/s inside the cluster the bench VM's loopback relay hop (~0.59 GB/s), not the
     link, bounds fan-out and the full-checkpoint reference: a note says so, and
     --relay-hop-rate replaces it (an input)."""
     result = run(*BASE)
