@@ -12,7 +12,8 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from refit_protocol.transports import TRANSPORT_KINDS, ZMQ
+from refit_operator.policy_spec import PolicySpec
+from refit_protocol.transports import TRANSPORT_KINDS
 from tests.harness.kube import KubeCluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -202,4 +203,4 @@ def test_the_policys_transport_enum_is_the_protocols_kinds() -> None:
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     transport = spec["properties"]["transport"]
     assert transport["enum"] == list(TRANSPORT_KINDS)
-    assert transport["default"] == ZMQ
+    assert transport["default"] == PolicySpec.model_fields["transport"].default

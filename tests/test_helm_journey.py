@@ -43,6 +43,7 @@ import pytest
 import yaml
 from kubernetes import client
 
+from refit_operator.injection.config import SidecarPorts
 from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
 from refit_sidecar.vllm.bundle import install as install_bundle
 from refit_tools.local.nodes import vllm_rpc
@@ -1019,15 +1020,24 @@ def _verify(j: Journey, leader: LocalPod, version: int) -> list[dict[str, Any]]:
     return list(answer["answer"]["ranks"])
 
 
-def _finished(j: Journey, version: int) -> dict[str, Any]:
-    """The status of the policy's RefitTransition to `version` once it says Committed (its
-    status is written after the commit record moved)."""
-
-    def status() -> dict[str, Any]:
+def _transition_status(j: Journey, version: int) -> dict[str, Any]:
+    """The status of the policy's RefitTransition to `version` ({} while it does not exist)."""
+    try:
         found = j.custom.get_namespaced_custom_object(
             "refit.kuberefit.io", "v1alpha1", j.ns, "refittransitions", f"alpha-v{version:06d}"
         )
-        st = dict(found.get("status") or {})
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return {}
+        raise
+    return dict(found.get("status") or {})
+
+
+def _finished(j: Journey, version: int) -> dict[str, Any]:
+    """That status once it says Committed (it is written after the commit record moved)."""
+
+    def status() -> dict[str, Any]:
+        st = _transition_status(j, version)
         return st if st.get("phase") == "Committed" else {}
 
     return wait_for(f"alpha-v{version:06d} Committed", status, timeout=60)
@@ -1121,37 +1131,20 @@ def test_a_leader_worker_set_server_refitted_through_the_operator(journey: Journ
     # was prepared for is admitted and streaming, and cannot finish, when it dies. The attempt
     # fails for the whole server; the restarted receiver rejoins and the overwrite retry commits.
     assert worker.address is not None
-    nft = [*worker.address.exec_prefix, "nft"]
-    subprocess.run([*nft, "add", "table", "inet", "stall"], check=True)
-    subprocess.run(
-        [*nft, "add", "chain", "inet", "stall", "in", "{ type filter hook input priority 0; }"],
-        check=True,
-    )
-    subprocess.run(
-        [*nft, "add", "rule", "inet", "stall", "in", "tcp", "dport", "8472", "drop"], check=True
-    )
-    (release / "2").touch()
 
     def admitted_not_staged() -> bool:
         """The attempt streams (admitted: a retry must overwrite) and the worker, cut off from
         its relay parent, has staged nothing of it."""
-        try:
-            t = j.custom.get_namespaced_custom_object(
-                "refit.kuberefit.io", "v1alpha1", j.ns, "refittransitions", "alpha-v000002"
-            )
-        except client.ApiException as exc:
-            if exc.status == 404:  # not created yet
-                return False
-            raise
-        if (t.get("status") or {}).get("phase") != "Streaming":
+        if _transition_status(j, 2).get("phase") != "Streaming":
             return False
         s = _receiver_status(worker, j.token)
         assert s["staged"] == 0 or not str(s["attempt"]).startswith("alpha-v2-"), s
         return str(s["attempt"]).startswith("alpha-v2-")
 
-    wait_for("v2 streaming, not yet staged by the worker", admitted_not_staged, timeout=120)
-    j.kubelet.restart(worker, "kuberefit-sidecar")
-    subprocess.run([*nft, "delete", "table", "inet", "stall"], check=True)
+    with worker.address.dropping(SidecarPorts().relay):  # the chart's relay port
+        (release / "2").touch()
+        wait_for("v2 streaming, not yet staged by the worker", admitted_not_staged, timeout=120)
+        j.kubelet.restart(worker, "kuberefit-sidecar")
     wait_for("v2 committed", lambda: j.committed() >= 2, timeout=400)
     status = _finished(j, 2)
     assert status["attempt"] >= 2, status

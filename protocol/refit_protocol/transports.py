@@ -12,11 +12,9 @@ from __future__ import annotations
 from typing import Final, Literal, get_args
 
 TransportKind = Literal["zmq", "s3"]
-ZMQ: Final = "zmq"
-S3: Final = "s3"
 #: Every kind, in the order help texts list them.
 TRANSPORT_KINDS: tuple[TransportKind, ...] = get_args(TransportKind)
 #: Earlier names still accepted where users typed them (the plan's `--transport relay`).
 ALIASES: Final[dict[str, TransportKind]] = {"relay": "zmq"}
 
-__all__ = ["ALIASES", "S3", "TRANSPORT_KINDS", "ZMQ", "TransportKind"]
+__all__ = ["ALIASES", "TRANSPORT_KINDS", "TransportKind"]

@@ -9,9 +9,11 @@ Needs root, iproute2 and util-linux. `close()` removes the namespaces and the br
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,12 +30,25 @@ class PodAddress:
 
     ns: str
     ip: str
-    host_dev: str  # its veth's end on the bridge (what `tc` shapes to slow traffic to the pod)
     dev: str = "eth0"
 
     @property
     def exec_prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.ns]
+
+    @contextlib.contextmanager
+    def dropping(self, port: int) -> Iterator[None]:
+        """While inside: the pod drops TCP arriving at `port` (an nftables rule in its
+        namespace), so what streams to it stalls instead of arriving late. Needs nftables."""
+        nft = [*self.exec_prefix, "nft"]
+        _run(*nft, "add", "table", "inet", "kr-drop")
+        try:
+            hook = "{ type filter hook input priority 0; }"
+            _run(*nft, "add", "chain", "inet", "kr-drop", "in", hook)
+            _run(*nft, "add", "rule", "inet", "kr-drop", "in", "tcp", "dport", str(port), "drop")
+            yield
+        finally:
+            _run(*nft, "delete", "table", "inet", "kr-drop")
 
 
 @dataclass
@@ -88,7 +103,7 @@ class PodNetwork:
             raise
         self._names[ns] = (ip, list(names or []))
         self._write_hosts()
-        return PodAddress(ns, ip, outer)
+        return PodAddress(ns, ip)
 
     def remove(self, address: PodAddress) -> None:
         """Delete the pod's namespace (its veth goes with it) and its names."""

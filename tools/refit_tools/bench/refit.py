@@ -282,6 +282,11 @@ def median_payload_s(intervals: Sequence[Sequence[Any]], span_s: float) -> float
     return float(statistics.median(sizes)) * span_s / total
 
 
+def _given(**settings: Any) -> dict[str, Any]:
+    """The settings the bench was given (None: leave the product's default)."""
+    return {k: v for k, v in settings.items() if v is not None}
+
+
 def _in_payload_times(row: dict[str, Any]) -> str:
     if row["startup_over_payload"] is None:
         return ""
@@ -558,9 +563,8 @@ def _start_producer(
         # ACK deadlines sized for the emulated link: a payload may queue behind another.
         stop_timeout_s=60 + 8 * max(cfg.reference_payload_bytes, sizes.bucket_bytes) / rate,
         client=RootDealerConfig(min_bandwidth_bytes_s=rate / 4),
+        **_given(max_in_flight=cfg.max_in_flight, window_bytes=cfg.window_bytes),
     )
-    window = {"max_in_flight": cfg.max_in_flight, "window_bytes": cfg.window_bytes}
-    transport = transport.model_copy(update={k: v for k, v in window.items() if v is not None})
     config = RefitProducerConfig(
         producer=ProducerProcessConfig(
             host="0.0.0.0",  # noqa: S104 - its own namespace, reached over the control veth

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import click
 from click.core import ParameterSource
 
-from refit_protocol.transports import ALIASES, TRANSPORT_KINDS
+from refit_protocol.transports import ALIASES, TRANSPORT_KINDS, TransportKind
 from refit_tools.plan.files import MAX_INPUT_DEPTH, MAX_INPUT_FILE_BYTES, MAX_INPUT_NUMBER_CHARS
 from refit_tools.plan.units import (
     LINK_BOUNDS_TEXT,
@@ -388,7 +388,7 @@ def plan(
         intra_bytes_s=intra_link,
         chunk_bytes=chunk_bytes,
         bucket_bytes=bucket_bytes,
-        transport=ALIASES.get(transport, "s3" if transport == "s3" else "zmq"),
+        transport=cast(TransportKind, ALIASES.get(transport, transport)),
         last_tensor_bytes=size.last_tensor_bytes,
         first_tensor_bytes=size.first_tensor_bytes,
         regions=(
