@@ -36,6 +36,7 @@ from refit_sidecar.codec import (
     decode_payload,
 )
 from refit_sidecar.pipeline import Bucketer, PipelineConfig, PipelineError, ProducerPipeline
+from refit_sidecar.pipeline.parts import unit_bytes
 from refit_sidecar.transport import Transport, TransportSummary
 from tests.harness.exports import Export, flip_bits, random_export
 from tests.harness.s3_payloads import S3Delivery
@@ -243,7 +244,7 @@ def _counting(
 
 def test_slow_transport_bounds_memory_and_overlaps_sending_with_compare() -> None:
     v0 = _export(n=40)
-    v1 = _update(v0, rate=0.3, keep_every=0)  # every chunk has records: one payload each
+    v1 = _update(v0, rate=0.3, keep_every=0)  # every chunk has records: one payload per unit
     [b] = _baselines(v0)
     chunks = list(chunk_export(v1, LIMIT))
     pulled: list[int] = []
@@ -259,7 +260,9 @@ def test_slow_transport_bounds_memory_and_overlaps_sending_with_compare() -> Non
     tr.send = send  # type: ignore[method-assign]
     cfg = PipelineConfig(compare_workers=2, bucket_bytes=1, max_chunks_in_flight=2, payload_queue=1)
     m = ProducerPipeline(b, tr, cfg).run("a1", _counting(chunks, pulled, pulled_at))
-    assert m.payloads == len(chunks)
+    # One payload per chunk, and per part of a tensor above the chunk limit.
+    sizes = [[t.numel() * t.element_size() for _, t in c.tensors] for c in chunks]
+    assert m.payloads == sum(len(unit_bytes(s, LIMIT)) for s in sizes) > len(chunks)
     # Held chunks: the queue, one waiting to be queued, one being coalesced.
     assert m.max_chunks_held <= cfg.max_chunks_in_flight + 2
     # Chunks taken from the export but not yet sent stay bounded by the stage sizes.

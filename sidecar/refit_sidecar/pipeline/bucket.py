@@ -3,6 +3,8 @@
 A bucket counts the full input size of each chunk that has records; a chunk without records adds
 nothing (the bucket continues past it). A bucket is closed before a chunk that would push it past
 the target, and as soon as it reaches the target, so a chunk larger than the target travels alone.
+It is also closed before a part of a tensor (`parts`) whose tensor it already holds: a payload
+names a tensor once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class Bucket:
     chunks: list[int] = field(default_factory=list)
     nbytes: int = 0
     items: list[PreparedItem] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)
 
 
 class Bucketer:
@@ -32,7 +35,7 @@ class Bucketer:
         self._current = Bucket()
 
     def add(self, delta: ChunkDelta, prepared: list[PreparedItem] | None = None) -> list[Bucket]:
-        """Add one chunk's records (optionally already prepared for the wire).
+        """Add one chunk's records, or one part's (optionally already prepared for the wire).
 
         Returns the buckets this closed (zero, one or two).
         """
@@ -40,11 +43,15 @@ class Bucketer:
             return []
         closed: list[Bucket] = []
         cur = self._current
-        if cur.chunks and cur.nbytes + delta.nbytes > self.target:
+        names = {item.meta.name for item in delta.items}
+        if cur.chunks and (
+            cur.nbytes + delta.nbytes > self.target or not names.isdisjoint(cur.names)
+        ):
             closed.append(cur)
             cur = self._current = Bucket()
         cur.chunks.append(delta.index)
         cur.nbytes += delta.nbytes
+        cur.names |= names
         cur.items.extend(prepared if prepared is not None else map(prepare_item, delta.items))
         if cur.nbytes >= self.target:
             closed.append(cur)

@@ -17,8 +17,17 @@ class PipelineConfig(BaseModel):
     bucket_bytes: SizeOrAuto = Field(
         default=AUTO,
         description="Bucket target: input bytes of the chunks (with records) coalesced into one "
-        "payload. Chunks are never split, so a bucket can exceed it. `auto`: one chunk (the "
-        "export chunk limit in effect), so payloads keep the pipeline overlapped.",
+        "payload. Only tensors above `split_bytes` are cut, so a bucket can exceed it. `auto`: "
+        "one chunk (the export chunk limit in effect), so payloads keep the pipeline "
+        "overlapped.",
+    )
+    split_bytes: SizeOrAuto = Field(
+        default=AUTO,
+        description="A changed tensor larger than this travels as several payloads: its "
+        "changes are cut into flat element ranges of at most this many bytes of the tensor, "
+        "coalesced like chunks, so a large first or last tensor (the embedding, the output "
+        "head) does not delay the stream's start or drain. `auto`: the export chunk limit in "
+        "effect (a tensor above it is a chunk of its own), or the bucket target when larger.",
     )
     max_chunks_in_flight: int = Field(
         default=4,

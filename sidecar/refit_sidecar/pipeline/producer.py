@@ -1,5 +1,8 @@
 """The streaming producer pipeline: intake -> compare -> coalesce -> seal (zstd) -> send.
 
+A changed tensor larger than the split size is cut into parts after its compare
+(`parts.split_delta`), so it travels as several payloads.
+
 Every stage is a thread joined to the next by a bounded queue, so payload N is on the wire while
 later chunks are compared, and a slow transport stalls the export instead of piling up memory.
 With `compare_workers` > 1, chunks are compared and payloads sealed on that many threads; the
@@ -22,6 +25,7 @@ from typing import Any, TypeVar
 import structlog
 
 from refit_sidecar.baseline.chunks import ExportChunk
+from refit_sidecar.baseline.sizing import auto_split_bytes
 from refit_sidecar.baseline.source import ChunkDelta, SourceBaseline
 from refit_sidecar.codec.encode import PreparedItem, encode_payload, prepare_item
 from refit_sidecar.codec.records import Mode
@@ -29,10 +33,13 @@ from refit_sidecar.codec.wire import CODEC_VERSION, CodecConfig, EncodedPayload,
 from refit_sidecar.pipeline.bucket import Bucket, Bucketer
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.pipeline.metrics import PipelineMetrics
+from refit_sidecar.pipeline.parts import split_delta
 from refit_sidecar.transport.base import Transport
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+#: What the bucketer coalesces: a chunk's delta, or one part of it, with its items prepared.
+_Unit = tuple[ChunkDelta, list[PreparedItem]]
 _END = object()
 _POLL_S = 0.05
 
@@ -124,6 +131,13 @@ class ProducerPipeline:
         bucket = self.config.bucket_bytes
         #: The bucket target in effect (`auto`: the baseline's export chunk limit).
         self.bucket_bytes = bucket if isinstance(bucket, int) else baseline.chunk_bytes
+        split = self.config.split_bytes
+        #: The split size in effect (`sizing.auto_split_bytes` for `auto`).
+        self.split_bytes = (
+            split
+            if isinstance(split, int)
+            else auto_split_bytes(baseline.chunk_bytes, self.bucket_bytes)
+        )
 
     def run(
         self,
@@ -182,12 +196,15 @@ class ProducerPipeline:
         seal_pool = sealer if cfg.compare_workers > 1 else None
         held = _Gauge(metrics)
 
-        def timed_work(item: T) -> tuple[ChunkDelta, list[PreparedItem]]:
+        def timed_work(item: T) -> tuple[ChunkDelta, list[_Unit]]:
             t0 = time.perf_counter()
             delta = work(item, slice_pool)
-            prepared = [prepare_item(i) for i in delta.items]  # location encoding, in parallel
+            units = [  # location encoding, in parallel
+                (unit, [prepare_item(i) for i in unit.items])
+                for unit in split_delta(delta, self.split_bytes)
+            ]
             metrics.add_time("compare", time.perf_counter() - t0)
-            return delta, prepared
+            return delta, units
 
         stages = {
             "intake": lambda: self._intake(run, source, executor, timed_work, chunk_q, held),
@@ -235,7 +252,7 @@ class ProducerPipeline:
         run: _Run,
         source: Iterable[T],
         executor: ThreadPoolExecutor,
-        work: Callable[[T], tuple[ChunkDelta, list[PreparedItem]]],
+        work: Callable[[T], tuple[ChunkDelta, list[_Unit]]],
         chunk_q: queue.Queue[Any],
         held: _Gauge,
     ) -> None:
@@ -259,7 +276,7 @@ class ProducerPipeline:
         bucketer = Bucketer(self.bucket_bytes)
         m = run.metrics
         while (fut := run.get(chunk_q)) is not _END:
-            delta, prepared = run.outcome(fut, "compare")
+            delta, units = run.outcome(fut, "compare")
             held.dec()
             t0 = time.perf_counter()
             with m.lock:
@@ -268,7 +285,7 @@ class ProducerPipeline:
                 m.total_elements += delta.total_elements
                 m.changed_elements += delta.changed_elements
                 m.items += len(delta.items)
-            closed = bucketer.add(delta, prepared)
+            closed = [bucket for unit, prepared in units for bucket in bucketer.add(unit, prepared)]
             m.add_time("coalesce", time.perf_counter() - t0)
             for bucket in closed:
                 run.put(bucket_q, bucket)

@@ -167,12 +167,14 @@ def build(
         config.pipeline.bucket_bytes,
         total_bytes=total_bytes,
         producers=config.producers,
+        split=config.pipeline.split_bytes,
     )
     log.info(
         "producer.sizes",
         producer=config.producer,
         export_chunk_bytes=sizes.chunk_bytes,
         bucket_bytes=sizes.bucket_bytes,
+        split_bytes=sizes.split_bytes,
         rule=sizes.rule,
     )
     template = config.transport.model_copy(update={"producer": config.producer})

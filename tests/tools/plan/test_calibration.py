@@ -257,8 +257,9 @@ def test_curves_interpolate_and_flag_extrapolation() -> None:
 
 def test_bench_regions_are_the_payloads_the_runs_sent() -> None:
     """The payload regions rebuilt from a run's tensor layout and sizes give the payload count
-    each of its transitions recorded, and cover H."""
-    for path in _refit_files():
+    each of its transitions recorded, and cover H: the calibration's runs and the A/B of large
+    tensors whole and in parts (`bench/results/parts`)."""
+    for path in [*_refit_files(), *sorted((RESULTS / "parts").glob("refit-2*.json"))]:
         result = json.loads(path.read_text())
         for _, rate, row in cal.rate_rows(result):
             d = cal.bench_deployment(result, rate)

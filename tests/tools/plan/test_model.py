@@ -147,6 +147,12 @@ def test_regions() -> None:
     big = dataclasses.replace(small, chunk_bytes=256 * MIB, bucket_bytes=512 * MIB)
     assert first_region(big) == 512 * MIB
     assert first_region(dataclasses.replace(big, model_bytes=100 * MIB)) == 100 * MIB
+    # Split into parts (the producer's auto: the chunk limit), the head's last part is what
+    # the drain applies, and a large embedding no longer makes the first payload large.
+    split = dataclasses.replace(small, split_bytes=32 * MIB, first_tensor_bytes=125 * MIB)
+    assert last_region(split) == 32 * MIB
+    assert first_region(split) == 32 * MIB
+    assert first_region(dataclasses.replace(split, split_bytes=None)) == 125 * MIB
 
 
 def test_auto_sizes_are_the_producers() -> None:

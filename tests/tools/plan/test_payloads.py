@@ -1,7 +1,8 @@
 """The planner's payloads are the producer's: for a tensor layout, `producer_regions` gives each
 producer as many payloads as the real pipeline seals (every chunk changed), for producer counts,
-chunk limits (a tensor above the limit is a chunk of its own) and bucket sizes; and a Hugging
-Face config's estimated layout adds up to its H."""
+chunk limits (a tensor above the limit is a chunk of its own), bucket sizes and split sizes
+(a larger tensor travels in parts); and a Hugging Face config's estimated layout adds up to its
+H."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from refit_sidecar.baseline import BaselineConfig, SourceBaseline, chunk_export
 from refit_sidecar.baseline.chunks import chunk_bounds
+from refit_sidecar.baseline.sizing import auto_split_bytes
 from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.pipeline import PipelineConfig, ProducerPipeline
 from refit_sidecar.transport import TransportSummary
@@ -44,27 +46,41 @@ def shape(i: int, _: torch.Generator) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize(
-    ("producers", "chunk", "bucket"),
-    [(1, 4096, 4096), (1, 2048, 9000), (2, 4096, 6000), (3, 1024, 1), (2, 1 << 20, 1 << 30)],
+    ("producers", "chunk", "bucket", "split"),
+    [
+        (1, 4096, 4096, "auto"),
+        (1, 2048, 9000, "auto"),
+        (2, 4096, 6000, "auto"),
+        (3, 1024, 1, "auto"),
+        (2, 1 << 20, 1 << 30, "auto"),
+        (1, 4096, 4096, 1 << 30),  # every tensor whole
+        (2, 2048, 2048, 5000),
+    ],
 )
 def test_regions_count_the_payloads_the_pipeline_seals(
-    producers: int, chunk: int, bucket: int
+    producers: int, chunk: int, bucket: int, split: int | str
 ) -> None:
     v0 = random_export(20, 0, (torch.bfloat16, torch.float32), shape)
     v1 = flip_bits(v0, 1, 0.5)  # every tensor, so every chunk, changes
     sizes = [t.numel() * t.element_size() for _, t in v0]
-    expected = producer_regions(sizes, producers, chunk, bucket)
+    split_bytes = split if isinstance(split, int) else auto_split_bytes(chunk, bucket)
+    expected = producer_regions(sizes, producers, chunk, bucket, split_bytes)
+    if split == "auto" and max(sizes) > split_bytes:
+        assert sum(map(len, expected)) > sum(
+            map(len, producer_regions(sizes, producers, chunk, bucket))
+        )
     config = BaselineConfig(export_chunk_bytes=chunk, in_memory=True)
     for p in range(producers):
         baseline = SourceBaseline(producer=p, producers=producers, config=config)
         baseline.load_initial(chunk_export(v0, chunk))
         sink = CapturingTransport()
-        pipeline = ProducerPipeline(baseline, sink, PipelineConfig(bucket_bytes=bucket))
+        config_p = PipelineConfig(bucket_bytes=bucket, split_bytes=split)
+        pipeline = ProducerPipeline(baseline, sink, config_p)
         sealed = pipeline.run("a1", chunk_export(v1, chunk))
         assert sealed.payloads == len(expected[p]), (p, expected[p])
         owned = [chunk_bounds(sizes, chunk)[i] for i in baseline.owned_chunks]
         assert sum(expected[p]) == sum(sum(sizes[a:b]) for a, b in owned)
-    assert payload_regions(sizes, producers, chunk, bucket) == max(expected, key=sum)
+    assert payload_regions(sizes, producers, chunk, bucket, split_bytes) == max(expected, key=sum)
 
 
 def test_bucket_regions_close_as_the_bucketer_does() -> None:

@@ -136,6 +136,11 @@ class RefitBenchConfig(BaseModel):
     bucket_bytes: SizeOrAuto = Field(
         default=AUTO, description="Bucket target (payload granularity); auto: one chunk."
     )
+    split_bytes: SizeOrAuto = Field(
+        default=AUTO,
+        description="A changed tensor above this travels in parts; auto: the product's rule "
+        "(the chunk limit, or the bucket when larger).",
+    )
     compare_workers: int = Field(default=2, ge=1, description="Producer compare threads.")
     reference_payload_bytes: int = Field(
         default=16 * MIB, ge=1 << 16, description="Payload size of the full-checkpoint reference."
@@ -542,9 +547,14 @@ def _nominal(nbytes: int, link: Link) -> float | None:
 
 # ------------------------------------------------------------------------------------- processes
 def bench_sizes(cfg: RefitBenchConfig, workload: Workload) -> Sizes:
-    """The chunk and bucket sizes the bench's one producer uses (the product's rule for auto)."""
+    """The chunk, bucket and split sizes the bench's one producer uses (the product's rule
+    for auto)."""
     return resolve_sizes(
-        cfg.chunk_bytes, cfg.bucket_bytes, total_bytes=workload.nbytes, producers=1
+        cfg.chunk_bytes,
+        cfg.bucket_bytes,
+        total_bytes=workload.nbytes,
+        producers=1,
+        split=cfg.split_bytes,
     )
 
 
@@ -573,7 +583,9 @@ def _start_producer(
             baseline=BaselineConfig(directory=workdir, export_chunk_bytes=cfg.chunk_bytes),
             staging=None,
             pipeline=PipelineConfig(
-                bucket_bytes=cfg.bucket_bytes, compare_workers=cfg.compare_workers
+                bucket_bytes=cfg.bucket_bytes,
+                split_bytes=cfg.split_bytes,
+                compare_workers=cfg.compare_workers,
             ),
             transport=transport,
         ),

@@ -286,6 +286,7 @@ def plan(
     links, and the speedup. The model's constants come from a calibration fitted to the
     `kuberefit bench refit/codec/transport` result files (docs/performance.md).
     """
+    from refit_sidecar.baseline.sizing import auto_split_bytes
     from refit_tools.plan import calibration as cal_mod
     from refit_tools.plan import sizing
     from refit_tools.plan.model import Deployment
@@ -374,6 +375,7 @@ def plan(
     chunk_bytes, bucket_bytes, _ = product_sizes(
         size.model_bytes, producers, chunk_size, bucket_size
     )
+    split_bytes = auto_split_bytes(chunk_bytes, bucket_bytes)
     sizes_how = (
         "as given"
         if isinstance(chunk_size, int) and isinstance(bucket_size, int)
@@ -389,10 +391,11 @@ def plan(
         chunk_bytes=chunk_bytes,
         bucket_bytes=bucket_bytes,
         transport=cast(TransportKind, ALIASES.get(transport, transport)),
+        split_bytes=split_bytes,
         last_tensor_bytes=size.last_tensor_bytes,
         first_tensor_bytes=size.first_tensor_bytes,
         regions=(
-            payload_regions(size.tensor_bytes, producers, chunk_bytes, bucket_bytes)
+            payload_regions(size.tensor_bytes, producers, chunk_bytes, bucket_bytes, split_bytes)
             if size.tensor_bytes
             else None
         ),

@@ -72,6 +72,9 @@ class Deployment:
     chunk_bytes: int
     bucket_bytes: int
     transport: Transport = "zmq"
+    #: A changed tensor above this travels in parts (`refit_sidecar.pipeline.parts`); None: in
+    #: one payload (results measured before tensors were split).
+    split_bytes: int | None = None
     #: Size of the last tensor in export order (the output head), when known: its payload is
     #: applied after the last send, however small the buckets.
     last_tensor_bytes: int | None = None
@@ -172,21 +175,30 @@ def payload_count(d: Deployment) -> int:
     return payloads_per_producer(d.model_bytes, d.producers, d.bucket_bytes)
 
 
+def _whole(d: Deployment, tensor_bytes: int | None) -> int:
+    """Bytes of a tensor that travel in one payload: all of it, or a part when it is split."""
+    if tensor_bytes is None:
+        return 0
+    return tensor_bytes if d.split_bytes is None else min(tensor_bytes, d.split_bytes)
+
+
 def first_region(d: Deployment) -> float:
-    """Bytes of H compared before the first send: a bucket closes only on whole chunks (and a
-    tensor larger than the chunk limit is a chunk of its own)."""
+    """Bytes of H built before the first send: a bucket closes only on whole chunks (and a
+    tensor larger than the chunk limit is a chunk of its own), or on the first part of a split
+    tensor (whose compare covers the whole tensor, a small share of the build at ~4 GB/s)."""
     if d.regions:
         return float(d.regions[0])
     share = d.model_bytes / d.producers
-    return min(max(d.chunk_bytes, d.bucket_bytes, d.first_tensor_bytes or 0), share)
+    return min(max(d.chunk_bytes, d.bucket_bytes, _whole(d, d.first_tensor_bytes)), share)
 
 
 def last_region(d: Deployment) -> float:
-    """Bytes of H the last payload covers: a bucket, or the last tensor when that is larger."""
+    """Bytes of H the last payload covers: a bucket, or the last tensor (its last part when
+    split) when that is larger."""
     if d.regions:
         return float(d.regions[-1])
     share = d.model_bytes / d.producers
-    return min(max(min(d.bucket_bytes, share), d.last_tensor_bytes or 0), share)
+    return min(max(min(d.bucket_bytes, share), _whole(d, d.last_tensor_bytes)), share)
 
 
 def changed_elements(d: Deployment, nbytes: float) -> float:

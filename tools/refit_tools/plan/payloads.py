@@ -1,12 +1,13 @@
 """The payloads a producer really builds, from the checkpoint's tensor sizes in export order.
 
-The producer groups the export into chunks (`refit_sidecar.baseline.chunks`: a tensor is never
-split, so one larger than the limit is a chunk of its own), producer `p` owns chunks
-`i % W == p` (❶), and its `Bucketer` coalesces its chunks in order into payloads of about the
-bucket size. The planner projects with these regions (bytes of H per payload, in send order)
-instead of H / bucket whenever it knows the tensor layout: a bench run's, or a Hugging Face
-config's (`sizing.from_hf_config`). Every chunk is taken to carry changes (true at the change
-rates the planner is for: a chunk holds thousands of elements).
+The producer groups the export into chunks (`refit_sidecar.baseline.chunks`: a tensor larger
+than the limit is a chunk of its own), producer `p` owns chunks `i % W == p` (❶), a changed
+tensor above the split size travels in parts (`refit_sidecar.pipeline.parts`), and its
+`Bucketer` coalesces its chunks and parts in order into payloads of about the bucket size.
+The planner projects with these regions (bytes of H per payload, in send order) instead of
+H / bucket whenever it knows the tensor layout: a bench run's, or a Hugging Face config's
+(`sizing.from_hf_config`). Every chunk is taken to carry changes (true at the change rates
+the planner is for: a chunk holds thousands of elements).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from collections.abc import Sequence
 
 
 def bucket_regions(chunk_bytes: Sequence[int], bucket_bytes: int) -> tuple[int, ...]:
-    """Bytes of H of each payload when chunks of these sizes are coalesced in order as the
-    producer's `Bucketer` closes them: a bucket closes before a chunk that would take it past
-    `bucket_bytes`, and as soon as it reaches it."""
+    """Bytes of H of each payload when chunks (or parts) of these sizes are coalesced in order
+    as the producer's `Bucketer` closes them: a bucket closes before a unit that would take it
+    past `bucket_bytes`, and as soon as it reaches it. (It also closes before a second part of
+    one tensor, which the product's split sizes never give: a part is over half the split size,
+    and that is at least the bucket target.)"""
     regions: list[int] = []
     current = 0
     for nbytes in chunk_bytes:
@@ -34,18 +37,35 @@ def bucket_regions(chunk_bytes: Sequence[int], bucket_bytes: int) -> tuple[int, 
 
 
 def producer_regions(
-    tensor_bytes: Sequence[int], producers: int, chunk_bytes: int, bucket_bytes: int
+    tensor_bytes: Sequence[int],
+    producers: int,
+    chunk_bytes: int,
+    bucket_bytes: int,
+    split_bytes: int | None = None,
 ) -> list[tuple[int, ...]]:
-    """Each producer's payload regions, for tensors of these sizes in export order."""
+    """Each producer's payload regions, for tensors of these sizes in export order;
+    `split_bytes` None: tensors travel whole (the producer before tensors were split)."""
     from refit_sidecar.baseline.chunks import chunk_bounds
+    from refit_sidecar.pipeline.parts import unit_bytes
 
-    chunks = [sum(tensor_bytes[a:b]) for a, b in chunk_bounds(tensor_bytes, chunk_bytes)]
-    return [bucket_regions(chunks[p::producers], bucket_bytes) for p in range(producers)]
+    chunks = [
+        unit_bytes(tensor_bytes[a:b], split_bytes)
+        for a, b in chunk_bounds(tensor_bytes, chunk_bytes)
+    ]
+    return [
+        bucket_regions([u for units in chunks[p::producers] for u in units], bucket_bytes)
+        for p in range(producers)
+    ]
 
 
 def payload_regions(
-    tensor_bytes: Sequence[int], producers: int, chunk_bytes: int, bucket_bytes: int
+    tensor_bytes: Sequence[int],
+    producers: int,
+    chunk_bytes: int,
+    bucket_bytes: int,
+    split_bytes: int | None = None,
 ) -> tuple[int, ...]:
     """The payload regions of the producer with the most bytes of H (the one the attempt
     waits for)."""
-    return max(producer_regions(tensor_bytes, producers, chunk_bytes, bucket_bytes), key=sum)
+    regions = producer_regions(tensor_bytes, producers, chunk_bytes, bucket_bytes, split_bytes)
+    return max(regions, key=sum)

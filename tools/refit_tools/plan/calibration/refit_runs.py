@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,16 +72,18 @@ def bench_last_tensor_bytes(result: Mapping[str, Any]) -> int | None:
 
 
 def bench_regions(
-    result: Mapping[str, Any], chunk_bytes: int, bucket_bytes: int
+    result: Mapping[str, Any], chunk_bytes: int, bucket_bytes: int, split_bytes: int | None = None
 ) -> tuple[int, ...] | None:
     """Bytes of H of each payload of the run, in send order: its synthetic checkpoint's tensors
-    grouped into export chunks (`refit_sidecar.baseline.chunks.plan_chunks`) and the chunks into
+    grouped into export chunks (`refit_sidecar.baseline.chunks.plan_chunks`), the larger ones cut
+    into parts (`split_bytes`, None for a run from before the parts) and all of them into
     buckets as the producer's `Bucketer` closes them (every chunk carries changes at the
     bench's rates). None when the layout cannot be rebuilt."""
     work = _bench_workload(result)
     if work is None:
         return None
-    return payload_regions([m.nbytes for m in work.metas()], 1, chunk_bytes, bucket_bytes)
+    sizes = [m.nbytes for m in work.metas()]
+    return payload_regions(sizes, 1, chunk_bytes, bucket_bytes, split_bytes)
 
 
 def bench_deployment(result: Mapping[str, Any], rate: float) -> Deployment:
@@ -95,13 +97,22 @@ def bench_deployment(result: Mapping[str, Any], rate: float) -> Deployment:
     chunk, bucket = (settings.get(k) for k in ("chunk_bytes", "bucket_bytes"))
     recorded = result.get("sizes")  # what the run used (results since the auto sizes)
     sizes = (
-        Sizes(int(recorded["chunk_bytes"]), int(recorded["bucket_bytes"]), str(recorded["rule"]))
+        Sizes(
+            int(recorded["chunk_bytes"]),
+            int(recorded["bucket_bytes"]),
+            str(recorded["rule"]),
+            # None: recorded before tensors were split (they travelled whole)
+            None if recorded.get("split_bytes") is None else int(recorded["split_bytes"]),
+        )
         if recorded
-        else resolve_sizes(
-            chunk if isinstance(chunk, int) else "auto",
-            bucket if isinstance(bucket, int) else "auto",
-            total_bytes=h,
-            producers=1,
+        else replace(  # older than the recorded sizes, so older than the parts too
+            resolve_sizes(
+                chunk if isinstance(chunk, int) else "auto",
+                bucket if isinstance(bucket, int) else "auto",
+                total_bytes=h,
+                producers=1,
+            ),
+            split_bytes=None,
         )
     )
     _, cpus = load_of(result)
@@ -115,8 +126,9 @@ def bench_deployment(result: Mapping[str, Any], rate: float) -> Deployment:
         chunk_bytes=sizes.chunk_bytes,
         bucket_bytes=sizes.bucket_bytes,
         transport="zmq",
+        split_bytes=sizes.split_bytes,
         last_tensor_bytes=bench_last_tensor_bytes(result),
-        regions=bench_regions(result, sizes.chunk_bytes, sizes.bucket_bytes),
+        regions=bench_regions(result, sizes.chunk_bytes, sizes.bucket_bytes, sizes.split_bytes),
         shared_cpus=cpus,
     )
 
