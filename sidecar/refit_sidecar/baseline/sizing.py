@@ -93,6 +93,6 @@ def resolve_sizes(
         bucket_bytes = chunk_bytes
         rule += "; a bucket is one chunk"
     if isinstance(split, int):
-        return Sizes(chunk_bytes, bucket_bytes, rule, split)
+        return Sizes(chunk_bytes, bucket_bytes, rule + "; split_bytes as configured", split)
     split_bytes = auto_split_bytes(chunk_bytes, bucket_bytes)
     return Sizes(chunk_bytes, bucket_bytes, rule + "; larger tensors go in parts", split_bytes)

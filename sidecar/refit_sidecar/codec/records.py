@@ -1,4 +1,6 @@
-"""❸ encode — delta records: one item per changed tensor, an XOR mask or an overwrite per element.
+"""❸ encode — delta records: one item per changed tensor in a payload (a large tensor's changes
+may be spread over several payloads, one flat range each: `pipeline.parts`), an XOR mask or an
+overwrite per element.
 
 Both operations reproduce the new stored bits exactly (paper §5); arithmetic deltas would not,
 because `old + (new - old)` can round to a different value. XOR masks compress better but flip

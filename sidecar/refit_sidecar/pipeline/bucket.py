@@ -1,10 +1,11 @@
-"""Bucket coalescing: pack the records of whole chunks into payload-sized buckets.
+"""Bucket coalescing: pack the records of chunks, and of parts of large tensors (`parts`), into
+payload-sized buckets.
 
-A bucket counts the full input size of each chunk that has records; a chunk without records adds
-nothing (the bucket continues past it). A bucket is closed before a chunk that would push it past
-the target, and as soon as it reaches the target, so a chunk larger than the target travels alone.
-It is also closed before a part of a tensor (`parts`) whose tensor it already holds: a payload
-names a tensor once.
+A bucket counts the full input size of each chunk that has records (of a split chunk, the bytes
+of its changed tensors); a chunk without records adds nothing (the bucket continues past it). A
+bucket is closed before a unit that would push it past the target, and as soon as it reaches the
+target, so a chunk larger than the target travels alone. It is also closed before a part of a
+tensor it already holds: a payload names a tensor once.
 """
 
 from __future__ import annotations

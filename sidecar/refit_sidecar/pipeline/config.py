@@ -24,9 +24,11 @@ class PipelineConfig(BaseModel):
     split_bytes: SizeOrAuto = Field(
         default=AUTO,
         description="A changed tensor larger than this travels as several payloads: its "
-        "changes are cut into flat element ranges of at most this many bytes of the tensor, "
-        "coalesced like chunks, so a large first or last tensor (the embedding, the output "
-        "head) does not delay the stream's start or drain. `auto`: the export chunk limit in "
+        "changes are cut into near-equal flat element ranges of about this many bytes of the "
+        "tensor, each coalesced with neighbouring chunks like a chunk (never with another part "
+        "of its tensor), so a large first or last tensor (the embedding, the output head) does "
+        "not delay the stream's start or drain. In vLLM each part costs a load of the whole "
+        "tensor, so keep it near the bucket size. `auto`: the export chunk limit in "
         "effect (a tensor above it is a chunk of its own), or the bucket target when larger.",
     )
     max_chunks_in_flight: int = Field(

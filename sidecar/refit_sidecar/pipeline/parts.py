@@ -36,25 +36,32 @@ def part_bytes(nbytes: int, split_bytes: int) -> list[int]:
     return [b - a for a, b in part_bounds(nbytes, nbytes, split_bytes)]
 
 
-def unit_bytes(tensor_bytes: Sequence[int], split_bytes: int | None) -> list[int]:
-    """Bytes of the units `split_delta` gives for one chunk whose tensors all changed, in
-    order: runs of tensors not larger than `split_bytes`, and the parts of each larger one.
-    `split_bytes` None: tensors are never split (one unit, the whole chunk)."""
+def units(tensor_bytes: Sequence[int], split_bytes: int | None) -> list[tuple[int, int | None]]:
+    """The units `split_delta` gives for one chunk whose tensors all changed, in order, as
+    (bytes, the tensor's position in the chunk for a part, else None): runs of tensors not
+    larger than `split_bytes`, and the parts of each larger one. `split_bytes` None: tensors
+    are never split (one unit, the whole chunk). Parts are cut by bytes here, by elements in
+    the pipeline: their sizes agree to within an element."""
     if split_bytes is None or all(n <= split_bytes for n in tensor_bytes):
-        return [sum(tensor_bytes)] if tensor_bytes else []
-    units: list[int] = []
+        return [(sum(tensor_bytes), None)] if tensor_bytes else []
+    out: list[tuple[int, int | None]] = []
     run = 0
-    for n in tensor_bytes:
+    for i, n in enumerate(tensor_bytes):
         if n <= split_bytes:
             run += n
             continue
         if run:
-            units.append(run)
+            out.append((run, None))
             run = 0
-        units.extend(part_bytes(n, split_bytes))
+        out.extend((b, i) for b in part_bytes(n, split_bytes))
     if run:
-        units.append(run)
-    return units
+        out.append((run, None))
+    return out
+
+
+def unit_bytes(tensor_bytes: Sequence[int], split_bytes: int | None) -> list[int]:
+    """Bytes of each of `units`."""
+    return [n for n, _ in units(tensor_bytes, split_bytes)]
 
 
 def split_item(item: Item, bounds: Sequence[Span]) -> list[tuple[Span, Item]]:

@@ -55,6 +55,8 @@ def shape(i: int, _: torch.Generator) -> tuple[int, ...]:
         (2, 1 << 20, 1 << 30, "auto"),
         (1, 4096, 4096, 1 << 30),  # every tensor whole
         (2, 2048, 2048, 5000),
+        (1, 4096, 65536, 5000),  # parts far below the bucket: one payload each
+        (2, 2048, 30000, 3000),
     ],
 )
 def test_regions_count_the_payloads_the_pipeline_seals(

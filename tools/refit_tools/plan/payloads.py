@@ -15,22 +15,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def bucket_regions(chunk_bytes: Sequence[int], bucket_bytes: int) -> tuple[int, ...]:
+def bucket_regions(
+    chunk_bytes: Sequence[int], bucket_bytes: int, tensors: Sequence[object | None] = ()
+) -> tuple[int, ...]:
     """Bytes of H of each payload when chunks (or parts) of these sizes are coalesced in order
     as the producer's `Bucketer` closes them: a bucket closes before a unit that would take it
-    past `bucket_bytes`, and as soon as it reaches it. (It also closes before a second part of
-    one tensor, which the product's split sizes never give: a part is over half the split size,
-    and that is at least the bucket target.)"""
+    past `bucket_bytes`, as soon as it reaches it, and before a second part of one tensor
+    (`tensors`: each unit's tensor when it is a part, else None; empty: no parts)."""
     regions: list[int] = []
     current = 0
-    for nbytes in chunk_bytes:
-        if current and current + nbytes > bucket_bytes:
+    held: set[object] = set()
+    for i, nbytes in enumerate(chunk_bytes):
+        tensor = tensors[i] if tensors else None
+        if current and (current + nbytes > bucket_bytes or tensor in held):
             regions.append(current)
             current = 0
+            held = set()
         current += nbytes
+        if tensor is not None:
+            held.add(tensor)
         if current >= bucket_bytes:
             regions.append(current)
             current = 0
+            held = set()
     if current:
         regions.append(current)
     return tuple(regions)
@@ -46,16 +53,18 @@ def producer_regions(
     """Each producer's payload regions, for tensors of these sizes in export order;
     `split_bytes` None: tensors travel whole (the producer before tensors were split)."""
     from refit_sidecar.baseline.chunks import chunk_bounds
-    from refit_sidecar.pipeline.parts import unit_bytes
+    from refit_sidecar.pipeline.parts import units
 
+    # Each unit with the export position of its tensor when it is a part.
     chunks = [
-        unit_bytes(tensor_bytes[a:b], split_bytes)
+        [(n, None if i is None else a + i) for n, i in units(tensor_bytes[a:b], split_bytes)]
         for a, b in chunk_bounds(tensor_bytes, chunk_bytes)
     ]
-    return [
-        bucket_regions([u for units in chunks[p::producers] for u in units], bucket_bytes)
-        for p in range(producers)
-    ]
+    regions = []
+    for p in range(producers):
+        owned = [u for chunk in chunks[p::producers] for u in chunk]
+        regions.append(bucket_regions([n for n, _ in owned], bucket_bytes, [t for _, t in owned]))
+    return regions
 
 
 def payload_regions(
