@@ -532,6 +532,10 @@ def test_json_figures_carry_values_in_the_unit_they_name() -> None:
     chunk = figures["export chunk"]
     assert (chunk["unit"], chunk["value"]) == ("B", 64 << 20)
     assert figures["bucket"]["unit"] == "B"
+    assert figures["split"]["unit"] == "B"
+    assert figures["split"]["value"] == max(
+        figures["export chunk"]["value"], figures["bucket"]["value"]
+    )
     table = run(*BASE, "--intra-link", "25Gbit/s", "--chunk-size", "64MiB").output
     assert re.search(r"cross-cluster link\s+10 Gbit/s", table)
     assert re.search(r"export chunk\s+64MiB", table)

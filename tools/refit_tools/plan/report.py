@@ -105,6 +105,20 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
         ),
         Figure("inputs", "export chunk", d.chunk_bytes, "B", "input", ctx.sizes_how),
         Figure("inputs", "bucket", d.bucket_bytes, "B", "input", "bytes of H per payload"),
+        *(
+            [
+                Figure(
+                    "inputs",
+                    "split",
+                    d.split_bytes,
+                    "B",
+                    "input",
+                    "a larger tensor travels in parts of about this size (the producer's auto)",
+                )
+            ]
+            if d.split_bytes is not None
+            else []
+        ),
     ]
     rate = d.change_rate
 
