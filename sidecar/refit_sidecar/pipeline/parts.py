@@ -96,23 +96,23 @@ def split_delta(delta: ChunkDelta, split_bytes: int) -> list[ChunkDelta]:
     like chunks without records)."""
     if all(item.meta.nbytes <= split_bytes for item in delta.items):
         return [delta]
-    units: list[ChunkDelta] = []
+    out: list[ChunkDelta] = []
     run: list[Item] = []
     for item in delta.items:
         if item.meta.nbytes <= split_bytes:
             run.append(item)
             continue
         if run:
-            units.append(_unit(delta.index, run))
+            out.append(_unit(delta.index, run))
             run = []
         bounds = part_bounds(item.meta.numel, item.meta.nbytes, split_bytes)
         width = item.meta.nbytes // max(item.meta.numel, 1)
         for (start, stop), part in split_item(item, bounds):
             n = stop - start
-            units.append(ChunkDelta(delta.index, n * width, n, part.count, (part,)))
+            out.append(ChunkDelta(delta.index, n * width, n, part.count, (part,)))
     if run:
-        units.append(_unit(delta.index, run))
-    return units
+        out.append(_unit(delta.index, run))
+    return out
 
 
 def _unit(index: int, items: list[Item]) -> ChunkDelta:
