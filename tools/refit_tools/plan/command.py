@@ -286,7 +286,6 @@ def plan(
     links, and the speedup. The model's constants come from a calibration fitted to the
     `kuberefit bench refit/codec/transport` result files (docs/performance.md).
     """
-    from refit_sidecar.baseline.sizing import auto_split_bytes
     from refit_tools.plan import calibration as cal_mod
     from refit_tools.plan import sizing
     from refit_tools.plan.model import Deployment
@@ -372,10 +371,9 @@ def plan(
             "it sets the relay tree's hop throughput: give it with --transport zmq",
             param_hint="'--relay-hop-rate'",
         )
-    chunk_bytes, bucket_bytes, _ = product_sizes(
+    chunk_bytes, bucket_bytes, _, split_bytes = product_sizes(
         size.model_bytes, producers, chunk_size, bucket_size
     )
-    split_bytes = auto_split_bytes(chunk_bytes, bucket_bytes)
     sizes_how = (
         "as given"
         if isinstance(chunk_size, int) and isinstance(bucket_size, int)

@@ -18,9 +18,9 @@ from refit_tools.plan.model import Breakdown, Constants, Deployment, project
 
 def product_sizes(
     model_bytes: int, producers: int, chunk: int | str, bucket: int | str
-) -> tuple[int, int, str]:
-    """(chunk, bucket, how) as the producer resolves its settings, `auto` included
-    (`refit_sidecar.baseline.sizing`)."""
+) -> tuple[int, int, str, int]:
+    """(chunk, bucket, how, split) as the producer resolves its settings, `auto` included
+    (`refit_sidecar.baseline.sizing`; the split size is always the producer's auto)."""
     from refit_sidecar.baseline.sizing import resolve_sizes
 
     sizes = resolve_sizes(
@@ -29,7 +29,8 @@ def product_sizes(
         total_bytes=model_bytes,
         producers=producers,
     )
-    return sizes.chunk_bytes, sizes.bucket_bytes, sizes.rule
+    assert sizes.split_bytes is not None  # resolved: only recorded sizes lack it
+    return sizes.chunk_bytes, sizes.bucket_bytes, sizes.rule, sizes.split_bytes
 
 
 @dataclass(frozen=True)
