@@ -30,7 +30,9 @@ def test_ports_are_outside_the_ephemeral_range_and_never_repeat() -> None:
 
 
 def test_a_port_taken_meanwhile_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    low = 26000
+    # Above the kernel's ephemeral ports (32768-60999) and outside the real PORT_RANGE, which
+    # the suite's processes draw from: nothing else binds here while the test runs.
+    low = 61000
     monkeypatch.setattr(procs, "PORT_RANGE", (low, low + 30))
     monkeypatch.setattr(procs, "_handed_out", set())
     taken = [socket.socket() for _ in range(20)]
