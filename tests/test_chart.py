@@ -410,7 +410,12 @@ def test_injection_config(chart: helm_python.Chart) -> None:
     assert set(config) == INJECTION_KEYS
     assert config["image"] == "kuberefit/sidecar:0.1.0"
     assert config["imagePullPolicy"] == "IfNotPresent"
-    assert config["ports"] == {"control": 8470, "producer": 8471, "relay": 8472}
+    assert config["ports"] == {
+        "control": 8470,
+        "producer": 8471,
+        "relay": 8472,
+        "relayMac": 8473,
+    }
     assert config["defaultTokenSecret"] == {"name": "kuberefit-token", "key": "token"}
     assert config["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
     assert (config["workDir"], config["shmDir"]) == ("/var/lib/kuberefit", "/dev/shm/kuberefit")

@@ -62,9 +62,9 @@ class FailoverDeployment:
     def start(self) -> None:
         v0 = write_tiny_model(self.ckpt / "v0", "qwen3", seed=0)
         everyone = [*self.nodes, self.reference]
-        ports = free_ports(3 * len(everyone) + 1)
+        ports = free_ports(4 * len(everyone) + 1)
         for i, n in enumerate(everyone):
-            n.start_vllm(v0, ports[3 * i : 3 * i + 3])
+            n.start_vllm(v0, ports[4 * i : 4 * i + 4])
         for n in everyone:
             n.wait_vllm()
         for n in self.nodes:
@@ -83,7 +83,12 @@ class FailoverDeployment:
             "store_path": str(self.root / "commit.db"),
             "producers": [self.pod.url],
             "nodes": [
-                {"name": m.name, "url": m.url, "relay_endpoint": m.relay_endpoint}
+                {
+                    "name": m.name,
+                    "url": m.url,
+                    "relay_endpoint": m.relay_endpoint,
+                    "relay_mac_endpoint": m.relay_mac_endpoint,
+                }
                 for m in self.nodes
             ],
             "token_file": str(self.token_file),

@@ -1127,7 +1127,7 @@ def test_a_leader_worker_set_server_refitted_through_the_operator(journey: Journ
     ]  # fmt: skip
 
     # v2: the worker's sidecar is SIGKILLed mid-refit and restarts in its pod. Meanwhile its pod
-    # drops what arrives at its relay port (nftables in its network namespace), so the attempt it
+    # drops what arrives at its relay ports (nftables in its network namespace), so the attempt it
     # was prepared for is admitted and streaming, and cannot finish, when it dies. The attempt
     # fails for the whole server; the restarted receiver rejoins and the overwrite retry commits.
     assert worker.address is not None
@@ -1141,7 +1141,8 @@ def test_a_leader_worker_set_server_refitted_through_the_operator(journey: Journ
         assert s["staged"] == 0 or not str(s["attempt"]).startswith("alpha-v2-"), s
         return str(s["attempt"]).startswith("alpha-v2-")
 
-    with worker.address.dropping(SidecarPorts().relay):  # the chart's relay port
+    ports = SidecarPorts()
+    with worker.address.dropping(ports.relay, ports.relay_mac):  # the chart's relay ports
         (release / "2").touch()
         wait_for("v2 streaming, not yet staged by the worker", admitted_not_staged, timeout=120)
         j.kubelet.restart(worker, "kuberefit-sidecar")

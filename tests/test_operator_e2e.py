@@ -96,10 +96,10 @@ class World:
             write_tiny_model(p.ckpt / "v0", "qwen3", seed=p.seed)
             p.rollouts = [LocalNode(f"{p.name}-{i}", p.root, self.env.token) for i in range(n)]
         nodes = [*self.alpha.rollouts, *self.beta.rollouts]
-        ports = free_ports(3 * (len(nodes) + 1) + 2)
+        ports = free_ports(4 * (len(nodes) + 1) + 2)
         for i, node in enumerate([*nodes, self.reference]):
             owner = self.alpha if node in self.alpha.rollouts else self.beta
-            node.start_vllm(owner.ckpt / "v0", ports[3 * i : 3 * i + 3])
+            node.start_vllm(owner.ckpt / "v0", ports[4 * i : 4 * i + 4])
         self.alpha.pod.port, self.beta.pod.port = ports[-2:]
         for p in (self.alpha, self.beta):
             p.pod.launch_producer()
@@ -107,9 +107,10 @@ class World:
             node.wait_vllm()
         # The sidecars' ports are picked once the servers run: a port picked earlier may have
         # gone to one of vLLM's own ephemeral sockets meanwhile.
-        sidecar_ports = iter(free_ports(2 * len(nodes)))
+        sidecar_ports = iter(free_ports(3 * len(nodes)))
         for node in nodes:
             node.http_port, node.relay_port = next(sidecar_ports), next(sidecar_ports)
+            node.relay_mac_port = next(sidecar_ports)
         for p in (self.alpha, self.beta):
             for node in p.rollouts:
                 node.relay_nodes = [m.relay_endpoint for m in p.rollouts]
@@ -135,7 +136,11 @@ class World:
             node.name,
             "rollout",
             p.name,
-            {"refit-control": node.http_port, "refit-relay": node.relay_port},
+            {
+                "refit-control": node.http_port,
+                "refit-relay": node.relay_port,
+                "refit-relay-mac": node.relay_mac_port,
+            },
             labels={"app": f"{p.name}-rollout"},
         )
 
@@ -419,7 +424,7 @@ def test_operator_journey(world: World) -> None:
     # The pod comes back (new UID) from the base model; it is restored densely and rejoins.
     victim.start_vllm(alpha.ckpt / "v0")
     victim.wait_vllm()
-    victim.http_port, victim.relay_port = free_ports(2)
+    victim.http_port, victim.relay_port, victim.relay_mac_port = free_ports(3)
     victim.relay_nodes = [m.relay_endpoint for m in [*alpha.rollouts, victim]]
     victim.start_receiver(held_version=None)
     alpha.rollouts.append(victim)

@@ -188,6 +188,11 @@ class Coordinator:
                 )
                 nodes = tuple(r.node for r in receivers)
                 tree = tuple(await self.membership.relay_tree(nodes))
+                mac_tree = (
+                    await self.membership.relay_mac_tree(nodes)
+                    if tree and self.config.intra_cluster == "mac"
+                    else []
+                )
                 plan = AttemptPlan(
                     attempt=tau,
                     from_version=kv.version,
@@ -201,7 +206,7 @@ class Coordinator:
                 )
                 progress.attempt_id = tau
                 await self._phase(progress, "Preparing")
-                await self._prepare_receivers(plan, receivers)
+                await self._prepare_receivers(plan, receivers, mac_tree)
                 admitted = True
                 t_first = t_first or time.perf_counter()
                 await self._schedule(plan, receivers, progress)
@@ -357,7 +362,11 @@ class Coordinator:
             members.append(r)
         return members
 
-    async def _prepare_receivers(self, plan: AttemptPlan, receivers: list[ReceiverClient]) -> None:
+    async def _prepare_receivers(
+        self, plan: AttemptPlan, receivers: list[ReceiverClient], mac_tree: Sequence[str]
+    ) -> None:
+        """Prepare every receiver; `mac_tree`: the nodes' MAC-only relay endpoints (empty: the
+        relays forward to each other over CurveZMQ)."""
         req = PrepareRequest(
             attempt=plan.attempt,
             from_version=plan.from_version,
@@ -368,6 +377,7 @@ class Coordinator:
             coordinator=self.name,
             check_samples=self.config.check_samples,
             relay_tree=list(plan.relay_tree),
+            relay_mac_tree=list(mac_tree),
         )
         answers = await asyncio.gather(
             *(self._call(r.prepare(req)) for r in receivers), return_exceptions=True

@@ -60,6 +60,11 @@ class NodeConfig(BaseModel):
         examples=["http://127.0.0.1:8470"],
     )
     relay_endpoint: str = Field("", description="Relay-tree endpoint (ZeroMQ), if any.")
+    relay_mac_endpoint: str = Field(
+        "",
+        description="The node's MAC-only relay endpoint (its relay's `mac_bind`), if any: the "
+        "other relays forward to it over a plain, tagged link (docs/security.md).",
+    )
 
 
 class CoordinatorServiceConfig(BaseModel):
@@ -211,7 +216,10 @@ async def _run(
             for i, url in enumerate(config.producers)
         ]
         membership = HttpMembership(
-            [NodeEndpoint(n.name, n.url, n.relay_endpoint) for n in config.nodes],
+            [
+                NodeEndpoint(n.name, n.url, n.relay_endpoint, n.relay_mac_endpoint)
+                for n in config.nodes
+            ],
             session,
             token=token,
             checkpoint_of=lambda v: config.checkpoint_template.format(version=v),

@@ -20,6 +20,7 @@ from refit_operator.kube.names import (
     DEFAULT_PORTS,
     INJECT,
     POLICY,
+    RELAY_MAC_PORT,
     RELAY_PORT,
     SERVER_LABEL,
     SIDECAR_CONTAINER,
@@ -45,6 +46,7 @@ class PodView:
     deleting: bool = False
     control_port: int = 0
     relay_port: int = 0
+    relay_mac_port: int = 0
     restarts: int = 0
     injected: bool = True  # the pod has the sidecar container
     #: The token Secret (name, key) injection mounted, fixed when the pod was created.
@@ -67,6 +69,11 @@ class PodView:
     @property
     def relay_endpoint(self) -> str:
         return f"tcp://{_host(self.ip)}:{self.relay_port}" if self.relay_port else ""
+
+    @property
+    def relay_mac_endpoint(self) -> str:
+        """The MAC-only relay endpoint ("" when the sidecar declares no such port)."""
+        return f"tcp://{_host(self.ip)}:{self.relay_mac_port}" if self.relay_mac_port else ""
 
     @property
     def incarnation(self) -> tuple[str, int]:
@@ -113,6 +120,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         deleting=bool(meta.get("deletionTimestamp")),
         control_port=ports.get(CONTROL_PORT, DEFAULT_PORTS.get(str(role), 0)),
         relay_port=ports.get(RELAY_PORT, 0),
+        relay_mac_port=ports.get(RELAY_MAC_PORT, 0),
         restarts=restarts,
         injected=injected,
         token_secret=_token_secret(spec),

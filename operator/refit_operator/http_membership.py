@@ -36,11 +36,13 @@ log = structlog.get_logger("kuberefit.membership")
 
 @dataclass(frozen=True)
 class NodeEndpoint:
-    """One rollout node: its name, receiver control-plane URL and relay-tree endpoint."""
+    """One rollout node: its name, receiver control-plane URL and relay-tree endpoints (the
+    CurveZMQ one, and the MAC-only one for the other relays of its cluster)."""
 
     name: str
     url: str
     relay_endpoint: str = ""
+    relay_mac_endpoint: str = ""
 
 
 class HttpMembership:
@@ -105,6 +107,11 @@ class HttpMembership:
 
     async def relay_tree(self, nodes: Sequence[str]) -> list[str]:
         return [self.nodes[n].relay_endpoint for n in nodes if self.nodes[n].relay_endpoint]
+
+    async def relay_mac_tree(self, nodes: Sequence[str]) -> list[str]:
+        tree = [self.nodes[n] for n in nodes if self.nodes[n].relay_endpoint]
+        macs = [n.relay_mac_endpoint for n in tree]
+        return macs if any(macs) else []
 
     async def metas(self, version: int) -> list[TensorMetaModel]:
         if version not in self._metas:

@@ -101,7 +101,10 @@ class PodMembership(HttpMembership):
     def refresh(self) -> list[PodView]:
         """Take the running pods as the node list; returns them."""
         running = [p for p in self.pods() if p.running]
-        self.nodes = {p.name: NodeEndpoint(p.name, p.url, p.relay_endpoint) for p in running}
+        self.nodes = {
+            p.name: NodeEndpoint(p.name, p.url, p.relay_endpoint, p.relay_mac_endpoint)
+            for p in running
+        }
         return running
 
     async def receivers(self) -> list[ReceiverClient]:

@@ -74,6 +74,12 @@ class EncodingSpec(_Spec):
     shuffle: bool = True
 
 
+class SecuritySpec(_Spec):
+    """How the relay tree's links are protected (docs/security.md, "Links")."""
+
+    intra_cluster: Literal["mac", "encrypted"] = "mac"
+
+
 class BaselineSpec(_Spec):
     storage: Literal["file", "memory"] = "file"
 
@@ -95,6 +101,7 @@ class PolicySpec(_Spec):
     transport: TransportKind = "zmq"
     s3: S3Spec | None = None
     encoding: EncodingSpec = Field(default_factory=EncodingSpec)
+    security: SecuritySpec = Field(default_factory=SecuritySpec)
     chunk_bytes: SizeOrAuto = AUTO  # auto: sized from the checkpoint (baseline/sizing.py)
     bucket_bytes: SizeOrAuto = AUTO
     baseline: BaselineSpec = Field(default_factory=BaselineSpec)
@@ -136,6 +143,7 @@ class PolicySpec(_Spec):
         return CoordinatorConfig(
             sync=self.mode == "sync",
             relay_tree=self.transport == "zmq",
+            intra_cluster=self.security.intra_cluster,
             commit_timeout_s=float(self.commit_timeout_seconds),
             control_timeout_s=float(self.control_timeout_seconds),
             flush_timeout_s=float(self.flush_timeout_seconds),

@@ -94,6 +94,11 @@ class Membership(Protocol):
         """Relay endpoints of `nodes`, in tree order (empty when the transport has no tree)."""
         ...
 
+    async def relay_mac_tree(self, nodes: Sequence[str]) -> list[str]:
+        """The MAC-only relay endpoints of the same nodes, in the same order ("" for a node
+        without one; empty when none has one or there is no tree)."""
+        ...
+
 
 class ProgressSink(Protocol):
     async def update(self, progress: TransitionProgress) -> None: ...

@@ -41,6 +41,11 @@ class CoordinatorConfig(BaseModel):
 
     sync: bool = Field(True, description="Sync RL: close the gate first, apply during delivery.")
     relay_tree: bool = Field(True, description="ZeroMQ relay tree: relay-flush before flush.")
+    intra_cluster: Literal["mac", "encrypted"] = Field(
+        "mac",
+        description="Relay-to-relay links inside the rollout cluster: MAC-only (plain TCP, "
+        "every frame tagged) where a node has a MAC-only port, or CurveZMQ (docs/security.md).",
+    )
     commit_timeout_s: float = Field(600.0, gt=0, description="Deadline of each attempt's commit.")
     control_timeout_s: float = Field(60.0, gt=0, description="Timeout of one control call.")
     flush_timeout_s: float = Field(600.0, gt=0, description="Timeout of a receiver flush.")

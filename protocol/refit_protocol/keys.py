@@ -11,6 +11,9 @@ Derivations (all deterministic, no salt: the token is already a high-entropy ran
 - `payload_mac_key`: 32 bytes, the key of the keyed BLAKE3 MAC that seals every payload
   (docs/wire-format.md, "Authentication"). BLAKE2b-256 of the UTF-8 token with
   `person=b"kr-payload-mac"`.
+- `frame_mac_key`: 32 bytes, the key of the keyed BLAKE3 tag on every relay frame and answer sent
+  over a MAC-only link inside the rollout cluster (docs/security.md, "Links"). BLAKE2b-256 of the
+  UTF-8 token with `person=b"kr-frame-mac"`.
 
 Rotating the token rotates every derived key. Adding a purpose means a new function with a new
 personalization string (at most 16 bytes); existing strings are never reused or changed.
@@ -23,6 +26,8 @@ import hashlib
 
 #: Personalization of the payload MAC key (BLAKE2b `person`, at most 16 bytes).
 PAYLOAD_MAC_PERSON = b"kr-payload-mac"
+#: Personalization of the relay frame tag key (MAC-only links).
+FRAME_MAC_PERSON = b"kr-frame-mac"
 #: Length of the payload MAC key: what keyed BLAKE3 takes.
 PAYLOAD_MAC_KEY_SIZE = 32
 
@@ -41,3 +46,10 @@ def payload_mac_key(token: str) -> bytes:
     decompressed. Raises ValueError for an empty token (a component without a token has no key).
     """
     return _derive(token, PAYLOAD_MAC_PERSON, PAYLOAD_MAC_KEY_SIZE)
+
+
+@functools.lru_cache(maxsize=16)
+def frame_mac_key(token: str) -> bytes:
+    """The 32-byte key of the tag that authenticates relay frames and answers on a MAC-only link
+    (keyed BLAKE3 over the frame's kind and metadata). Raises ValueError for an empty token."""
+    return _derive(token, FRAME_MAC_PERSON, PAYLOAD_MAC_KEY_SIZE)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from refit_protocol.commit import AttemptMode
 from refit_protocol.tensors import TensorMetaModel
@@ -122,6 +122,18 @@ class PrepareRequest(_Msg):
         description="ZeroMQ endpoints of every relay node in tree order for this attempt "
         "(empty: the receiver's configured order). Membership changes only between attempts.",
     )
+    relay_mac_tree: list[str] = Field(
+        default_factory=list,
+        description="The same nodes' MAC-only relay endpoints, in the same order: a relay "
+        "forwards to a node's entry over a plain, tagged link, or over CurveZMQ to its "
+        "relay_tree entry where the entry is empty. Empty: every relay link is encrypted.",
+    )
+
+    @model_validator(mode="after")
+    def _same_nodes(self) -> PrepareRequest:
+        if self.relay_mac_tree and len(self.relay_mac_tree) != len(self.relay_tree):
+            raise ValueError("relay_mac_tree must name the nodes of relay_tree, in its order")
+        return self
 
 
 class PrepareResponse(_Msg):

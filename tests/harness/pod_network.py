@@ -37,15 +37,16 @@ class PodAddress:
         return ["ip", "netns", "exec", self.ns]
 
     @contextlib.contextmanager
-    def dropping(self, port: int) -> Iterator[None]:
-        """While inside: the pod drops TCP arriving at `port` (an nftables rule in its
+    def dropping(self, *ports: int) -> Iterator[None]:
+        """While inside: the pod drops TCP arriving at `ports` (an nftables rule in its
         namespace), so what streams to it stalls instead of arriving late. Needs nftables."""
         nft = [*self.exec_prefix, "nft"]
         _run(*nft, "add", "table", "inet", "kr-drop")
         try:
             hook = "{ type filter hook input priority 0; }"
             _run(*nft, "add", "chain", "inet", "kr-drop", "in", hook)
-            _run(*nft, "add", "rule", "inet", "kr-drop", "in", "tcp", "dport", str(port), "drop")
+            dports = "{ " + ", ".join(str(p) for p in ports) + " }"
+            _run(*nft, "add", "rule", "inet", "kr-drop", "in", "tcp", "dport", dports, "drop")
             yield
         finally:
             _run(*nft, "delete", "table", "inet", "kr-drop")

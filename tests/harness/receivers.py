@@ -142,6 +142,7 @@ class NodeProc:
     applied_log: Path
     proc: ManagedProcess
     ctl: Ctl
+    relay_mac: str = ""  # the relay's MAC-only ROUTER ("" without one)
 
 
 def metric_sum(node: NodeProc, prefix: str) -> float:
@@ -169,6 +170,12 @@ class Cluster:
     def relay_tree(self) -> list[str]:
         return [n.relay for n in self.nodes]
 
+    @property
+    def relay_mac_tree(self) -> list[str]:
+        """The nodes' MAC-only relay endpoints (empty: the relays link over CurveZMQ only)."""
+        macs = [n.relay_mac for n in self.nodes]
+        return macs if any(macs) else []
+
     def each(self, fn: Callable[[NodeProc], T], nodes: Sequence[NodeProc] | None = None) -> list[T]:
         return list(self.pool.map(fn, nodes if nodes is not None else self.nodes))
 
@@ -184,6 +191,7 @@ def node_config(
     http_port: int,
     relay_port: int | None,
     token: str | None,
+    relay_mac_port: int | None = None,
     nodes: list[str],
     applier: dict[str, Any],
     host: str = "127.0.0.1",
@@ -203,6 +211,7 @@ def node_config(
         endpoint = f"tcp://{host}:{relay_port}"
         cfg["relay"] = {
             "bind": endpoint,
+            "mac_bind": f"tcp://{host}:{relay_mac_port}" if relay_mac_port else None,
             "nodes": nodes,
             "forward": {"ack_timeout_s": 2.0, "max_retries": 1, "unknown_attempt_timeout_s": 5.0},
         }
@@ -222,6 +231,7 @@ def start_cluster(
     token_file: Callable[[int], Path] | None = None,
     wrap: Callable[[list[str]], list[str]] | None = None,
     env: dict[str, str] | None = None,
+    mac_links: bool = True,
     **extra: Any,
 ) -> Cluster:
     """Start `n` receiver processes; `applier(i, applied_log)` gives node i's applier config.
@@ -229,11 +239,13 @@ def start_cluster(
     `host` is where relays listen (and HTTP unless `http_bind`); the test reaches HTTP at
     `ctl_host` (default `host`). `wrap` turns the argv into another (`ip netns exec ns ...`).
     `token_file(i)`: node i reads its token from that file (followed: rotations apply live)
-    instead of its config; `token` is then what the test's clients send."""
+    instead of its config; `token` is then what the test's clients send. `mac_links`: each relay
+    also binds a MAC-only ROUTER (`Cluster.relay_mac_tree`, for prepares that use it)."""
     token = token or HARNESS_TOKEN
-    ports = free_ports(2 * n)
-    http_ports, relay_ports = ports[:n], ports[n:]
+    ports = free_ports(3 * n)
+    http_ports, relay_ports, mac_ports = ports[:n], ports[n : 2 * n], ports[2 * n :]
     relay_eps = [f"tcp://{host}:{p}" for p in relay_ports]
+    with_mac = relay and mac_links
     env = dict(os.environ) | (env or {})
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("KUBEREFIT_LOG_LEVEL", "INFO")
@@ -245,6 +257,7 @@ def start_cluster(
             name,
             http_port=http_ports[i],
             relay_port=relay_ports[i] if relay else None,
+            relay_mac_port=mac_ports[i] if with_mac else None,
             token=None if token_file is not None else token,
             nodes=relay_eps if relay else [],
             applier=applier(i, log),
@@ -267,7 +280,10 @@ def start_cluster(
         argv = wrap(argv) if wrap else argv
         proc = ManagedProcess(name, argv, workdir / f"{name}.log", env=env, cwd=REPO)
         base = f"http://{ctl_host or host}:{http_ports[i]}"
-        nodes.append(NodeProc(name, base, relay_eps[i], path, log, proc, Ctl(base, token)))
+        mac = f"tcp://{host}:{mac_ports[i]}" if with_mac else ""
+        nodes.append(
+            NodeProc(name, base, relay_eps[i], path, log, proc, Ctl(base, token), relay_mac=mac)
+        )
 
     def start(node: NodeProc) -> None:
         def ready() -> bool:

@@ -53,6 +53,7 @@ class FakeReceiver:
     target: int = 0
     phase: str = "idle"
     log: list[str] = field(default_factory=list)
+    prepares: list[PrepareRequest] = field(default_factory=list)
 
     def _alive(self) -> None:
         if self.dead and self.restarts_after > 0:
@@ -81,6 +82,7 @@ class FakeReceiver:
     async def prepare(self, req: PrepareRequest) -> PrepareResponse:
         self._alive()
         self.log.append(f"prepare:{req.mode}")
+        self.prepares.append(req)
         if self.reject_prepare:
             return PrepareResponse(node=self.node, accepted=False, reason=self.reject_prepare)
         if self.reject_overwrite and req.mode == "overwrite":
@@ -209,6 +211,9 @@ class FakeMembership:
 
     async def relay_tree(self, nodes: Sequence[str]) -> list[str]:
         return [f"tcp://{n}" for n in nodes]
+
+    async def relay_mac_tree(self, nodes: Sequence[str]) -> list[str]:
+        return [f"tcp://{n}-mac" for n in nodes]
 
     async def confirmed_dead(self, node: str) -> bool:
         return node in self.confirmed

@@ -71,6 +71,19 @@ async def test_rejected_first_prepare_ends_transition(tmp_path: Path) -> None:
     assert_all_at(receivers, 0)
 
 
+@pytest.mark.parametrize("links", ["mac", "encrypted"])
+async def test_the_prepare_names_the_mac_only_links_the_policy_asks_for(
+    tmp_path: Path, links: str
+) -> None:
+    store, receivers, producers, membership, sink = world(tmp_path)
+    c = await coordinator(store, producers, membership, sink, intra_cluster=links)
+    assert (await c.run_transition()).outcome == "committed"
+    req = receivers[0].prepares[-1]
+    assert req.relay_tree == ["tcp://r0", "tcp://r1", "tcp://r2"]
+    want = ["tcp://r0-mac", "tcp://r1-mac", "tcp://r2-mac"] if links == "mac" else []
+    assert req.relay_mac_tree == want
+
+
 async def test_failure_after_admission_retries_with_overwrite(tmp_path: Path) -> None:
     store, receivers, producers, membership, sink = world(tmp_path)
     receivers[0].fail_flush_times = 1  # partial writes, then a failed ACK

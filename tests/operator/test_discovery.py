@@ -27,6 +27,7 @@ def _pod(name: str, role: str, **kw: Any) -> dict[str, Any]:
                     "ports": [
                         {"name": "refit-control", "containerPort": kw.get("port", 9000)},
                         {"name": "refit-relay", "containerPort": 9001},
+                        {"name": "refit-relay-mac", "containerPort": 9002},
                     ],
                 },
             ]
@@ -47,6 +48,7 @@ def test_address_and_identity_from_the_pod() -> None:
     assert view is not None
     assert view.url == "http://10.0.0.7:9000"
     assert view.relay_endpoint == "tcp://10.0.0.7:9001"
+    assert view.relay_mac_endpoint == "tcp://10.0.0.7:9002"
     assert view.incarnation == ("uid-r0", 0)  # the main container's restarts do not count
     v6 = pod_view(_pod("r1", "rollout", ip="fd00::7"))
     assert v6 is not None

@@ -98,12 +98,14 @@ def test_rollout_injection_is_complete_and_valid() -> None:
     assert {p["name"]: p["containerPort"] for p in sidecar["ports"]} == {
         "refit-control": 8470,
         "refit-relay": 8472,
+        "refit-relay-mac": 8473,
     }
     env = _expand_env(sidecar, FIELDS)
     settings = ReceiverConfig.model_validate_json(env["KUBEREFIT_CONFIG"])
     assert (settings.node, settings.host, settings.port) == ("p-abc", "10.1.2.3", 8470)
     assert settings.relay is not None
     assert settings.relay.bind == "tcp://10.1.2.3:8472"
+    assert settings.relay.mac_bind == "tcp://10.1.2.3:8473"  # the other relays' MAC-only port
     assert settings.applier.vllm_url == "http://127.0.0.1:8123"  # read from vLLM's --port
     assert str(settings.applier.shm_dir) == CFG.shm_dir
     assert env["KUBEREFIT_TOKEN_FILE"] == "/etc/kuberefit/token/token"

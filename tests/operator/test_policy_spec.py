@@ -22,7 +22,10 @@ def test_defaults_map_to_the_coordinator() -> None:
     cfg = spec.coordinator_config()
     assert cfg.sync is False
     assert cfg.relay_tree is True
+    assert cfg.intra_cluster == "mac"  # relay to relay: MAC-only unless the policy encrypts
     assert cfg.check_samples == -1
+    spec = parse_spec({**TOKEN, "security": {"intraCluster": "encrypted"}})
+    assert spec.coordinator_config().intra_cluster == "encrypted"
     assert (cfg.commit_timeout_s, cfg.control_timeout_s, cfg.max_attempts) == (600.0, 60.0, 5)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -193,9 +194,19 @@ def bench_apply(quick: bool, as_json: bool, checkpoint_mib: int | None) -> None:
 )
 @click.option(
     "--nodes",
-    type=click.IntRange(1, 64),
+    callback=lambda _c, _p, v: _int_list(v, 1, 64, "--nodes"),
     default=None,
-    help="Receiver node processes in the relay tree (loopback). Default 7, 2 with --quick.",
+    help="Receiver node processes in the relay tree (loopback), or several runs' counts, "
+    "e.g. 1,3,7. Default 7, 2 with --quick.",
+)
+@click.option(
+    "--links",
+    "link_modes",
+    default="mac,curve",
+    show_default=True,
+    callback=lambda _c, _p, v: _link_modes(v),
+    help="Kinds of link to measure, each in its own run with every link (the producer's too) "
+    "of that kind: mac (plain TCP, frames tagged) and curve (CurveZMQ).",
 )
 @click.option(
     "--payloads",
@@ -232,7 +243,8 @@ def bench_apply(quick: bool, as_json: bool, checkpoint_mib: int | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def bench_transport(
     quick: bool,
-    nodes: int | None,
+    nodes: tuple[int, ...] | None,
+    link_modes: tuple[str, ...],
     payloads: int | None,
     payload_mib: int | None,
     small: int | None,
@@ -241,15 +253,17 @@ def bench_transport(
     results_dir: Path | None,
     as_json: bool,
 ) -> None:
-    """Relay-tree throughput and per-payload overhead, and a bare pyzmq forward of the same
-    frames through as many processes (the socket's ceiling, measured in the same run);
-    optionally S3 throughput."""
+    """Relay-tree throughput and per-payload overhead per kind of link, and a bare pyzmq forward
+    of the same frames with the same security through as many processes (the socket's ceiling,
+    measured in the same run); optionally S3 throughput. One result file per run."""
     import json
 
     from refit_protocol.kit.logs import configure_logging
+    from refit_sidecar.transport.relay.frames import LinkSecurity
     from refit_sidecar.transport.s3 import S3Config
     from refit_tools.bench.refit_report import default_results_dir
     from refit_tools.bench.transport import (
+        format_comparison,
         format_report,
         run_relay_bench,
         run_s3_bench,
@@ -261,18 +275,49 @@ def bench_transport(
     def say(msg: str) -> None:
         click.echo(msg, err=True)
 
-    result = run_relay_bench(
-        nodes=nodes or (2 if quick else 7),
-        payloads=payloads or (4 if quick else 16),
-        payload_mib=payload_mib or (4 if quick else 16),
-        small=small or (50 if quick else 200),
-        say=say,
-    )
-    if s3_bucket:
-        cfg = S3Config(bucket=s3_bucket, endpoint_url=s3_endpoint_url, addressing_style="path")
-        result |= run_s3_bench(cfg, say=say)
-    result["files"] = [str(write_result(result, results_dir or default_results_dir()))]
-    click.echo(json.dumps(result) if as_json else format_report(result))
+    results: list[dict[str, Any]] = []
+    for n in nodes or ((2,) if quick else (7,)):
+        for mode in link_modes:
+            result = run_relay_bench(
+                nodes=n,
+                payloads=payloads or (4 if quick else 16),
+                payload_mib=payload_mib or (4 if quick else 16),
+                small=small or (50 if quick else 200),
+                links=LinkSecurity(mode),
+                say=say,
+            )
+            if s3_bucket and not results:
+                cfg = S3Config(
+                    bucket=s3_bucket, endpoint_url=s3_endpoint_url, addressing_style="path"
+                )
+                result |= run_s3_bench(cfg, say=say)
+            result["files"] = [str(write_result(result, results_dir or default_results_dir()))]
+            results.append(result)
+            if not as_json:
+                click.echo(format_report(result))
+    if as_json:
+        click.echo(json.dumps(results[0] if len(results) == 1 else results))
+    else:
+        click.echo(format_comparison(results))
+
+
+def _int_list(value: str | None, low: int, high: int, name: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        out = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError as exc:
+        raise click.BadParameter(f"{name}: whole numbers, comma-separated, e.g. 1,3,7") from exc
+    if not out or any(not low <= v <= high for v in out):
+        raise click.BadParameter(f"{name}: each between {low} and {high}")
+    return out
+
+
+def _link_modes(value: str) -> tuple[str, ...]:
+    modes = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not modes or any(m not in ("mac", "curve") for m in modes):
+        raise click.BadParameter("mac, curve or both, comma-separated")
+    return tuple(dict.fromkeys(modes))
 
 
 def _rates(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[float, ...]:
@@ -380,6 +425,16 @@ def _links(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
     "largest tensor keeps every tensor whole (the A/B of docs/performance.md).",
 )
 @click.option(
+    "--links",
+    "relay_links",
+    type=click.Choice(["mac", "curve"]),
+    default="mac",
+    show_default=True,
+    help="How the relays link to each other inside the rollout namespace: mac (MAC-only, the "
+    "product's default) or curve (CurveZMQ, a policy's intraCluster: encrypted). The "
+    "producer's link is CurveZMQ either way.",
+)
+@click.option(
     "--results-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Where the JSON and SVG go (default: bench/results of this checkout).",
@@ -438,6 +493,7 @@ def bench_refit(
     bucket_mib: int | str,
     chunk_mib: int | str,
     split_mib: int | str,
+    relay_links: str,
     results_dir: Path | None,
     workdir: Path | None,
     keep_workdir: bool,
@@ -478,6 +534,7 @@ def bench_refit(
         "bucket_bytes": bucket_mib,
         "chunk_bytes": chunk_mib,
         "split_bytes": split_mib,
+        "links": relay_links,
         "workdir": workdir,
         "keep_workdir": keep_workdir,
         "link_cut_s": cut_link_s,

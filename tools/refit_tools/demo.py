@@ -226,9 +226,9 @@ async def _run(
                 "secret_access_key": s3_server.secret_key,
             }
         everyone = [*nodes, reference]
-        ports = free_ports(3 * len(everyone))
+        ports = free_ports(4 * len(everyone))
         for i, n in enumerate(everyone):
-            n.start_vllm(v0, ports[3 * i : 3 * i + 3])
+            n.start_vllm(v0, ports[4 * i : 4 * i + 4])
         for n in [*nodes, reference]:
             n.wait_vllm()
         for n in nodes:

@@ -23,11 +23,15 @@ class _Values(BaseModel):
 
 
 class SidecarPorts(_Values):
-    """Container ports of the injected sidecar (named refit-control and refit-relay)."""
+    """Container ports of the injected sidecar (named refit-control, refit-relay and
+    refit-relay-mac)."""
 
     control: int = Field(DEFAULT_PORTS["rollout"], ge=1, le=65535, description="Receiver HTTP.")
     producer: int = Field(DEFAULT_PORTS["trainer"], ge=1, le=65535, description="Producer HTTP.")
     relay: int = Field(8472, ge=1, le=65535, description="Receiver's ZeroMQ relay node.")
+    relay_mac: int = Field(
+        8473, ge=1, le=65535, description="The relay node's MAC-only port (other relays)."
+    )
 
 
 class TokenSecretRef(_Values):
@@ -95,8 +99,11 @@ class InjectionConfig(_Values):
     @model_validator(mode="after")
     def _consistent(self) -> InjectionConfig:
         """Settings that would make every injected pod invalid fail the operator's start."""
-        if self.ports.control == self.ports.relay:
-            raise ValueError("ports.control and ports.relay must differ (both are on receivers)")
+        receiver_ports = (self.ports.control, self.ports.relay, self.ports.relay_mac)
+        if len(set(receiver_ports)) < len(receiver_ports):
+            raise ValueError(
+                "ports.control, ports.relay and ports.relayMac must differ (all are on receivers)"
+            )
         dirs = {
             "workDir": self.work_dir,
             "shmDir": self.shm_dir,

@@ -6,7 +6,8 @@ or a reinvocation a no-op):
 
 - the `kuberefit-sidecar` container: `kuberefit producer serve` (trainer) or `kuberefit
   receiver serve` (rollout), its settings as JSON in $KUBEREFIT_CONFIG, bound to the pod IP
-  (downward API) on the named ports `refit-control` (and `refit-relay` for receivers);
+  (downward API) on the named ports `refit-control` (and `refit-relay`, `refit-relay-mac` for
+  receivers);
 - volumes: `kuberefit-work` (emptyDir: baseline, staged candidates), `kuberefit-shm`
   (memory-backed emptyDir shared with the paired container: payload files) and
   `kuberefit-token` (the policy's token Secret, mounted read-only as a file);
@@ -60,6 +61,7 @@ from refit_operator.kube.names import (
     POLICY_LABEL,
     PRODUCER_INDEX,
     REFERENCE_CHECKPOINT,
+    RELAY_MAC_PORT,
     RELAY_PORT,
     ROLE_LABEL,
     SERVER_LABEL,
@@ -370,7 +372,10 @@ def _receiver(
         "node": f"$({POD_NAME_ENV})",
         "host": f"$({POD_IP_ENV})",
         "port": cfg.ports.control,
-        "relay": {"bind": f"tcp://$({POD_IP_ENV}):{cfg.ports.relay}"},
+        "relay": {
+            "bind": f"tcp://$({POD_IP_ENV}):{cfg.ports.relay}",
+            "mac_bind": f"tcp://$({POD_IP_ENV}):{cfg.ports.relay_mac}",
+        },
         "applier": applier | {"shm_dir": cfg.shm_dir},
     }
     if server is not None:
@@ -378,6 +383,7 @@ def _receiver(
     ports = [
         {"name": CONTROL_PORT, "containerPort": cfg.ports.control, "protocol": "TCP"},
         {"name": RELAY_PORT, "containerPort": cfg.ports.relay, "protocol": "TCP"},
+        {"name": RELAY_MAC_PORT, "containerPort": cfg.ports.relay_mac, "protocol": "TCP"},
     ]
     command = ["kuberefit", "receiver", "serve"]
     return _sidecar(cfg, command, _common_env(cfg, token_file, settings), ports, resources)

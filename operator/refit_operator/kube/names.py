@@ -50,6 +50,8 @@ KOPF_PREFIX, FINALIZER = "kuberefit.io", "kuberefit.io/finalizer"
 #: The sidecar container and its named ports (what injection adds to a pod).
 SIDECAR_CONTAINER = "kuberefit-sidecar"
 CONTROL_PORT, RELAY_PORT = "refit-control", "refit-relay"
+#: The relay's second port, for MAC-only links from the other relays of the cluster.
+RELAY_MAC_PORT = "refit-relay-mac"
 DEFAULT_PORTS = {"trainer": 8471, "rollout": 8470}
 
 #: Who writes Events and RefitTransitions (shown by kubectl as the event source).

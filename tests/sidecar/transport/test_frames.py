@@ -6,7 +6,17 @@ import pytest
 
 from refit_protocol.kit.auth import is_loopback_host, require_token_or_loopback, tokens_equal
 from refit_sidecar.codec.errors import AuthenticationError, BadMagic, DigestMismatch, HeaderMismatch
-from refit_sidecar.transport.relay.frames import FrameMeta, parse_meta, verify_body
+from refit_sidecar.transport.relay.frames import (
+    ACK,
+    DATA,
+    END,
+    TAG_SIZE,
+    FrameMeta,
+    parse_meta,
+    sign_frame,
+    tag_verifies,
+    verify_body,
+)
 from tests.harness.receivers import HARNESS_MAC_KEY
 from tests.sidecar.receiver.models import canonical, payloads, perturb
 
@@ -90,3 +100,17 @@ def test_token_checks() -> None:
     require_token_or_loopback("x", ["127.0.0.1"], None, allow_insecure=False)
     with pytest.raises(ValueError, match="allow_insecure"):
         require_token_or_loopback("x", ["10.0.0.1"], None, allow_insecure=False)
+
+
+def test_a_frame_tag_binds_the_kind_the_metadata_and_the_token() -> None:
+    meta = FrameMeta(attempt="a", producer=0, payload_id=3).model_dump_json().encode()
+    tag = sign_frame("tok-a", DATA, meta)
+    assert len(tag) == TAG_SIZE
+    assert tag_verifies(["tok-b", "tok-a"], DATA, meta, tag)  # any accepted token (rotation)
+    assert not tag_verifies(["tok-b"], DATA, meta, tag)
+    assert not tag_verifies(["tok-a"], END, meta, tag)  # another kind
+    assert not tag_verifies(["tok-a"], ACK, meta, tag)  # a request's tag is no answer's
+    assert not tag_verifies(["tok-a"], DATA, meta.replace(b'"a"', b'"b"'), tag)
+    assert not tag_verifies(["tok-a"], DATA, meta, tag[:-1])
+    assert sign_frame(None, DATA, meta) == b""
+    assert tag_verifies([], DATA, meta, b"")  # no token: nothing is authenticated (loopback)

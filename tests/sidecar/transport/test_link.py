@@ -60,6 +60,7 @@ def test_delivery_time_follows_payload_volume_over_link_rate(tmp_path: Path) -> 
             mode="overwrite",
             producers=[0],
             relay_tree=cluster.relay_tree,
+            relay_mac_tree=cluster.relay_mac_tree,  # inside the rollout side: MAC-only links
         )
         assert all(a.accepted for a in cluster.each(lambda n: n.ctl.prepare(req)))
         cluster.each(lambda n: n.ctl.gate("l1", True))

@@ -1,6 +1,7 @@
 """The ZeroMQ relay tree with every node a real process: exactly-once delivery to all nodes in
-declared order, dedup, id reuse, corruption, obsolete attempts, authentication, and a relay
-SIGKILLed mid-stream (flush fails within its deadline, nothing hangs)."""
+declared order, dedup, id reuse, corruption, obsolete attempts, authentication on both kinds of
+link (CurveZMQ, MAC-only), and a relay SIGKILLed mid-stream (flush fails within its deadline,
+nothing hangs). The relays forward to each other over MAC-only links unless a test says not."""
 
 from __future__ import annotations
 
@@ -31,7 +32,15 @@ from refit_sidecar.transport.errors import (
 from refit_sidecar.transport.relay.config import DealerConfig
 from refit_sidecar.transport.relay.curve import curve_keys, secure_client, secure_server
 from refit_sidecar.transport.relay.dealer import RelayDealer
-from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta
+from refit_sidecar.transport.relay.frames import (
+    ACK,
+    AckStatus,
+    FrameMeta,
+    LinkSecurity,
+    parse_ack,
+    sign_frame,
+    tag_verifies,
+)
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from tests.harness.operator_env import wait_for
 from tests.harness.receivers import HARNESS_MAC_KEY, Cluster, NodeProc, metric_sum, start_cluster
@@ -87,7 +96,10 @@ def prepare(
     producers: list[int],
     *,
     open_apply: bool = True,
+    mac: bool = True,
 ) -> None:
+    """Prepare `attempt` everywhere; `mac`: the relays forward to each other over MAC-only
+    links (the product's default), else over CurveZMQ."""
     version = held.version
     req = PrepareRequest(
         attempt=attempt,
@@ -96,6 +108,7 @@ def prepare(
         mode=mode,
         producers=producers,
         relay_tree=c.relay_tree,
+        relay_mac_tree=c.relay_mac_tree if mac else [],
     )  # type: ignore[arg-type]
     answers = c.each(lambda n: n.ctl.prepare(req))
     assert all(a.accepted for a in answers), [a.reason for a in answers]
@@ -275,7 +288,7 @@ def test_out_of_order_arrival_is_applied_in_declared_order(cluster: Cluster, hel
     ps = payloads("t6", 0, old, new)
     random.Random(6).shuffle(ps)
     assert [p.header.order for p in ps] != sorted(p.header.order for p in ps)
-    prepare(cluster, held, "t6", "mixed", [0])
+    prepare(cluster, held, "t6", "mixed", [0], mac=False)  # every link CurveZMQ
     t = transport(cluster, 2)
     try:
         send_all(t, "t6", ps)
@@ -433,6 +446,97 @@ def test_random_frames_from_an_authenticated_peer_are_refused_cleanly(
     finally:
         client.close()
     stop_everywhere(cluster, "t9")
+
+
+def test_a_mac_only_link_takes_tagged_frames_only(cluster: Cluster, held: Held) -> None:
+    """Anyone on the pod network can reach a relay's MAC-only port. A frame whose tag another
+    key made, whose metadata was altered after tagging, or whose tagged metadata travels with
+    another payload's body is dropped unanswered, counted, and fails nothing; the genuine frame
+    is staged, a replay of it is only a duplicate, and no frame or answer carries the token. A
+    peer at an address that is no relay of the attempt cannot even connect."""
+    node = cluster.nodes[5]
+    old = held.weights
+    assert isinstance(old, dict)
+    p, q = payloads("t10", 0, old, perturb(old, 21))[:2]
+    prepare(cluster, held, "t10", "overwrite", [0], open_apply=False)
+    unauth = 'kuberefit_relay_frames_dropped_total{reason="unauthenticated"}'
+    before = metric_sum(node, unauth)
+    meta = _meta(p).model_dump_json().encode()
+    assert cluster.token.encode() not in meta
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(node.relay_mac)
+    try:
+        altered = _meta(p).model_copy(update={"order": 999}).model_dump_json().encode()
+        forgeries = [
+            [b"DATA", meta, sign_frame("another-" + cluster.token, b"DATA", meta), p.body],
+            [b"DATA", altered, sign_frame(cluster.token, b"DATA", meta), p.body],
+            [b"DATA", meta, sign_frame(cluster.token, b"DATA", meta), q.body],  # spliced
+            [b"END", meta, b"\0" * 32],
+        ]
+        for frames in forgeries:
+            sock.send_multipart(frames)
+        wait_for(
+            "every forgery dropped",
+            lambda: metric_sum(node, unauth) >= before + len(forgeries),
+            timeout=10,
+        )
+        assert not sock.poll(500), "a forged frame was answered"
+        status = node.ctl.status()
+        assert status.staged == 0, status  # nothing taken
+        assert not status.errors, status  # nothing failed
+
+        client = RelayDealer(
+            node.relay_mac, token=cluster.token, config=CLIENT, link=LinkSecurity.MAC
+        )
+        try:
+            assert client.submit_data(_meta(p), p.body).result(10) is AckStatus.STAGED
+        finally:
+            client.close()
+        sock.send_multipart([b"DATA", meta, sign_frame(cluster.token, b"DATA", meta), p.body])
+        assert sock.poll(10_000), "the replay was not answered"
+        answer = sock.recv_multipart()
+        assert answer[0] == ACK
+        assert tag_verifies([cluster.token], ACK, answer[1], answer[2])
+        assert cluster.token.encode() not in b"".join(answer)
+        ack = parse_ack(answer[1])
+        assert ack is not None
+        assert ack.status is AckStatus.DUPLICATE
+        assert node.ctl.status().staged == 1
+    finally:
+        sock.close(linger=0)
+    # A peer at an address that is no relay of the attempt gets no connection at all: not one
+    # byte of its 64 MiB frame is buffered (counted as not_a_relay).
+    rss = psutil.Process(node.proc.proc.pid).memory_info().rss  # type: ignore[union-attr]
+    not_a_relay = 'kuberefit_relay_frames_dropped_total{reason="not_a_relay"}'
+    refused = metric_sum(node, not_a_relay)
+    outsider = zmq.Context.instance().socket(zmq.DEALER)
+    outsider.setsockopt(zmq.LINGER, 0)
+    outsider.setsockopt(zmq.SNDTIMEO, 5000)
+    outsider.connect(node.relay_mac.replace("tcp://", "tcp://127.0.0.2:0;"))  # source address
+    try:
+        with contextlib.suppress(zmq.Again):
+            tag = sign_frame(cluster.token, b"DATA", meta)
+            outsider.send_multipart([b"DATA", meta, tag, b"\0" * (64 << 20)], copy=False)
+        wait_for("the outsider refused", lambda: metric_sum(node, not_a_relay) > refused)
+        assert not outsider.poll(500)
+    finally:
+        outsider.close(linger=0)
+    grown = psutil.Process(node.proc.proc.pid).memory_info().rss - rss  # type: ignore[union-attr]
+    assert grown < 32 << 20, f"a peer that is no relay made the receiver hold {grown} bytes"
+    wrong = RelayDealer(
+        node.relay_mac,
+        token="another-" + cluster.token,
+        config=DealerConfig(ack_timeout_s=0.5, max_retries=1),
+        link=LinkSecurity.MAC,
+    )
+    try:
+        with pytest.raises(DeliveryTimeoutError):  # dropped without an answer
+            wrong.submit_data(_meta(q), q.body).result(10)
+    finally:
+        wrong.close()
+    assert node.ctl.status().staged == 1
+    stop_everywhere(cluster, "t10")
 
 
 # ------------------------------------------------------------------------------ abandon

@@ -9,13 +9,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 KUBEREFIT = Path(sys.executable).parent / "kuberefit"
 
 
-def run(*args: str, env: dict[str, str] | None = None) -> dict[str, object]:
+def run(*args: str, env: dict[str, str] | None = None) -> Any:
     proc = subprocess.run(
         [str(KUBEREFIT), "bench", *args, "--json"],
         capture_output=True,
@@ -25,14 +26,13 @@ def run(*args: str, env: dict[str, str] | None = None) -> dict[str, object]:
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert isinstance(result, dict)
-    return result
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_transport_quick_reports_the_relay_tree_figures(tmp_path: Path) -> None:
+    """Both kinds of link by default, one result (and file) each."""
     (tmp_path / "tmp").mkdir()
-    out = run(
+    results = run(
         "transport",
         "--quick",
         "--payloads",
@@ -46,32 +46,36 @@ def test_transport_quick_reports_the_relay_tree_figures(tmp_path: Path) -> None:
         env=os.environ | {"TMPDIR": str(tmp_path / "tmp")},
     )
     assert not list((tmp_path / "tmp").iterdir()), "the bench left its work directory behind"
-    assert (out["nodes"], out["payloads"], out["payload_mib"], out["small_payloads"]) == (
-        2,
-        2,
-        2,
-        10,
-    )
-    assert out["v_payload_bytes"] >= 2 * (2 << 20)  # both payloads, each at least its body
-    delivery = out["delivery_s"]
-    assert isinstance(delivery, float)
-    assert delivery > 0
-    unique, delivered = out["unique_gb_s"], out["delivered_gb_s"]
-    assert isinstance(unique, float)
-    assert isinstance(delivered, float)
-    assert delivered == pytest.approx(unique * 2, rel=1e-9)  # every node got every payload
-    per_payload = out["per_payload_ms"]
-    assert isinstance(per_payload, float)
-    assert per_payload > 0
-    # The bare forward of the same frames ran in the same run, and the ratio is its own.
-    bare = out["bare_delivery_s"]
-    assert isinstance(bare, float)
-    assert bare > 0
-    assert out["hop_ratio"] == pytest.approx(bare / delivery, rel=1e-9)
-    assert out["tree_depth"] == 2
-    (written,) = tmp_path.glob("transport-*.json")
-    assert out["files"] == [str(written)]
-    assert json.loads(written.read_text())["bare_unique_gb_s"] == out["bare_unique_gb_s"]
+    assert isinstance(results, list)
+    assert [r["links"] for r in results] == ["mac", "curve"]
+    written = sorted(tmp_path.glob("transport-*.json"))
+    assert sorted(f for r in results for f in r["files"]) == [str(p) for p in written]
+    for out in results:
+        assert (out["nodes"], out["payloads"], out["payload_mib"], out["small_payloads"]) == (
+            2,
+            2,
+            2,
+            10,
+        )
+        assert out["v_payload_bytes"] >= 2 * (2 << 20)  # both payloads, each at least its body
+        delivery = out["delivery_s"]
+        assert isinstance(delivery, float)
+        assert delivery > 0
+        unique, delivered = out["unique_gb_s"], out["delivered_gb_s"]
+        assert isinstance(unique, float)
+        assert isinstance(delivered, float)
+        assert delivered == pytest.approx(unique * 2, rel=1e-9)  # every node got every payload
+        per_payload = out["per_payload_ms"]
+        assert isinstance(per_payload, float)
+        assert per_payload > 0
+        # The bare forward of the same frames ran in the same run, and the ratio is its own.
+        bare = out["bare_delivery_s"]
+        assert isinstance(bare, float)
+        assert bare > 0
+        assert out["hop_ratio"] == pytest.approx(bare / delivery, rel=1e-9)
+        assert out["tree_depth"] == 2
+        (file,) = out["files"]
+        assert json.loads(Path(file).read_text())["bare_unique_gb_s"] == out["bare_unique_gb_s"]
 
 
 def test_apply_entry_point_takes_the_checkpoint_size() -> None:

@@ -225,6 +225,28 @@ def test_a_transport_result_calibrates_the_relay_hop(tmp_path: Path) -> None:
     assert by_file["refit-20261202T000001Z.json"].why == "unreadable (not JSON)"
     constants, _ = fitted.constants(0.03, colocated=True)
     assert constants.hop_bytes_s == pytest.approx(0.45e9)
+    assert constants.hop_mac_bytes_s is None
+    # A later MAC-only run gives the MAC-only hop and leaves the encrypted one as it was.
+    (tmp_path / "transport-20261202T000002Z.json").write_text(
+        json.dumps(
+            {
+                "benchmark": "transport",
+                "links": "mac",
+                "nodes": 1,
+                "unique_gb_s": 1.2,
+                "hop_gb_s": 1.2,
+                "per_payload_ms": 0.3,
+            }
+        )
+    )
+    both = cal.fit(tmp_path)
+    assert both.relay_hop == fitted.relay_hop
+    assert both.relay_hop_payload_s == fitted.relay_hop_payload_s
+    assert both.relay_hop_mac is not None
+    assert both.relay_hop_mac.value == pytest.approx(1.2e9)
+    assert both.relay_hop_mac.sources == ["transport-20261202T000002Z.json"]
+    constants, _ = both.constants(0.03, colocated=True)
+    assert constants.hop_mac_bytes_s == pytest.approx(1.2e9)
     cal.write(fitted, tmp_path / "cal.json")
     assert cal.load(tmp_path / "cal.json") == fitted
 

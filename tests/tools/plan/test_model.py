@@ -119,6 +119,21 @@ def test_relay_hop_throughput_bounds_fan_out_and_each_flow() -> None:
     assert b.stages["cross-cluster"] == pytest.approx(v / 8 / 0.5e9 + n_p * 0.001)
 
 
+def test_mac_only_links_take_the_mac_only_hop_inside_the_cluster() -> None:
+    """Relay to relay the policy's mode decides the hop; the roots' receive from the trainers
+    is always the encrypted hop."""
+    k = dataclasses.replace(K, hop_bytes_s=0.5e9, hop_mac_bytes_s=1.2e9)
+    d = dataclasses.replace(D, cross_bytes_s=None)
+    mac = project(d, k)
+    enc = project(dataclasses.replace(d, intra_cluster="encrypted"), k)
+    v = 0.02e12
+    assert mac.stages["fan-out"] == pytest.approx(2 * v / 1.2e9)
+    assert enc.stages["fan-out"] == pytest.approx(2 * v / 0.5e9)
+    assert mac.stages["cross-cluster"] == enc.stages["cross-cluster"]
+    unmeasured = project(d, dataclasses.replace(k, hop_mac_bytes_s=None))
+    assert unmeasured.stages["fan-out"] == enc.stages["fan-out"]  # the encrypted hop stands in
+
+
 def test_s3_downloads_cross_once_per_node() -> None:
     k = dataclasses.replace(K, s3_upload_bytes_s=1e9, s3_download_bytes_s=2e9)
     b = project(dataclasses.replace(D, transport="s3"), k)

@@ -1,11 +1,13 @@
 """The socket's ceiling for `kuberefit bench transport`: a bare pyzmq forward of the same frames.
 
-Each bare node is a process (as each receiver node is) with a CurveZMQ ROUTER keyed like the
-product's relays (`curve_keys(token)`) and one CurveZMQ DEALER per child of the same balanced
-binary tree (`refit_sidecar.transport.relay.tree`). Per DATA frame it answers an ACK to the
-sender and forwards the frame, unchanged and without a copy, to its children; nothing is
-parsed, checked, hashed or staged. When a node has received every frame it tells the bench on
-a PUSH socket. The bench sends the same `[DATA, meta, body]` frames as the relay measurement
+Each bare node is a process (as each receiver node is) with a ROUTER secured like the product's
+relays for the run's kind of link (CurveZMQ keyed by `curve_keys(token)`, or a plain socket
+for MAC-only links) and one DEALER per child of the same balanced binary tree
+(`refit_sidecar.transport.relay.tree`). Per DATA frame it checks what the mode's security
+needs and nothing else (on a MAC-only link the frame's tag; on either the body's payload MAC),
+answers an ACK to the sender and forwards the frame, unchanged and without a copy, to its
+children; nothing is parsed, deduplicated or staged. When a node has received every frame it
+tells the bench on a PUSH socket. The bench sends the same DATA frames as the relay measurement
 through the same number of processes and the same tree, with no send window (the product's
 dealers keep 4 frames in flight and wait for ACKs) and no flush call, so `relay GB/s / bare
 GB/s` is what the product's hop (authentication, MAC and identity checks, dedup, staging,
@@ -28,8 +30,11 @@ from typing import Any
 
 import zmq
 
+from refit_protocol.keys import payload_mac_key
+from refit_sidecar.codec.decode import verify_mac
 from refit_sidecar.transport.relay import tree
 from refit_sidecar.transport.relay.curve import curve_keys
+from refit_sidecar.transport.relay.frames import LinkSecurity, tag_verifies
 from refit_tools.local.procs import free_ports
 
 ACK, DATA, PROBE = b"ACK", b"DATA", b"PROBE"
@@ -38,31 +43,43 @@ DONE = b"DONE"
 IDLE_TIMEOUT_S = 120.0
 
 
-def _server(ctx: zmq.Context[Any], token: str, endpoint: str) -> zmq.Socket[Any]:
-    keys = curve_keys(token)
+def _server(ctx: zmq.Context[Any], token: str, endpoint: str, curve: bool) -> zmq.Socket[Any]:
     sock: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.curve_server = True
-    sock.curve_secretkey, sock.curve_publickey = keys.secret, keys.public
+    if curve:
+        keys = curve_keys(token)
+        sock.curve_server = True
+        sock.curve_secretkey, sock.curve_publickey = keys.secret, keys.public
     sock.bind(endpoint)
     return sock
 
 
-def _client(ctx: zmq.Context[Any], token: str, endpoint: str) -> zmq.Socket[Any]:
-    keys = curve_keys(token)
+def _client(ctx: zmq.Context[Any], token: str, endpoint: str, curve: bool) -> zmq.Socket[Any]:
     sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.curve_secretkey, sock.curve_publickey = keys.secret, keys.public
-    sock.curve_serverkey = keys.public
+    if curve:
+        keys = curve_keys(token)
+        sock.curve_secretkey, sock.curve_publickey = keys.secret, keys.public
+        sock.curve_serverkey = keys.public
     sock.connect(endpoint)
     return sock
 
 
-def serve_node(index: int, endpoints: Sequence[str], done: str, frames: int, token: str) -> None:
+def serve_node(
+    index: int,
+    endpoints: Sequence[str],
+    done: str,
+    frames: int,
+    token: str,
+    links: LinkSecurity = LinkSecurity.CURVE,
+) -> None:
     """Forward `frames` DATA frames down the tree rooted at position 0, then report DONE."""
     ctx: zmq.Context[Any] = zmq.Context()
-    router = _server(ctx, token, endpoints[index])
-    kids = [_client(ctx, token, endpoints[i]) for i in tree.children(index, 0, len(endpoints))]
+    curve, key = links is LinkSecurity.CURVE, payload_mac_key(token)
+    router = _server(ctx, token, endpoints[index], curve)
+    kids = [
+        _client(ctx, token, endpoints[i], curve) for i in tree.children(index, 0, len(endpoints))
+    ]
     report: zmq.Socket[Any] = ctx.socket(zmq.PUSH)
     report.connect(done)
     poller = zmq.Poller()
@@ -85,6 +102,9 @@ def serve_node(index: int, endpoints: Sequence[str], done: str, frames: int, tok
                 if not kids:
                     router.send_multipart([prober, ACK, PROBE])
                 continue
+            if not curve and not tag_verifies([token], msg[1].bytes, msg[2].buffer, msg[3].buffer):
+                raise SystemExit(f"bare node {index}: a frame's tag does not verify")
+            verify_mac(msg[-1].buffer, key)
             router.send_multipart([msg[0], ACK, DATA])
             for kid in kids:
                 kid.send_multipart(msg[1:], copy=False)
@@ -104,12 +124,22 @@ def serve_node(index: int, endpoints: Sequence[str], done: str, frames: int, tok
     ctx.destroy(linger=0)
 
 
-def _node_args(index: int, done: str, frames: int, endpoints: Sequence[str]) -> list[str]:
-    return ["--index", str(index), "--done", done, "--frames", str(frames), *endpoints]
+def _node_args(
+    index: int, done: str, frames: int, endpoints: Sequence[str], links: LinkSecurity
+) -> list[str]:
+    return [
+        *("--index", str(index), "--done", done, "--frames", str(frames)),
+        *("--links", links.value, *endpoints),
+    ]
 
 
 def run_bare_forward(
-    n: int, frames: Sequence[Sequence[bytes]], token: str, *, timeout_s: float = 300.0
+    n: int,
+    frames: Sequence[Sequence[bytes]],
+    token: str,
+    links: LinkSecurity = LinkSecurity.CURVE,
+    *,
+    timeout_s: float = 300.0,
 ) -> float:
     """Seconds from the first send until every one of `n` bare nodes received every frame."""
     ports = free_ports(n + 1)
@@ -121,10 +151,11 @@ def run_bare_forward(
     pull.bind(done)
     env = os.environ | {"KUBEREFIT_TOKEN": token}
     procs: list[subprocess.Popen[bytes]] = []
-    sender = _client(ctx, token, endpoints[0])
+    sender = _client(ctx, token, endpoints[0], links is LinkSecurity.CURVE)
     try:
         for i in range(n):
-            argv = [sys.executable, "-m", __name__, *_node_args(i, done, len(frames), endpoints)]
+            args = _node_args(i, done, len(frames), endpoints, links)
+            argv = [sys.executable, "-m", __name__, *args]
             procs.append(subprocess.Popen(argv, env=env))
         sender.send(PROBE)  # answered when every link of the tree has completed its handshake
         if not sender.poll(int(timeout_s * 1000)):
@@ -160,9 +191,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--done", required=True)
     parser.add_argument("--frames", type=int, required=True)
+    parser.add_argument("--links", choices=[m.value for m in LinkSecurity], default="curve")
     parser.add_argument("endpoints", nargs="+")
     args = parser.parse_args(argv)
-    serve_node(args.index, args.endpoints, args.done, args.frames, os.environ["KUBEREFIT_TOKEN"])
+    token = os.environ["KUBEREFIT_TOKEN"]
+    links = LinkSecurity(args.links)
+    serve_node(args.index, args.endpoints, args.done, args.frames, token, links)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from refit_protocol.receiver_api import (
     RelayFlushRequest,
     RelayFlushResponse,
 )
+from refit_sidecar.transport.relay.frames import LinkSecurity
 from refit_tools.local.procs import ComponentError, ManagedProcess, free_ports
 
 #: node index -> the node's `applier` config section (ReceiverConfig.applier)
@@ -55,15 +56,20 @@ class BenchNodes:
         log_level: str = "WARNING",
         start_timeout_s: float = 120.0,
         extra: dict[str, Any] | None = None,
+        links: LinkSecurity = LinkSecurity.MAC,
     ) -> None:
         """`relay_host`: where relays listen and are reached (and HTTP, unless `http_bind`);
         `ctl_host`: where this process reaches the HTTP control plane (default `relay_host`);
-        `wrap`: turns each node's argv into another (e.g. `ip netns exec <ns> ...`)."""
+        `wrap`: turns each node's argv into another (e.g. `ip netns exec <ns> ...`);
+        `links`: how relays forward to each other (MAC-only, the product's default, or
+        CurveZMQ); the producer's link to the root is CurveZMQ either way."""
         self.token = secrets.token_hex(16)
         self.names = [f"bench{i}" for i in range(n)]
-        ports = free_ports(2 * n)
+        ports = free_ports(3 * n)
         self.http = [f"http://{ctl_host or relay_host}:{p}" for p in ports[:n]]
-        self.relays = [f"tcp://{relay_host}:{p}" for p in ports[n:]]
+        self.relays = [f"tcp://{relay_host}:{p}" for p in ports[n : 2 * n]]
+        mac = links is LinkSecurity.MAC
+        self.mac_relays = [f"tcp://{relay_host}:{p}" if mac else "" for p in ports[2 * n :]]
         self.pool = urllib3.PoolManager(maxsize=2 * n, retries=False)
         self.procs: list[ManagedProcess] = []
         env = dict(os.environ, KUBEREFIT_LOG_LEVEL=log_level)
@@ -75,7 +81,11 @@ class BenchNodes:
                 "token": self.token,
                 "held_version": 0,
                 "applier": applier(i),
-                "relay": {"bind": self.relays[i], "nodes": self.relays},
+                "relay": {
+                    "bind": self.relays[i],
+                    "mac_bind": self.mac_relays[i] or None,
+                    "nodes": self.relays,
+                },
                 **(extra or {}),
             }
             path = workdir / f"{name}.json"
@@ -145,6 +155,7 @@ class BenchNodes:
             sync=False,
             producers=sorted(expected),
             relay_tree=self.relays,
+            relay_mac_tree=self.mac_relays if any(self.mac_relays) else [],
         )
         answers = self.each(lambda u: PrepareResponse(**self.post(u, "/prepare", req)))
         refused = [a for a in answers if not a.accepted]

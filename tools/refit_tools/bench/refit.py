@@ -51,7 +51,7 @@ from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import structlog
@@ -73,6 +73,7 @@ from refit_sidecar.baseline.sizing import Sizes, resolve_sizes
 from refit_sidecar.pipeline.config import PipelineConfig
 from refit_sidecar.producer.main import ProducerProcessConfig
 from refit_sidecar.transport.relay.config import RootDealerConfig
+from refit_sidecar.transport.relay.frames import LinkSecurity
 from refit_sidecar.transport.relay.transport import RelayTransportConfig
 from refit_tools.bench.netns import Link, create_link, require_netns_tools
 from refit_tools.bench.nodes import BenchNodes
@@ -142,6 +143,11 @@ class RefitBenchConfig(BaseModel):
         "(the chunk limit, or the bucket when larger).",
     )
     compare_workers: int = Field(default=2, ge=1, description="Producer compare threads.")
+    links: Literal["mac", "curve"] = Field(
+        default="mac",
+        description="How the relays link to each other inside the rollout namespace (the "
+        "producer's link is CurveZMQ either way): mac, the product's default, or curve.",
+    )
     reference_payload_bytes: int = Field(
         default=16 * MIB, ge=1 << 16, description="Payload size of the full-checkpoint reference."
     )
@@ -222,6 +228,10 @@ class BenchMembership:
 
     async def relay_tree(self, nodes: Sequence[str]) -> list[str]:
         return [self.nodes.relays[self.index[n]] for n in nodes]
+
+    async def relay_mac_tree(self, nodes: Sequence[str]) -> list[str]:
+        macs = [self.nodes.mac_relays[self.index[n]] for n in nodes]
+        return macs if any(macs) else []
 
 
 class PhaseClock:
@@ -670,6 +680,7 @@ def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print)
                 ctl_host=link.control_ip,
                 wrap=partial(link.wrap, link.rollout_ns),
                 start_timeout_s=600,
+                links=LinkSecurity(cfg.links),
             )
             producer, producer_url, token = _start_producer(cfg, workload, link, nodes, workdir)
             procs.append(producer)

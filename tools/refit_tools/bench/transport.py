@@ -33,7 +33,7 @@ from refit_sidecar.codec.wire import CODEC_VERSION, DecodedPayload, EncodedPaylo
 from refit_sidecar.receiver.appliers.base import ApplyReport, StagedPayload
 from refit_sidecar.transport.relay import tree
 from refit_sidecar.transport.relay.config import RootDealerConfig
-from refit_sidecar.transport.relay.frames import DATA, FrameMeta
+from refit_sidecar.transport.relay.frames import DATA, FrameMeta, LinkSecurity, sign_frame
 from refit_sidecar.transport.relay.transport import RelayTransport, RelayTransportConfig
 from refit_sidecar.transport.s3 import S3Config, S3Fetcher, make_client, upload_payload
 from refit_tools.bench.bare_forward import run_bare_forward
@@ -96,26 +96,42 @@ def synthetic_payloads(
     return out, metas
 
 
-def _nodes(n: int, workdir: Path) -> BenchNodes:
+def _nodes(n: int, workdir: Path, links: LinkSecurity) -> BenchNodes:
     """Receiver node processes on loopback whose applier discards everything."""
     return BenchNodes(
-        n, workdir, applier=lambda _i: {"kind": "factory", "factory": f"{__name__}:discard_applier"}
+        n,
+        workdir,
+        applier=lambda _i: {"kind": "factory", "factory": f"{__name__}:discard_applier"},
+        links=links,
     ).start()
 
 
 def _relay_round(
-    nodes: BenchNodes, attempt: str, ps: list[EncodedPayload], metas: list[TensorMetaModel]
+    nodes: BenchNodes,
+    attempt: str,
+    ps: list[EncodedPayload],
+    metas: list[TensorMetaModel],
+    links: LinkSecurity,
 ) -> float:
-    """Seconds from the first send to a successful relay flush on every node."""
+    """Seconds from the first send to a successful relay flush on every node (the producer's
+    link to the root in the same mode as the others: this measures a hop of that mode). The
+    producer connects once the attempt is prepared, as a relay forwarding it does: a MAC-only
+    port admits only the relays of a prepared attempt (the connection's set-up is timed, in
+    both modes)."""
     nodes.each(lambda u: nodes.post(u, "/prewarm", PrewarmRequest(metas=metas)))
-    t = RelayTransport(
-        RelayTransportConfig(
-            root=nodes.relays[0], token=SecretStr(nodes.token), client=RootDealerConfig()
-        )
+    mac = links is LinkSecurity.MAC
+    config = RelayTransportConfig(
+        root=nodes.mac_relays[0] if mac else nodes.relays[0],
+        token=SecretStr(nodes.token),
+        client=RootDealerConfig(),
+        link=links,
     )
+    opened: list[RelayTransport] = []
 
     def send() -> float:
         t0 = time.monotonic()
+        t = RelayTransport(config)
+        opened.append(t)
         for p in ps:
             t.send(attempt, p)
         t.stop_and_wait(attempt)
@@ -124,11 +140,16 @@ def _relay_round(
     try:
         return nodes.deliver(attempt, {0: len(ps)}, send, timeout_s=300)
     finally:
-        t.close()
+        for t in opened:
+            t.close()
 
 
-def _frames(ps: list[EncodedPayload], token: str) -> list[list[bytes]]:
-    """The DATA frames a producer's dealer sends for `ps` (metadata with the token, body)."""
+def _frames(ps: list[EncodedPayload], token: str, links: LinkSecurity) -> list[list[bytes]]:
+    """The DATA frames a dealer sends for `ps`: over CurveZMQ metadata with the token and the
+    body; over a MAC-only link metadata, its tag and the body."""
+    if links is LinkSecurity.MAC:
+        raw = [FrameMeta.of(p).model_dump_json().encode() for p in ps]
+        return [[DATA, m, sign_frame(token, DATA, m), p.body] for m, p in zip(raw, ps, strict=True)]
     metas = [FrameMeta.of(p).model_copy(update={"token": token}) for p in ps]
     return [[DATA, m.model_dump_json().encode(), p.body] for m, p in zip(metas, ps, strict=True)]
 
@@ -139,28 +160,30 @@ def run_relay_bench(
     payloads: int = 16,
     payload_mib: int = 16,
     small: int = 200,
+    links: LinkSecurity = LinkSecurity.CURVE,
     workdir: Path | None = None,
     say: Say = print,
 ) -> dict[str, Any]:
-    """Relay-tree delivery to `nodes` processes on loopback, and the bare pyzmq forward of the
-    same frames through as many processes (`bare_forward.py`), measured in the same run."""
+    """Relay-tree delivery to `nodes` processes on loopback with every link of the kind
+    `links`, and the bare pyzmq forward of the same frames with the same security through as
+    many processes (`bare_forward.py`), measured in the same run."""
     own = workdir is None  # a temporary directory of ours: removed at the end
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kuberefit-bench-"))
     started = datetime.now(timezone.utc)
     say(f"starting {nodes} receiver nodes ...")
     try:
-        cluster = _nodes(nodes, workdir)
+        cluster = _nodes(nodes, workdir, links)
         try:
             key = payload_mac_key(cluster.token)
             big, big_metas = synthetic_payloads(
                 "bench-big", payloads, payload_mib * MIB, mac_key=key
             )
             volume = sum(p.size for p in big)
-            say(f"relay tree: {payloads} x {payload_mib} MiB to {nodes} nodes ...")
-            t_big = _relay_round(cluster, "bench-big", big, big_metas)
+            say(f"relay tree, {links.value} links: {payloads} x {payload_mib} MiB to {nodes} nodes")
+            t_big = _relay_round(cluster, "bench-big", big, big_metas, links)
             tiny, tiny_metas = synthetic_payloads("bench-small", small, 1024, mac_key=key)
             say(f"relay tree: {small} payloads of 1 KiB ...")
-            t_small = _relay_round(cluster, "bench-small", tiny, tiny_metas)
+            t_small = _relay_round(cluster, "bench-small", tiny, tiny_metas, links)
             token = cluster.token
         finally:
             cluster.close()
@@ -168,12 +191,13 @@ def run_relay_bench(
         if own:
             shutil.rmtree(workdir, ignore_errors=True)
     say(f"bare pyzmq forward: the same {payloads} frames through {nodes} processes ...")
-    t_bare = run_bare_forward(nodes, _frames(big, token), token)
+    t_bare = run_bare_forward(nodes, _frames(big, token, links), token, links)
     unique = volume / t_big / 1e9
     return {
         "benchmark": "transport",
         "started": started.isoformat(timespec="seconds"),
         "nodes": nodes,
+        "links": links.value,
         "tree_depth": tree.depth(nodes),
         "payloads": payloads,
         "payload_mib": payload_mib,
@@ -199,9 +223,13 @@ DEFINITIONS = {
     "received, checked, staged and forwarded)",
     "unique_gb_s": "V_payload / delivery_s",
     "delivered_gb_s": "nodes x V_payload / delivery_s",
-    "bare_delivery_s": "the same DATA frames through a bare pyzmq CurveZMQ forward in as many "
-    "processes and the same tree (no checks, no staging): first send until every bare node "
-    "received every frame; measured in the same run",
+    "links": "how every link of the run is protected, the producer's too: curve (CurveZMQ) or "
+    "mac (plain TCP, every frame tagged; in the product only relay-to-relay links inside the "
+    "rollout cluster are)",
+    "bare_delivery_s": "the same DATA frames through a bare pyzmq forward with the same "
+    "security (CurveZMQ sockets, or plain sockets checking each frame's tag) and each body's "
+    "payload MAC checked, in as many processes and the same tree (no staging): first send "
+    "until every bare node received every frame; measured in the same run",
     "hop_ratio": "bare_delivery_s / delivery_s: the share of the socket's ceiling the relay keeps",
     "per_payload_ms": "time per payload of a stream of 1 KiB payloads (the product's default "
     "send window)",
@@ -262,7 +290,8 @@ def format_report(result: Mapping[str, Any]) -> str:
     lines = []
     if "delivery_s" in result:
         lines.append(
-            f"relay tree, {result['nodes']} nodes on loopback: V_payload "
+            f"relay tree, {result['nodes']} nodes on loopback, "
+            f"{result.get('links', 'curve')} links: V_payload "
             f"{result['v_payload_bytes'] / MIB:.0f} MiB in {result['delivery_s']:.2f}s = "
             f"{result['unique_gb_s']:.3f} GB/s unique, {result['delivered_gb_s']:.3f} GB/s "
             f"delivered; per-payload overhead {result['per_payload_ms']:.2f} ms"
@@ -279,4 +308,24 @@ def format_report(result: Mapping[str, Any]) -> str:
             f"S3: {result['s3_payloads']} x {result['s3_payload_mib']} MiB, upload "
             f"{result['upload_gb_s']:.3f} GB/s, download {result['download_gb_s']:.3f} GB/s"
         )
+    return "\n".join(lines)
+
+
+def format_comparison(results: Sequence[Mapping[str, Any]]) -> str:
+    """One line per run (nodes, kind of link), and each MAC-only hop against the encrypted
+    hop of the same node count measured in this invocation."""
+    lines = ["nodes  links  relay GB/s  bare GB/s  relay/bare"]
+    for r in results:
+        lines.append(
+            f"{r['nodes']:>5}  {r.get('links', 'curve'):<5}  {r['unique_gb_s']:>10.3f}  "
+            f"{r['bare_unique_gb_s']:>9.3f}  {r['hop_ratio']:>10.2f}"
+        )
+    by = {(r["nodes"], r.get("links", "curve")): r for r in results}
+    for (n, links), r in sorted(by.items()):
+        enc = by.get((n, "curve"))
+        if links == "mac" and enc is not None:
+            ratio = r["unique_gb_s"] / enc["unique_gb_s"]
+            lines.append(
+                f"{n} node(s): the MAC-only tree moves {ratio:.2f}x the encrypted one's unique GB/s"
+            )
     return "\n".join(lines)

@@ -71,3 +71,7 @@ class LocalMembership:
 
     async def relay_tree(self, nodes: Sequence[str]) -> list[str]:
         return [self.nodes[n].relay_endpoint for n in nodes] if self.relay else []
+
+    async def relay_mac_tree(self, nodes: Sequence[str]) -> list[str]:
+        macs = [self.nodes[n].relay_mac_endpoint for n in nodes] if self.relay else []
+        return macs if any(macs) else []

@@ -50,6 +50,7 @@ class LocalNode:
     workdir: Path
     token: str
     relay_port: int = 0
+    relay_mac_port: int = 0
     http_port: int = 0
     vllm_port: int = 0
     relay_nodes: list[str] = field(default_factory=list)
@@ -67,6 +68,11 @@ class LocalNode:
         return f"tcp://127.0.0.1:{self.relay_port}"
 
     @property
+    def relay_mac_endpoint(self) -> str:
+        """The relay's MAC-only ROUTER, for the other relays ("" before the first start)."""
+        return f"tcp://127.0.0.1:{self.relay_mac_port}" if self.relay_mac_port else ""
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
@@ -75,13 +81,15 @@ class LocalNode:
         return f"http://127.0.0.1:{self.vllm_port}"
 
     def start_vllm(self, model_dir: Path, ports: list[int] | None = None) -> None:
-        """Launch the server (wait with `wait_vllm`). `ports`: three distinct free ports for
-        the server, the receiver and the relay (allocate several nodes' at once: a port chosen
-        but not yet bound is not reserved)."""
+        """Launch the server (wait with `wait_vllm`). `ports`: four distinct free ports for
+        the server, the receiver and the relay's two ROUTERs (allocate several nodes' at once: a
+        port chosen but not yet bound is not reserved)."""
         self.generation += 1
         # Fresh ports per start: the dead generation's ports may have been reused meanwhile.
         # The coordinator passes the current relay endpoints with every prepare.
-        self.vllm_port, self.http_port, self.relay_port = ports or free_ports(3)
+        (self.vllm_port, self.http_port, self.relay_port, self.relay_mac_port) = (
+            ports or free_ports(4)
+        )
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", KUBEREFIT_TOKEN=self.token)
         env.pop("VLLM_SERVER_DEV_MODE", None)
         env[ENV_SWITCH] = "1"
@@ -128,7 +136,13 @@ class LocalNode:
             "port": self.http_port,
             "token": self.token,
             "held_version": held_version,
-            "relay": None if s3 else {"bind": self.relay_endpoint, "nodes": self.relay_nodes},
+            "relay": None
+            if s3
+            else {
+                "bind": self.relay_endpoint,
+                "mac_bind": self.relay_mac_endpoint or None,
+                "nodes": self.relay_nodes,
+            },
             "s3": s3,
             "applier": {
                 "kind": "vllm",

@@ -225,9 +225,20 @@ def _count(_ctx: click.Context, param: click.Parameter, value: str) -> int:
     help="Replace the measured relay hop throughput (payload bytes per second one relay node "
     f"receives, verifies and forwards; e.g. 5GB/s; {_THROUGHPUTS}). The calibration's figure "
     "is the transport bench's on its machine (the shipped one: loopback on a 2-vCPU VM, "
-    "about 0.47 GB/s), which then bounds fan-out and the full-checkpoint reference ahead of "
-    "a fast --intra-link (a note says so); give your hosts' figure here. It is then marked as "
-    "an input; the per-payload hop cost stays the measured one. Relay transport only.",
+    "0.4-0.6 GB/s encrypted, 0.8-1.2 GB/s MAC-only), which then bounds fan-out and the "
+    "full-checkpoint reference ahead of a fast --intra-link (a note says so); give your "
+    "hosts' figure here. It is then marked as an input; the per-payload hop cost stays the "
+    "measured one. It replaces the hop of every link, MAC-only and encrypted. Relay transport "
+    "only.",
+)
+@click.option(
+    "--intra-cluster",
+    type=click.Choice(["mac", "encrypted"]),
+    default="mac",
+    show_default=True,
+    help="The policy's spec.security.intraCluster: relay-to-relay links inside the rollout "
+    "cluster MAC-only (their hop is the calibration's MAC-only one) or encrypted (CurveZMQ, "
+    "as the link from the trainers always is). Relay transport only.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option(
@@ -271,6 +282,7 @@ def plan(
     construction_rate: float | None,
     apply_rate: float | None,
     relay_hop_rate: float | None,
+    intra_cluster: str,
     as_json: bool,
     plot: Path | None,
     calibrate: bool,
@@ -398,6 +410,7 @@ def plan(
             else None
         ),
         element_bytes=element_bytes,
+        intra_cluster="encrypted" if intra_cluster == "encrypted" else "mac",
     )
     result = make_plan(
         deployment,

@@ -23,7 +23,10 @@ with the stage times (whole attempt)
     construction  = (H / P) / construction throughput          (P producers split H)
     cross-cluster = max(V * link overhead / cross rate, V / P / relay hop)
                     + fixed + payloads per producer * per-payload cost
-    fan-out       = children * V / min(intra rate, relay hop) + payloads * hop cost
+    fan-out       = children * V / min(intra rate, intra relay hop) + payloads * hop cost
+                    (the intra hop: the MAC-only hop, or the encrypted one when the policy
+                    encrypts inside the rollout cluster; the cross-cluster stage's root receive
+                    is always the encrypted hop)
     apply         = H / apply throughput + payloads * per-payload apply  (every node, all of H)
 
 and V = V_payload(rate) * H. Throughputs are at the deployment's change rate: the calibration
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from refit_protocol.transports import TransportKind
 
@@ -89,6 +93,8 @@ class Deployment:
     #: has its own.
     shared_cpus: int | None = None
     element_bytes: int = ELEMENT_BYTES
+    #: Relay-to-relay links inside the rollout cluster (`spec.security.intraCluster`).
+    intra_cluster: Literal["mac", "encrypted"] = "mac"
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,8 @@ class Constants:
     finalization_s_per_byte: float
     hop_bytes_s: float | None = None
     hop_payload_s: float = 0.0
+    #: A MAC-only relay hop (None: not measured; the encrypted hop stands in).
+    hop_mac_bytes_s: float | None = None
     s3_upload_bytes_s: float | None = None
     s3_download_bytes_s: float | None = None
     #: Fixed part of the cross-cluster stream (beyond the link time and per-payload costs).
@@ -231,7 +239,10 @@ def project(d: Deployment, k: Constants) -> Breakdown:
     stages: dict[str, float] = {"construction": construction}
     relay_cpu = 0.0  # each node's receive at the relay hop's pace (shared cores only)
     if d.transport == "zmq":
-        hop = _min_rate(d.intra_bytes_s, k.hop_bytes_s)
+        intra_hop = k.hop_bytes_s  # what a relay-to-relay hop moves in the policy's mode
+        if d.intra_cluster == "mac" and k.hop_mac_bytes_s is not None:
+            intra_hop = k.hop_mac_bytes_s
+        hop = _min_rate(d.intra_bytes_s, intra_hop)
         cross_link = _per(v * k.link_overhead, d.cross_bytes_s)
         # One producer's flow to its relay root also passes a relay hop (the root's receive).
         per_flow = _per(v / p, k.hop_bytes_s)
@@ -240,7 +251,12 @@ def project(d: Deployment, k: Constants) -> Breakdown:
         stages |= {"cross-cluster": cross, "fan-out": fan, "apply": apply}
         cross_bytes = v * k.link_overhead
         drain_move = (depth - 1) * (_per(last_wire, hop) + k.hop_payload_s)
-        relay_cpu = d.nodes * (_per(v, k.hop_bytes_s) + n_p * p * k.hop_payload_s)
+        # The roots receive V over the encrypted hop, the other nodes over the intra hop.
+        relay_cpu = (
+            _per(v, k.hop_bytes_s)
+            + (d.nodes - 1) * _per(v, intra_hop)
+            + d.nodes * n_p * p * k.hop_payload_s
+        )
         ref_fan = children * _per(h, hop)
         ref_link = _per(h * k.link_overhead, d.cross_bytes_s)
         ref_flow = _per(h / p, k.hop_bytes_s)

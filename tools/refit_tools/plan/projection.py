@@ -62,8 +62,10 @@ def plan(
     if apply_bytes_s is not None:
         # The drain's last apply runs at the given rate too.
         constants = replace(constants, apply_bytes_s=apply_bytes_s, drain_bytes_s=None)
-    if relay_hop_bytes_s is not None:
-        constants = replace(constants, hop_bytes_s=relay_hop_bytes_s)
+    if relay_hop_bytes_s is not None:  # every hop, MAC-only and encrypted
+        constants = replace(
+            constants, hop_bytes_s=relay_hop_bytes_s, hop_mac_bytes_s=relay_hop_bytes_s
+        )
     if d.transport == "s3" and (
         constants.s3_upload_bytes_s is None or constants.s3_download_bytes_s is None
     ):
@@ -79,7 +81,7 @@ def plan(
             "bench result); only the intra-cluster link rate bounds it"
         )
     if d.transport == "zmq" and relay_hop_bytes_s is None and breakdown.hop_bound:
-        notes.append(_hop_note(breakdown.hop_bound, calibration, constants.hop_bytes_s))
+        notes.append(_hop_note(breakdown.hop_bound, calibration, _hops(d, constants)))
     if d.transport == "s3":
         notes.append("s3: start-up, drain and finalization come from relay-tree refit runs")
     return Plan(d, constants, breakdown, notes)
@@ -93,12 +95,21 @@ _HOP_PARTS = {
 _LINK_OPTIONS = {"intra": "--intra-link", "cross": "--cross-link"}
 
 
-def _hop_note(bound: Mapping[str, str], calibration: Calibration, hop: float | None) -> str:
+def _hops(d: Deployment, k: Constants) -> dict[str, str]:
+    """The hop figure behind each link a bound names ("intra": the relay-to-relay hop of the
+    policy's mode; "cross": a root's receive, always encrypted)."""
+    intra = k.hop_mac_bytes_s if d.intra_cluster == "mac" and k.hop_mac_bytes_s else None
+    enc = f"{k.hop_bytes_s / 1e9:.3g} GB/s" if k.hop_bytes_s else ""
+    return {"intra": f"{intra / 1e9:.3g} GB/s MAC-only" if intra else enc, "cross": enc}
+
+
+def _hop_note(bound: Mapping[str, str], calibration: Calibration, hops: Mapping[str, str]) -> str:
     """Which figures the measured relay hop bounds rather than the links given."""
     parts = [_HOP_PARTS[k] for k in _HOP_PARTS if k in bound]
     links = [_LINK_OPTIONS[k] for k in _LINK_OPTIONS if k in bound.values()]
     listed = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
-    rate = f" ({hop / 1e9:.3g} GB/s)" if hop else ""
+    shown = list(dict.fromkeys(hops[k] for k in _LINK_OPTIONS if k in bound.values() and hops[k]))
+    rate = f" ({', '.join(shown)})" if shown else ""
     return (
         f"{listed} {'are' if len(parts) > 1 else 'is'} bounded by the relay hop measured on the "
         f"{bench_machine(calibration)}{rate}, not by {' or '.join(links)}; give "

@@ -78,6 +78,20 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
         Figure("inputs", "producers", d.producers, "", "input", "split H (chunk ownership)"),
         Figure("inputs", "rollout nodes", d.nodes, "", "input"),
         Figure("inputs", "transport", d.transport, "", "input"),
+        *(
+            [
+                Figure(
+                    "inputs",
+                    "links inside the rollout cluster",
+                    d.intra_cluster,
+                    "",
+                    "input",
+                    "--intra-cluster; from the trainers: encrypted",
+                )
+            ]
+            if d.transport == "zmq"
+            else []
+        ),
         Figure(
             "inputs",
             "cross-cluster link",
@@ -235,6 +249,13 @@ def figures(p: Plan, ctx: Context) -> list[Figure]:
                 "B/s",
                 f"{cal.relay_hop.how}, on the {machine(cal)}: give --relay-hop-rate for yours",
             )
+            if d.intra_cluster == "mac" and cal.relay_hop_mac is not None:
+                measured(
+                    "relay hop, MAC-only",
+                    cal.relay_hop_mac.value,
+                    "B/s",
+                    f"{cal.relay_hop_mac.how}: the relay-to-relay links (--intra-cluster mac)",
+                )
         else:
             measured(
                 "relay hop", "unlimited", "", "assumed: no transport bench result", kind="assumed"

@@ -65,6 +65,17 @@ class RelayConfig(BaseModel):
         description="How the other nodes and producers reach this relay (its entry in `nodes`); "
         "defaults to `bind`.",
     )
+    mac_bind: str | None = Field(
+        default=None,
+        description="ZeroMQ endpoint of a second, plain ROUTER for MAC-only links from the "
+        "other relays of the rollout cluster (frames tagged with the policy's frame key, "
+        "payloads readable on the wire: docs/security.md); None: every link is CurveZMQ.",
+        examples=["tcp://0.0.0.0:5702"],
+    )
+    mac_advertise: str | None = Field(
+        default=None,
+        description="How the other relays reach the MAC-only ROUTER; defaults to `mac_bind`.",
+    )
     nodes: list[str] = Field(
         default_factory=list,
         description="Every relay endpoint in tree order (a prepare's relay_tree overrides it).",
@@ -79,3 +90,8 @@ class RelayConfig(BaseModel):
     @property
     def endpoint(self) -> str:
         return self.advertise or self.bind
+
+    @property
+    def mac_endpoint(self) -> str:
+        """The MAC-only ROUTER's address for the other relays ("" without one)."""
+        return self.mac_advertise or self.mac_bind or ""

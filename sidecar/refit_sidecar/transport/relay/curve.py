@@ -17,13 +17,18 @@ them all, so its sockets do not grow with the number of tokens a Secret lists (`
 
 Why Curve rather than TLS: ZeroMQ has no TLS transport, and Curve keys can be derived from
 the Secret every pod already mounts, so there is no certificate to issue or rotate separately.
+
+The same ZAP handler (one per ZeroMQ context) also gates a relay's MAC-only ROUTER, which has
+no handshake to pass: `gate_plain_peers` registers a callable that admits a connecting peer by
+its address (the relay admits the hosts of its current attempt's relay tree), so a pod that is
+not a relay of the attempt cannot make the relay buffer a single frame.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +76,42 @@ class _Allowed:
         return domain == ZAP_DOMAIN and key in self.keys
 
 
-_authenticators: dict[int, tuple[zmq.auth.thread.ThreadAuthenticator, _Allowed]] = {}
+class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
+    """pyzmq's authenticator, plus the address gates of MAC-only ROUTERs (NULL mechanism)."""
+
+    def __init__(self, context: zmq.Context[Any]) -> None:
+        super().__init__(context, log=None)
+        self.gates: dict[str, Callable[[str], bool]] = {}  # ZAP domain -> admit(address)
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        gate = self.gates.get(msg[2].decode("utf-8", "replace")) if len(msg) >= 6 else None
+        if gate is None or msg[5] != b"NULL":
+            await super().handle_zap_message(msg)
+            return
+        try:
+            admitted = gate(msg[3].decode("utf-8", "replace"))
+        except Exception:  # the gate failed: refuse, never let the handler's thread die
+            admitted = False
+        if admitted:
+            self._send_zap_reply(msg[1], b"200", b"OK")
+        else:
+            self._send_zap_reply(msg[1], b"400", b"not a relay of the current attempt")
+
+
+_authenticators: dict[int, tuple[_Authenticator, _Allowed]] = {}
 _lock = threading.Lock()
+
+
+def _entry(context: zmq.Context[Any]) -> tuple[_Authenticator, _Allowed]:
+    """The context's ZAP handler, started once (call under `_lock`)."""
+    entry = _authenticators.get(id(context))
+    if entry is None:
+        auth = _Authenticator(context)
+        auth.start()
+        allowed = _Allowed()
+        auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=allowed)
+        entry = _authenticators[id(context)] = (auth, allowed)
+    return entry
 
 
 def allow_clients(context: zmq.Context[Any], owner: int, tokens: Sequence[str]) -> None:
@@ -80,13 +119,7 @@ def allow_clients(context: zmq.Context[Any], owner: int, tokens: Sequence[str]) 
     it admitted before: during a token rotation the old and the new token, then the new one).
     Starts the context's ZAP handler once."""
     with _lock:
-        entry = _authenticators.get(id(context))
-        if entry is None:
-            auth = zmq.auth.thread.ThreadAuthenticator(context, log=None)
-            auth.start()
-            allowed = _Allowed()
-            auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=allowed)
-            entry = _authenticators[id(context)] = (auth, allowed)
+        entry = _entry(context)
         keys = frozenset(curve_keys(t).public for t in tokens)
         allowed = entry[1]
         if keys:
@@ -94,6 +127,21 @@ def allow_clients(context: zmq.Context[Any], owner: int, tokens: Sequence[str]) 
         else:
             allowed.by_owner.pop(owner, None)
         allowed.keys = frozenset().union(*allowed.by_owner.values())
+
+
+def gate_plain_peers(
+    context: zmq.Context[Any], owner: int, admit: Callable[[str], bool] | None
+) -> str:
+    """Register (or with None remove) `owner`'s address gate; the ZAP domain to set on its
+    plain socket before bind, so every connection to it is put to `admit(peer_address)`."""
+    domain = f"{ZAP_DOMAIN}-mac-{owner}"
+    with _lock:
+        auth = _entry(context)[0]
+        if admit is None:
+            auth.gates.pop(domain, None)
+        else:
+            auth.gates[domain] = admit
+    return domain
 
 
 def secure_server(sock: zmq.Socket[Any], token: str) -> None:

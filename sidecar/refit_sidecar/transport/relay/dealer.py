@@ -25,6 +25,14 @@ one found and `HUNT_WIDTH` being tried), and no token is left untried: the hop's
 (`key_hunt.py`) decides which links it keeps. In-flight frames are resent when the socket they
 went out on is closed.
 
+MAC-only links (`link=LinkSecurity.MAC`, relay to relay inside the rollout cluster): one plain
+socket, no key hunt; the metadata carries no token, every frame carries a tag made with the
+ring's sending token's frame key (`frames.sign_frame`), and an answer counts only with a tag of
+an accepted token's key. The relay admits a connection there only from a relay of its current
+attempt (`members.py`), and libzmq never retries a refused connection, so a refused link is
+connected again `MAC_RETRY_S` later (it was refused because its attempt was not prepared there
+yet, or this host is no relay of it).
+
 Failures: any error in the send path resolves the frames it concerns with a `TransportError`
 (a socket that cannot be opened, e.g. libzmq's socket limit, fails every pending frame at once);
 an unexpected error in the I/O thread fails what is pending and the client carries on, and a
@@ -55,9 +63,13 @@ from refit_sidecar.transport.relay.frames import (
     DATA,
     END,
     PROBE,
+    AckMeta,
     AckStatus,
     FrameMeta,
+    LinkSecurity,
     parse_ack,
+    sign_frame,
+    tag_verifies,
 )
 from refit_sidecar.transport.relay.key_hunt import KeyHunt, LinkState
 from refit_sidecar.transport.relay.send_schedule import Body, Outgoing, SendSchedule
@@ -67,6 +79,8 @@ log = structlog.get_logger("kuberefit.transport.client")
 #: Errors of the same kind are logged at most this often (each is counted in `errors`).
 ERROR_LOG_S = 10.0
 _LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
+#: A MAC-only link the relay refused is connected again this much later.
+MAC_RETRY_S = 0.5
 
 
 @dataclass(eq=False, kw_only=True)
@@ -88,11 +102,15 @@ class RelayDealer:
         config: DealerConfig | None = None,
         context: zmq.Context[Any] | None = None,
         name: str = "relay-client",
+        link: LinkSecurity = LinkSecurity.CURVE,
     ) -> None:
         self.endpoint = endpoint
         self.name = name
         self.config = config or DealerConfig()
+        self.link = link
         self._ring = as_ring(token)
+        self._mac = link is LinkSecurity.MAC
+        self._mac_retry_at: float | None = None  # when to connect a refused MAC-only link again
         self._links: dict[str, _Link] = {}  # by token, the likely ones first
         self._monitors: dict[zmq.Socket[Any], _Link] = {}
         self._open_error: str | None = None  # why a socket last could not be opened
@@ -103,7 +121,7 @@ class RelayDealer:
         os.set_blocking(self._wake_w, False)
         self._schedule = SendSchedule(self.config, self._put, name=name, endpoint=endpoint)
         self._keys = KeyHunt(
-            self._ring,
+            as_ring(None) if self._mac else self._ring,  # a MAC-only link: one plain socket
             self._links,
             open_link=self._open_link,
             close_link=self._close_link,
@@ -163,7 +181,8 @@ class RelayDealer:
     ) -> Future[AckStatus]:
         fut: Future[AckStatus] = Future()
         try:
-            meta = meta.model_copy(update={"token": self._ring.sending() or ""})
+            token = "" if self._mac else self._ring.sending() or ""
+            meta = meta.model_copy(update={"token": token})
             item = Outgoing(kind, meta, meta.model_dump_json().encode(), body, size, fut)
             item.backoff = self.config.wait_backoff_min_s
         except Exception as exc:
@@ -210,6 +229,11 @@ class RelayDealer:
 
     def _turn(self) -> None:
         now = time.monotonic()
+        if self._mac_retry_at is not None and now >= self._mac_retry_at:
+            self._mac_retry_at = None
+            refused = self._links.get("")
+            if refused is not None and refused.refused:
+                self._close_link(refused, now)  # `sync` connects it again at once
         self._keys.sync(now)
         self._schedule.expire(now)
         if not self._links and self._keys.open_failed is not None and self._schedule.pending:
@@ -217,6 +241,9 @@ class RelayDealer:
             self._schedule.fail_all(TransportError(f"{self.name}: {self._open_error}"))
         self._schedule.transmit(now)
         timeout_ms = self._schedule.poll_timeout_ms(time.monotonic())
+        if self._mac_retry_at is not None:  # wake for the retry of a refused link
+            due = int((self._mac_retry_at - time.monotonic()) * 1000) + 1
+            timeout_ms = min(timeout_ms, max(due, 0))
         for s, _ in self._poller.poll(timeout_ms):
             if not isinstance(s, zmq.Socket):
                 with contextlib.suppress(BlockingIOError, OSError):
@@ -313,6 +340,8 @@ class RelayDealer:
             except zmq.Again:
                 return
             self._keys.handshake(link, int(event.get("event", 0)), now)
+            if self._mac and link.refused and self._mac_retry_at is None:
+                self._mac_retry_at = now + MAC_RETRY_S
 
     def _take_commands(self) -> bool:
         while True:
@@ -330,10 +359,15 @@ class RelayDealer:
     def _put(self, item: Outgoing, probe: bool) -> str | None:
         """Hand a frame to a link (the schedule's `put`); the token of the one that took it."""
         token = self._ring.sending() or ""
-        if item.meta.token != token:  # rotated since it was queued: send the token in force
-            item.meta = item.meta.model_copy(update={"token": token})
-            item.meta_json = item.meta.model_dump_json().encode()
-        frames: list[Any] = [PROBE if probe else item.kind, item.meta_json]
+        kind = PROBE if probe else item.kind
+        frames: list[Any]
+        if self._mac:  # tagged with the token in force now (it may have rotated)
+            frames = [kind, item.meta_json, sign_frame(token, kind, item.meta_json)]
+        else:
+            if item.meta.token != token:  # rotated since it was queued: send the one in force
+                item.meta = item.meta.model_copy(update={"token": token})
+                item.meta_json = item.meta.model_dump_json().encode()
+            frames = [kind, item.meta_json]
         if not probe and item.body is not None:
             frames.append(item.body)
         # Only a link whose handshake completed takes it (ZMQ_IMMEDIATE): the ready ones first.
@@ -351,9 +385,21 @@ class RelayDealer:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            ack = parse_ack(frames[1]) if len(frames) == 2 and frames[0] == ACK else None
-            if ack is None or not ring_accepts(self._ring, ack.token):
+            ack = self._answer(frames)
+            if ack is None:
                 self.bad_replies += 1
                 continue
             key = (ack.kind, ack.attempt, ack.producer, ack.payload_id, ack.digest)
             self._schedule.answer(key, ack.status, ack.error, ack.node, time.monotonic())
+
+    def _answer(self, frames: list[bytes]) -> AckMeta | None:
+        """The relay's answer if it is well-formed and authenticated (an accepted token in it,
+        or on a MAC-only link a tag of an accepted token's key); None otherwise."""
+        if not frames or frames[0] != ACK or len(frames) != (3 if self._mac else 2):
+            return None
+        if self._mac and not tag_verifies(self._ring.accepted(), ACK, frames[1], frames[2]):
+            return None
+        ack = parse_ack(frames[1])
+        if ack is None or (not self._mac and not ring_accepts(self._ring, ack.token)):
+            return None
+        return ack

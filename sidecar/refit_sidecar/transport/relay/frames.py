@@ -1,4 +1,12 @@
-"""ZeroMQ relay-tree frames: `[kind, JSON metadata, body]`, authenticated by a token in metadata.
+"""ZeroMQ relay-tree frames: `[kind, JSON metadata, body]`, authenticated per link (`LinkSecurity`).
+
+Two kinds of link carry them. A CurveZMQ link (`curve`: the link between the clusters, and every
+link when a policy asks for encryption) is encrypted and mutually authenticated by the policy's
+keys, and the metadata carries the token. A MAC-only link (`mac`: relay to relay inside the
+rollout cluster, by default) is plain TCP: the metadata carries no token, and a frame is
+`[kind, metadata, tag, body]` where `tag` is a keyed BLAKE3 of the kind and the metadata bytes
+(`frame_tag`, key `refit_protocol.keys.frame_mac_key`); answers carry a tag the same way. The
+body is sealed by its own payload MAC, checked before it is staged or forwarded.
 
 Kinds sent to a relay (DEALER -> ROUTER):
 - `DATA`  — one payload: metadata names it (attempt, producer, payload id, order, digest, size),
@@ -13,11 +21,15 @@ decoded by the codec.
 from __future__ import annotations
 
 import hashlib
+import hmac
+from collections.abc import Sequence
 from typing import Literal
 
+import blake3
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from refit_protocol.compat import StrEnum
+from refit_protocol.keys import frame_mac_key
 from refit_sidecar.codec.decode import MacKeys, mac_keys, verify_mac
 from refit_sidecar.codec.errors import CodecError, DigestMismatch, HeaderMismatch
 from refit_sidecar.codec.wire import (
@@ -35,6 +47,15 @@ ACK = b"ACK"
 REQUEST_KINDS = (DATA, PROBE, END)
 #: Metadata larger than this is malformed (the real thing is a few hundred bytes).
 MAX_META_BYTES = 16 << 10
+#: Bytes of a frame tag on a MAC-only link (keyed BLAKE3's default output).
+TAG_SIZE = 32
+
+
+class LinkSecurity(StrEnum):
+    """How one relay link is protected (docs/security.md, "Links")."""
+
+    CURVE = "curve"  # CurveZMQ: encrypted and mutually authenticated; the frames carry the token
+    MAC = "mac"  # plain TCP: every frame and answer tagged (keyed BLAKE3), payloads readable
 
 
 class AckStatus(StrEnum):
@@ -123,6 +144,37 @@ def parse_ack(raw: bytes | memoryview) -> AckMeta | None:
         return None
 
 
+def frame_tag(key: bytes, kind: bytes, meta: bytes | memoryview) -> bytes:
+    """The tag of one frame or answer on a MAC-only link: keyed BLAKE3 of `kind`, a zero byte
+    and the metadata bytes as sent. The kind is inside, so a request's tag never passes as an
+    answer's; the metadata names the attempt, so a tag never passes in another attempt."""
+    h = blake3.blake3(key=key)
+    h.update(kind)
+    h.update(b"\0")
+    h.update(meta)
+    return h.digest()
+
+
+def sign_frame(token: str | None, kind: bytes, meta: bytes | memoryview) -> bytes:
+    """The tag frame for `token` (empty without a token: a loopback setup that authenticates
+    nothing, like a plain link without Curve)."""
+    return frame_tag(frame_mac_key(token), kind, meta) if token else b""
+
+
+def tag_verifies(
+    tokens: Sequence[str], kind: bytes, meta: bytes | memoryview, tag: bytes | memoryview
+) -> bool:
+    """True when `tag` is `frame_tag` of the frame under the key of any of `tokens` (the
+    accepted ones, several during a rotation), compared in constant time; True without any
+    token (nothing is authenticated there)."""
+    if not tokens:
+        return True
+    if len(tag) != TAG_SIZE:
+        return False
+    given = bytes(tag)
+    return any(hmac.compare_digest(frame_tag(frame_mac_key(t), kind, meta), given) for t in tokens)
+
+
 def body_digest(body: bytes | bytearray | memoryview) -> bytes:
     """BLAKE2b-128 of the payload's compressed body (what the codec and manifests announce)."""
     return hashlib.blake2b(compressed_body(body), digest_size=DIGEST_SIZE).digest()
@@ -171,13 +223,18 @@ __all__ = [
     "FINAL_OK",
     "PROBE",
     "REQUEST_KINDS",
+    "TAG_SIZE",
     "AckMeta",
     "AckStatus",
     "CodecError",
     "FrameMeta",
+    "LinkSecurity",
     "Verdict",
     "body_digest",
+    "frame_tag",
     "parse_ack",
     "parse_meta",
+    "sign_frame",
+    "tag_verifies",
     "verify_body",
 ]

@@ -46,10 +46,12 @@ class RelayMetrics:
         )
         self.dropped = Counter(
             "kuberefit_relay_frames_dropped",
-            "Frames dropped without an answer (unauthenticated, malformed), and connections "
-            "refused at the CurveZMQ handshake (handshake: no key pair of the policy's token, "
-            "or replayed or altered traffic; handshake_aborted: the peer hung up mid-handshake, "
-            "e.g. a plain TCP connect).",
+            "Frames dropped without an answer (unauthenticated: a wrong token, or on a MAC-only "
+            "link a frame tag or payload that does not verify; malformed), connections refused "
+            "at the CurveZMQ handshake (handshake: no key pair of the policy's token, or "
+            "replayed or altered traffic; handshake_aborted: the peer hung up mid-handshake, "
+            "e.g. a plain TCP connect), and connections to the MAC-only port refused because "
+            "the peer is no relay of the current attempt (not_a_relay).",
             ["reason"],
             registry=reg,
         )
@@ -71,6 +73,13 @@ class RelayMetrics:
             reg.register(TokenFileRejections(ring))
         # Every known series exists at 0 before its first event (refit_protocol.kit.metrics).
         preset(self.frames, *((k.decode(), s.value) for k in (DATA, PROBE, END) for s in AckStatus))
-        preset(self.dropped, "unauthenticated", "malformed", "handshake", "handshake_aborted")
+        preset(
+            self.dropped,
+            "unauthenticated",
+            "malformed",
+            "handshake",
+            "handshake_aborted",
+            "not_a_relay",
+        )
         preset(self.forwards, "ok", "failed", "skipped")
         preset(self.loop_errors, *LOOP_ERROR_PLACES)

@@ -1,11 +1,22 @@
 """A relay-tree node: a ROUTER that validates, deduplicates, stages and forwards payloads.
 
-Per DATA frame (paper §7.1, NeMo RL guide "Transport and apply"): authenticate the token in the
-metadata (unauthenticated or malformed frames are dropped and counted, never answered), ask the
+Per DATA frame (paper §7.1, NeMo RL guide "Transport and apply"): authenticate the frame (the
+token in the metadata on the CurveZMQ ROUTER, the frame tag on the MAC-only one; unauthenticated
+or malformed frames are dropped and counted, never answered), ask the
 sink whether the attempt is current and the id new, verify MAC, identity and digest, let
 the sink register the payload and submit its local staging, submit at most two child forwards
 (the balanced binary tree of `tree.py`) to per-child bounded DEALER clients, then answer with the
 staged ACK. The sink is the receiver core; this module knows nothing about applying.
+
+Two ROUTERs, one per kind of link (`frames.LinkSecurity`): the CurveZMQ one (`bind`) takes the
+producers' frames from the other cluster, and the relays' when a policy encrypts every link; the
+plain one (`mac_bind`, optional) takes the MAC-only links of the relays inside the rollout
+cluster, and admits connections only from the hosts of the current attempt's relay tree
+(`members.py`, through the context's ZAP handler). A node forwards to a child's MAC-only
+ROUTER when the attempt's prepare names one (`relay_mac_tree`), else to its CurveZMQ one. On a
+MAC-only link a body whose payload MAC or identity does not verify is dropped unanswered, not
+rejected: whoever sits on the pod network can send there, and a spliced or forged frame must not
+fail an attempt (its sender resends after the ACK deadline).
 
 Token rotation (`refit_protocol.kit.tokens`): frames, answers and MACs of every accepted token are
 taken; the ROUTER serves with the ring's sending token's Curve keys and is bound again (same
@@ -41,7 +52,12 @@ from refit_sidecar.codec.errors import CodecError
 from refit_sidecar.transport.errors import TransportError
 from refit_sidecar.transport.relay import tree
 from refit_sidecar.transport.relay.config import RelayConfig
-from refit_sidecar.transport.relay.curve import HANDSHAKE_FAILURES, allow_clients, secure_server
+from refit_sidecar.transport.relay.curve import (
+    HANDSHAKE_FAILURES,
+    allow_clients,
+    gate_plain_peers,
+    secure_server,
+)
 from refit_sidecar.transport.relay.dealer import RelayDealer
 from refit_sidecar.transport.relay.forwards import ForwardLedger
 from refit_sidecar.transport.relay.frames import (
@@ -52,10 +68,14 @@ from refit_sidecar.transport.relay.frames import (
     AckMeta,
     AckStatus,
     FrameMeta,
+    LinkSecurity,
     Verdict,
     parse_meta,
+    sign_frame,
+    tag_verifies,
     verify_body,
 )
+from refit_sidecar.transport.relay.members import admits, member_addresses
 from refit_sidecar.transport.relay.metrics import RelayMetrics
 from refit_sidecar.transport.relay.router_keys import RefusedHandshakes, RouterKeys
 
@@ -72,6 +92,15 @@ class RelaySink(Protocol):
 
     def relay_tree(self, attempt: str) -> list[str]:
         """Relay endpoints in tree order for `attempt` (empty: not known)."""
+        ...
+
+    def relay_mac_tree(self, attempt: str) -> list[str]:
+        """The same nodes' MAC-only endpoints ("" for a node forwarded to over CurveZMQ;
+        empty: every link of `attempt` is encrypted)."""
+        ...
+
+    def relay_members(self) -> list[str]:
+        """Every relay endpoint of the node's current attempt (any thread may ask)."""
         ...
 
     def relay_check(self, meta: FrameMeta, *, probe: bool) -> Verdict | None:
@@ -120,23 +149,48 @@ class RelayNode:
         self._keys = RouterKeys(self._ring, functools.partial(allow_clients, self._ctx, id(self)))
         self.metrics = RelayMetrics(registry, self._ring)
         self._error_logged: dict[str, float] = {}
-        self._clients: dict[str, RelayDealer] = {}
+        self._clients: dict[tuple[str, LinkSecurity], RelayDealer] = {}
         self._forwards = ForwardLedger()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._monitor: zmq.Socket[Any] | None = None
         self._refused = RefusedHandshakes(HANDSHAKE_LOG_S)
         self.bound: str = ""
+        self.mac_bound: str = ""  # the MAC-only ROUTER's address ("" without one)
+        self._mac_sock: zmq.Socket[Any] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> RelayNode:
         sock = self._open(self.config.bind)
         self._sock: zmq.Socket[Any] | None = sock
         self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.config.mac_bind:
+            try:
+                self._mac_sock = self._open_plain(self.config.mac_bind)
+            except Exception:
+                self._close_socket(sock)
+                raise
+            self.mac_bound = self._mac_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._run, name="relay-router", daemon=True)
         self._thread.start()
-        log.info("relay.listening", node=self.sink.node, bind=self.bound)
+        log.info("relay.listening", node=self.sink.node, bind=self.bound, mac_bind=self.mac_bound)
         return self
+
+    def _open_plain(self, endpoint: str) -> zmq.Socket[Any]:
+        """The MAC-only ROUTER: connections only from the attempt's relays (`_admit_peer`, by
+        address), and every frame checked by its tag."""
+        sock: zmq.Socket[Any] = self._ctx.socket(zmq.ROUTER)
+        domain = gate_plain_peers(self._ctx, id(self), self._admit_peer)
+        sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload_bytes + (1 << 16))
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        return sock
 
     def _open(self, endpoint: str) -> zmq.Socket[Any]:
         """A ROUTER serving the ring's sending token, bound to `endpoint` (retried briefly: a
@@ -222,8 +276,12 @@ class RelayNode:
         finally:
             with contextlib.suppress(Exception):
                 allow_clients(self._ctx, id(self), ())
+            with contextlib.suppress(Exception):
+                gate_plain_peers(self._ctx, id(self), None)
             if self._sock is not None:
                 self._close_socket(self._sock)
+            if self._mac_sock is not None:
+                self._mac_sock.close(linger=0)
 
     def _serve_socket(self) -> None:
         """Serve the current socket until it is replaced (a rotation) or the node stops."""
@@ -234,6 +292,8 @@ class RelayNode:
         assert sock is not None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        if self._mac_sock is not None:
+            poller.register(self._mac_sock, zmq.POLLIN)
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
@@ -246,7 +306,7 @@ class RelayNode:
                     return
             events = dict(poller.poll(100))
             if events:
-                self._serve(sock, events)
+                self._serve(events)
 
     def _loop_error(self, where: str, exc: BaseException) -> None:
         """Count an error the loop survived; log it at most every HANDSHAKE_LOG_S per place."""
@@ -262,19 +322,25 @@ class RelayNode:
                 exc_info=exc,
             )
 
-    def _serve(self, sock: zmq.Socket[Any], events: dict[Any, int]) -> None:
+    def _serve(self, events: dict[Any, int]) -> None:
         if self._monitor is not None and self._monitor in events:
             try:
                 self._handshake_failures()
             except Exception as exc:  # counting must never stop the relay
                 self._loop_error("monitor", exc)
+        for sock, link in ((self._sock, LinkSecurity.CURVE), (self._mac_sock, LinkSecurity.MAC)):
+            if sock is not None and sock in events:
+                self._take(sock, link)
+
+    def _take(self, sock: zmq.Socket[Any], link: LinkSecurity) -> None:
+        """Handle every frame waiting on one ROUTER."""
         while True:
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             try:
-                self._handle(frames)
+                self._handle(frames, link)
             except Exception as exc:  # never let one frame kill the relay
                 self._loop_error("frame", exc)
 
@@ -295,32 +361,67 @@ class RelayNode:
                 "relay.handshakes_refused", node=self.sink.node, count=due[0], last_peer=due[1]
             )
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) < 3:
+    def _handle(self, frames: list[zmq.Frame], link: LinkSecurity) -> None:
+        mac = link is LinkSecurity.MAC
+        head = 4 if mac else 3  # [ident, kind, meta] and, on a MAC-only link, the tag
+        kind = frames[1].bytes if len(frames) >= head else b""
+        if kind not in (DATA, PROBE, END) or len(frames) != head + (kind == DATA):
             self.metrics.dropped.labels("malformed").inc()
             return
-        ident, kind = frames[0].bytes, frames[1].bytes
-        meta = parse_meta(frames[2].buffer)
-        if meta is None or kind not in (DATA, PROBE, END):
+        ident, raw = frames[0].bytes, frames[2].buffer
+        if mac and not tag_verifies(self._ring.accepted(), kind, raw, frames[3].buffer):
+            self._unauthenticated(link, "frame tag")
+            return
+        meta = parse_meta(raw)
+        if meta is None:
             self.metrics.dropped.labels("malformed").inc()
             return
-        if not ring_accepts(self._ring, meta.token):
-            self.metrics.dropped.labels("unauthenticated").inc()
-            log.warning("relay.unauthenticated_frame", node=self.sink.node, attempt=meta.attempt)
-            return
-        if (kind == DATA) != (len(frames) == 4) or len(frames) > 4:
-            self.metrics.dropped.labels("malformed").inc()
+        if not mac and not ring_accepts(self._ring, meta.token):
+            self._unauthenticated(link, "token", meta.attempt)
             return
         if kind == PROBE:
-            verdict = self.sink.relay_check(meta, probe=True) or (AckStatus.READY, "")
+            verdict: Verdict | None = self.sink.relay_check(meta, probe=True) or (
+                AckStatus.READY,
+                "",
+            )
         elif kind == END:
             verdict = self._end(meta)
         else:
-            verdict = self._data(meta, frames[3])
+            verdict = self._data(meta, frames[-1], link)
+        if verdict is None:  # a MAC-only link's body that did not verify: dropped
+            return
         self.metrics.frames.labels(kind.decode(), verdict[0].value).inc()
-        self._reply(ident, "END" if kind == END else "DATA", meta, verdict)
+        self._reply(ident, "END" if kind == END else "DATA", meta, verdict, link)
 
-    def _data(self, meta: FrameMeta, frame: zmq.Frame) -> Verdict:
+    def _admit_peer(self, address: str) -> bool:
+        """May `address` connect to the MAC-only ROUTER? Only a host of the current attempt's
+        relay tree may (runs in the ZAP handler's thread; refusals are counted and logged at
+        most every HANDSHAKE_LOG_S)."""
+        if admits(member_addresses(self.sink.relay_members()), address):
+            return True
+        self.metrics.dropped.labels("not_a_relay").inc()
+        now = time.monotonic()
+        if now - self._error_logged.get("not_a_relay", float("-inf")) >= HANDSHAKE_LOG_S:
+            self._error_logged["not_a_relay"] = now
+            log.warning("relay.mac_peer_refused", node=self.sink.node, peer=address)
+        return False
+
+    def _unauthenticated(self, link: LinkSecurity, what: str, attempt: str = "") -> None:
+        """Count a dropped frame; log it at most every HANDSHAKE_LOG_S per kind of link."""
+        self.metrics.dropped.labels("unauthenticated").inc()
+        now, where = time.monotonic(), f"unauthenticated-{link.value}"
+        if now - self._error_logged.get(where, float("-inf")) < HANDSHAKE_LOG_S:
+            return
+        self._error_logged[where] = now
+        log.warning(
+            "relay.unauthenticated_frame",
+            node=self.sink.node,
+            link=link.value,
+            failed=what,
+            attempt=attempt,
+        )
+
+    def _data(self, meta: FrameMeta, frame: zmq.Frame, link: LinkSecurity) -> Verdict | None:
         pre = self.sink.relay_check(meta, probe=False)
         if pre is not None:
             return pre
@@ -336,6 +437,9 @@ class RelayNode:
             verify_body(meta, body, mac_key=[payload_mac_key(t) for t in self._ring.accepted()])
         except CodecError as exc:
             reason = f"payload {meta.producer}/{meta.payload_id}: {type(exc).__name__}: {exc}"
+            if link is LinkSecurity.MAC:  # anyone can send here: the attempt is not failed
+                self._unauthenticated(link, reason, meta.attempt)
+                return None
             self.sink.relay_fail(meta.attempt, reason)
             return (AckStatus.REJECTED, reason)
         verdict = self.sink.relay_stage(meta, body, frame, len(kids))
@@ -363,7 +467,8 @@ class RelayNode:
         except ValueError:
             return None
 
-    def _children(self, meta: FrameMeta) -> list[str] | None:
+    def _children(self, meta: FrameMeta) -> list[tuple[str, str]] | None:
+        """This node's children for `meta`'s subtree: (tree endpoint, MAC-only endpoint or "")."""
         nodes = self.sink.relay_tree(meta.attempt)
         index = self._index(meta.attempt)
         if index is None:
@@ -371,10 +476,12 @@ class RelayNode:
         root = meta.root if meta.root is not None else index
         if root >= len(nodes):
             return None
-        return [nodes[i] for i in tree.children(index, root, len(nodes))]
+        macs = self.sink.relay_mac_tree(meta.attempt)
+        macs = macs if len(macs) == len(nodes) else [""] * len(nodes)
+        return [(nodes[i], macs[i]) for i in tree.children(index, root, len(nodes))]
 
-    def _client(self, endpoint: str) -> RelayDealer:
-        client = self._clients.get(endpoint)
+    def _client(self, endpoint: str, link: LinkSecurity) -> RelayDealer:
+        client = self._clients.get((endpoint, link))
         if client is not None and client.dead:  # its I/O thread ended: a fresh one
             client.close()
             client = None
@@ -385,41 +492,56 @@ class RelayNode:
                 config=self.config.forward,
                 context=self._ctx,
                 name=f"forward->{endpoint}",
+                link=link,
             )
-            self._clients[endpoint] = client
+            self._clients[(endpoint, link)] = client
         return client
 
-    def _forward(self, child: str, meta: FrameMeta, body: zmq.Frame | None) -> None:
+    def _forward(self, kid: tuple[str, str], meta: FrameMeta, body: zmq.Frame | None) -> None:
+        child, mac_endpoint = kid
         if not self._forwards.start(meta.attempt, child):
             self.metrics.forwards.labels("skipped").inc()
             if body is not None:
                 self.sink.relay_release(meta, f"child {child} already failed")
             return
+        client: RelayDealer | None = None
         try:
-            client = self._client(child)
+            if mac_endpoint:
+                client = self._client(mac_endpoint, LinkSecurity.MAC)
+            else:
+                client = self._client(child, LinkSecurity.CURVE)
             fut = client.submit_data(meta, body) if body is not None else client.submit_end(meta)
         except Exception as exc:  # e.g. no socket or pipe left: this forward fails, typed
             fut = Future()
             fut.set_exception(TransportError(f"cannot forward to {child}: {exc!r}"))
-        fut.add_done_callback(lambda f: self._forwarded(child, meta, body is not None, f))
+        fut.add_done_callback(lambda f: self._forwarded(child, client, meta, body is not None, f))
 
-    def _forwarded(self, child: str, meta: FrameMeta, data: bool, fut: Future[AckStatus]) -> None:
+    def _forwarded(
+        self,
+        child: str,
+        client: RelayDealer | None,
+        meta: FrameMeta,
+        data: bool,
+        fut: Future[AckStatus],
+    ) -> None:
         exc = fut.exception()
         error = None if exc is None else f"forward to {child}: {type(exc).__name__}: {exc}"
         error, first = self._forwards.finish(meta.attempt, child, error)
-        if first:
+        if first and client is not None:
             # One payload gave up on this child: fail its other pending forwards now instead of
             # letting each wait out its own retries (relay flush reports the error either way).
-            client = self._clients.get(child)
-            if client is not None:
-                client.abort(meta.attempt, f"child {child} failed")
+            client.abort(meta.attempt, f"child {child} failed")
         self.metrics.forwards.labels("ok" if error is None else "failed").inc()
         if error is not None:
             log.warning("relay.forward_failed", node=self.sink.node, child=child, error=error)
         if data:
             self.sink.relay_release(meta, error)
 
-    def _reply(self, ident: bytes, kind: str, meta: FrameMeta, verdict: Verdict) -> None:
+    def _reply(
+        self, ident: bytes, kind: str, meta: FrameMeta, verdict: Verdict, link: LinkSecurity
+    ) -> None:
+        mac = link is LinkSecurity.MAC
+        sending = self._ring.sending() or ""
         ack = AckMeta(
             kind="END" if kind == "END" else "DATA",
             attempt=meta.attempt,
@@ -429,10 +551,12 @@ class RelayNode:
             status=verdict[0],
             error=verdict[1],
             node=self.sink.node,
-            token=self._ring.sending() or "",
+            token="" if mac else sending,  # never in the clear
         )
-        sock = self._sock
+        sock = self._mac_sock if mac else self._sock
         if sock is None:
             return
+        raw = ack.model_dump_json().encode()
+        frames = [ident, ACK, raw, sign_frame(sending, ACK, raw)] if mac else [ident, ACK, raw]
         with contextlib.suppress(zmq.ZMQError):
-            sock.send_multipart([ident, ACK, ack.model_dump_json().encode()])
+            sock.send_multipart(frames)

@@ -26,7 +26,7 @@ from refit_sidecar.codec.wire import EncodedPayload
 from refit_sidecar.transport.base import SendInterval, SendObserver, TransportSummary
 from refit_sidecar.transport.relay.config import DealerConfig, RootDealerConfig
 from refit_sidecar.transport.relay.dealer import RelayDealer
-from refit_sidecar.transport.relay.frames import FrameMeta
+from refit_sidecar.transport.relay.frames import FrameMeta, LinkSecurity
 from refit_sidecar.transport.window import AttemptSends, SendWindow
 
 log = structlog.get_logger("kuberefit.transport.zmq")
@@ -39,6 +39,12 @@ class RelayTransportConfig(BaseModel):
 
     root: str = Field(description="ZeroMQ endpoint of the assigned root relay, tcp://host:port.")
     token: SecretStr | None = Field(default=None, description="Shared token put in every frame.")
+    link: LinkSecurity = Field(
+        default=LinkSecurity.CURVE,
+        description="How the root is reached: curve (CurveZMQ, the only sound choice from "
+        "another cluster) or mac (plain TCP, frames tagged: for a producer inside the rollout "
+        "cluster's network; `root` is then the root's MAC-only endpoint, docs/security.md).",
+    )
     producer: int | None = Field(
         default=None,
         ge=0,
@@ -94,6 +100,7 @@ class RelayTransport:
             config=config.client,
             context=context,
             name="zmq-producer",
+            link=config.link,
         )
         self._window = SendWindow(config.max_in_flight, config.window_bytes)
 

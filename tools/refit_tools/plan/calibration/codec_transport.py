@@ -70,28 +70,35 @@ def codec_construction(results_dir: Path, skip: set[str], sources: list[Source])
 
 
 def transport_figures(results_dir: Path, skip: set[str], sources: list[Source]) -> dict[str, Any]:
-    """Relay hop and S3 figures from the latest transport result, if any."""
+    """Relay hop and S3 figures from the latest transport result, if any (the encrypted hop:
+    a result of CurveZMQ links, or from before results named their links), and the MAC-only
+    hop from the latest 1-node result of MAC-only links."""
     files = [p for p in stamped(results_dir, "transport") if p.name not in skip]
+    out = _mac_hop(files, sources)
     for path in reversed(files):
         data = read_result(path)
         if data is None or data.get("benchmark", "transport") != "transport":
             continue
+        # The encrypted hop comes from CurveZMQ runs only (`_mac_hop` takes the other kind).
+        encrypted = data.get("links", "curve") == "curve"
+        hop_keys = ("hop_gb_s",) if encrypted else ()
+        if not any(data.get(k) for k in (*hop_keys, "upload_gb_s", "download_gb_s")):
+            continue  # a multi-node run: its figures are not one hop's
         if not _usable(path, data, check_transport, "transport", sources):
             continue
-        if not any(data.get(k) for k in ("hop_gb_s", "upload_gb_s", "download_gb_s")):
-            continue  # a multi-node run: its figures are not one hop's
-        out: dict[str, Any] = {}
-        hop_gbs = data.get("hop_gb_s")
-        per_payload_ms = data.get("per_payload_ms")
+        found: dict[str, Any] = {}
+        hop_gbs = data.get("hop_gb_s") if encrypted else None
+        per_payload_ms = data.get("per_payload_ms") if encrypted else None
         if hop_gbs:
-            out["hop"] = Scalar(
+            found["hop"] = Scalar(
                 value=float(hop_gbs) * 1e9,
                 unit="B/s",
                 sources=[path.name],
-                how="transport bench: one relay hop's throughput (1 node, loopback)",
+                how="transport bench: one encrypted (CurveZMQ) relay hop's throughput "
+                "(1 node, loopback)",
             )
         if per_payload_ms is not None:
-            out["hop_payload"] = Scalar(
+            found["hop_payload"] = Scalar(
                 value=float(per_payload_ms) / 1e3,
                 unit="s per payload per hop",
                 sources=[path.name],
@@ -99,7 +106,7 @@ def transport_figures(results_dir: Path, skip: set[str], sources: list[Source]) 
             )
         for key, name in (("upload_gb_s", "s3_upload"), ("download_gb_s", "s3_download")):
             if data.get(key):
-                out[name] = Scalar(
+                found[name] = Scalar(
                     value=float(data[key]) * 1e9,
                     unit="B/s",
                     sources=[path.name],
@@ -111,12 +118,41 @@ def transport_figures(results_dir: Path, skip: set[str], sources: list[Source]) 
                 benchmark="transport",
                 started=data.get("started") or stamp_time(path).isoformat(timespec="seconds"),
                 machine=data.get("machine") or {},
-                used=bool(out),
-                why="latest transport result" if out else "no relay hop or S3 figures in it",
+                used=bool(found),
+                why="latest transport result" if found else "no relay hop or S3 figures in it",
             )
         )
-        if out:
-            return out
+        if found:
+            return out | found
+    return out
+
+
+def _mac_hop(files: list[Path], sources: list[Source]) -> dict[str, Any]:
+    """`hop_mac` from the latest 1-node transport result of MAC-only links, if any."""
+    for path in reversed(files):
+        data = read_result(path)
+        if data is None or data.get("links") != "mac" or not data.get("hop_gb_s"):
+            continue
+        if not _usable(path, data, check_transport, "transport", sources):
+            continue
+        sources.append(
+            Source(
+                file=path.name,
+                benchmark="transport",
+                started=data.get("started") or stamp_time(path).isoformat(timespec="seconds"),
+                machine=data.get("machine") or {},
+                used=True,
+                why="latest 1-node transport result of MAC-only links",
+            )
+        )
+        return {
+            "hop_mac": Scalar(
+                value=float(data["hop_gb_s"]) * 1e9,
+                unit="B/s",
+                sources=[path.name],
+                how="transport bench: one MAC-only relay hop's throughput (1 node, loopback)",
+            )
+        }
     return {}
 
 

@@ -106,6 +106,7 @@ def fit(results_dir: Path, *, exclude: Iterable[str] = ()) -> Calibration:
         finalization=finalization,
         relay_hop=transport.get("hop"),
         relay_hop_payload_s=transport.get("hop_payload"),
+        relay_hop_mac=transport.get("hop_mac"),
         s3_upload=transport.get("s3_upload"),
         s3_download=transport.get("s3_download"),
     )

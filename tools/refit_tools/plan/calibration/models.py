@@ -148,6 +148,8 @@ class Calibration(BaseModel):
     finalization: Costs
     relay_hop: Scalar | None = None
     relay_hop_payload_s: Scalar | None = None
+    #: One MAC-only relay hop (relay-to-relay links inside the rollout cluster, by default).
+    relay_hop_mac: Scalar | None = None
     s3_upload: Scalar | None = None
     s3_download: Scalar | None = None
 
@@ -193,6 +195,7 @@ class Calibration(BaseModel):
                 startup_fixed_s=self.startup_fixed_s.value,
                 finalization_s_per_byte=self.finalization.s_per_byte,
                 hop_bytes_s=hop,
+                hop_mac_bytes_s=self.relay_hop_mac.value if self.relay_hop_mac else None,
                 hop_payload_s=self.relay_hop_payload_s.value if self.relay_hop_payload_s else 0.0,
                 s3_upload_bytes_s=self.s3_upload.value if self.s3_upload else None,
                 s3_download_bytes_s=self.s3_download.value if self.s3_download else None,

@@ -130,6 +130,8 @@ def bench_deployment(result: Mapping[str, Any], rate: float) -> Deployment:
         last_tensor_bytes=bench_last_tensor_bytes(result),
         regions=bench_regions(result, sizes.chunk_bytes, sizes.bucket_bytes, sizes.split_bytes),
         shared_cpus=cpus,
+        # Runs from before `--links` linked every relay over CurveZMQ.
+        intra_cluster="mac" if settings.get("links") == "mac" else "encrypted",
     )
 
 
