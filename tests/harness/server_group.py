@@ -30,6 +30,7 @@ from tests.harness.procs import ManagedProcess, http_ok
 SERVE = Path(__file__).with_name("vllm_serve.py")
 #: Fixed ports: every host has its own network namespace.
 RECEIVER_PORT, RELAY_PORT, VLLM_PORT, MASTER_PORT = 8470, 5555, 8000, 29501
+RELAY_MAC_PORT = 5556  # the relay's MAC-only ROUTER (the other relays' links)
 SHM_DIR = "/dev/shm/kuberefit"  # the same path in every host (pod)
 
 
@@ -59,6 +60,10 @@ class ServerHost:
     @property
     def relay_endpoint(self) -> str:
         return f"tcp://{self.ip}:{RELAY_PORT}"
+
+    @property
+    def relay_mac_endpoint(self) -> str:
+        return f"tcp://{self.ip}:{RELAY_MAC_PORT}"
 
     @property
     def vllm_url(self) -> str:
@@ -134,7 +139,11 @@ class ServerHost:
             "token": self.token,
             "held_version": held_version,
             "server": server,
-            "relay": {"bind": self.relay_endpoint, "nodes": relay_nodes},
+            "relay": {
+                "bind": self.relay_endpoint,
+                "mac_bind": self.relay_mac_endpoint,
+                "nodes": relay_nodes,
+            },
             "applier": applier,
         }
         path = self.workdir / f"{self.name}-receiver.json"

@@ -91,13 +91,6 @@ class Intake:
                 return []
             return list(st.request.relay_mac_tree) if st.request.relay_tree else []
 
-    def relay_members(self) -> list[str]:
-        with self.state.cond:
-            st = self.state.current
-            if st is None:
-                return []
-            return [*st.relay_tree, *st.request.relay_mac_tree]
-
     def relay_check(self, meta: FrameMeta, *, probe: bool) -> Verdict | None:
         with self.state.cond:
             offer = self._offer(PayloadIdent.from_frame(meta))

@@ -30,7 +30,12 @@ from refit_sidecar.transport.errors import (
     TransportStoppedError,
 )
 from refit_sidecar.transport.relay.config import DealerConfig
-from refit_sidecar.transport.relay.curve import curve_keys, secure_client, secure_server
+from refit_sidecar.transport.relay.curve import (
+    curve_keys,
+    mac_client,
+    secure_client,
+    secure_server,
+)
 from refit_sidecar.transport.relay.dealer import RelayDealer
 from refit_sidecar.transport.relay.frames import (
     ACK,
@@ -453,7 +458,7 @@ def test_a_mac_only_link_takes_tagged_frames_only(cluster: Cluster, held: Held) 
     key made, whose metadata was altered after tagging, or whose tagged metadata travels with
     another payload's body is dropped unanswered, counted, and fails nothing; the genuine frame
     is staged, a replay of it is only a duplicate, and no frame or answer carries the token. A
-    peer at an address that is no relay of the attempt cannot even connect."""
+    peer without the link password (derived from the token) cannot even connect."""
     node = cluster.nodes[5]
     old = held.weights
     assert isinstance(old, dict)
@@ -465,6 +470,7 @@ def test_a_mac_only_link_takes_tagged_frames_only(cluster: Cluster, held: Held) 
     assert cluster.token.encode() not in meta
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    mac_client(sock, cluster.token)  # the link password: seen by whoever watches the network
     sock.connect(node.relay_mac)
     try:
         altered = _meta(p).model_copy(update={"order": 999}).model_dump_json().encode()
@@ -505,25 +511,27 @@ def test_a_mac_only_link_takes_tagged_frames_only(cluster: Cluster, held: Held) 
         assert node.ctl.status().staged == 1
     finally:
         sock.close(linger=0)
-    # A peer at an address that is no relay of the attempt gets no connection at all: not one
-    # byte of its 64 MiB frame is buffered (counted as not_a_relay).
+    # A peer without the link password (none, or another token's) gets no connection at all:
+    # not one byte of its 64 MiB frame is buffered (counted as a refused handshake).
     rss = psutil.Process(node.proc.proc.pid).memory_info().rss  # type: ignore[union-attr]
-    not_a_relay = 'kuberefit_relay_frames_dropped_total{reason="not_a_relay"}'
-    refused = metric_sum(node, not_a_relay)
-    outsider = zmq.Context.instance().socket(zmq.DEALER)
-    outsider.setsockopt(zmq.LINGER, 0)
-    outsider.setsockopt(zmq.SNDTIMEO, 5000)
-    outsider.connect(node.relay_mac.replace("tcp://", "tcp://127.0.0.2:0;"))  # source address
-    try:
-        with contextlib.suppress(zmq.Again):
-            tag = sign_frame(cluster.token, b"DATA", meta)
-            outsider.send_multipart([b"DATA", meta, tag, b"\0" * (64 << 20)], copy=False)
-        wait_for("the outsider refused", lambda: metric_sum(node, not_a_relay) > refused)
-        assert not outsider.poll(500)
-    finally:
-        outsider.close(linger=0)
+    for password_of in (None, "another-" + cluster.token):
+        refused = metric_sum(node, REFUSED)
+        outsider = zmq.Context.instance().socket(zmq.DEALER)
+        outsider.setsockopt(zmq.LINGER, 0)
+        outsider.setsockopt(zmq.SNDTIMEO, 5000)
+        if password_of is not None:
+            mac_client(outsider, password_of)
+        outsider.connect(node.relay_mac)
+        try:
+            with contextlib.suppress(zmq.Again):
+                tag = sign_frame(cluster.token, b"DATA", meta)
+                outsider.send_multipart([b"DATA", meta, tag, b"\0" * (64 << 20)], copy=False)
+            wait_for("the outsider refused", lambda r=refused: metric_sum(node, REFUSED) > r)
+            assert not outsider.poll(500)
+        finally:
+            outsider.close(linger=0)
     grown = psutil.Process(node.proc.proc.pid).memory_info().rss - rss  # type: ignore[union-attr]
-    assert grown < 32 << 20, f"a peer that is no relay made the receiver hold {grown} bytes"
+    assert grown < 32 << 20, f"a peer without the password made the receiver hold {grown} bytes"
     wrong = RelayDealer(
         node.relay_mac,
         token="another-" + cluster.token,

@@ -58,9 +58,6 @@ class Sink:
     def relay_mac_tree(self, attempt: str) -> list[str]:
         return []  # these relays link over CurveZMQ: the tokens' keys are what is tested
 
-    def relay_members(self) -> list[str]:
-        return self.tree
-
     def relay_check(self, meta: FrameMeta, *, probe: bool) -> Verdict | None:
         return None
 

@@ -18,10 +18,13 @@ them all, so its sockets do not grow with the number of tokens a Secret lists (`
 Why Curve rather than TLS: ZeroMQ has no TLS transport, and Curve keys can be derived from
 the Secret every pod already mounts, so there is no certificate to issue or rotate separately.
 
-The same ZAP handler (one per ZeroMQ context) also gates a relay's MAC-only ROUTER, which has
-no handshake to pass: `gate_plain_peers` registers a callable that admits a connecting peer by
-its address (the relay admits the hosts of its current attempt's relay tree), so a pod that is
-not a relay of the attempt cannot make the relay buffer a single frame.
+The same ZAP handler (one per ZeroMQ context) also gates a relay's MAC-only ROUTER: a ZeroMQ
+PLAIN server whose password is derived from the token (`refit_protocol.keys.link_password`).
+`secure_mac_server` registers a callable that admits a connection by its password, so a peer
+that does not know it cannot make the relay buffer a single frame; `mac_client` sets it on a
+forwarder's socket. The password crosses the pod network in clear (PLAIN encrypts nothing):
+it keeps out peers that never saw that traffic, not an observer of it, who still cannot forge
+a frame (each is tagged, `frames.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from typing import Any
 import zmq
 import zmq.auth.thread
 from zmq.utils import z85
+
+from refit_protocol.keys import link_password
 
 #: Every relay server socket authenticates clients in this ZAP domain.
 ZAP_DOMAIN = "kuberefit"
@@ -76,26 +81,30 @@ class _Allowed:
         return domain == ZAP_DOMAIN and key in self.keys
 
 
+#: The PLAIN user name of every MAC-only link (the password is what is checked).
+MAC_USER = b"kuberefit"
+
+
 class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
-    """pyzmq's authenticator, plus the address gates of MAC-only ROUTERs (NULL mechanism)."""
+    """pyzmq's authenticator, plus the password gates of MAC-only ROUTERs (PLAIN mechanism)."""
 
     def __init__(self, context: zmq.Context[Any]) -> None:
         super().__init__(context, log=None)
-        self.gates: dict[str, Callable[[str], bool]] = {}  # ZAP domain -> admit(address)
+        self.gates: dict[str, Callable[[bytes], bool]] = {}  # ZAP domain -> admit(password)
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         gate = self.gates.get(msg[2].decode("utf-8", "replace")) if len(msg) >= 6 else None
-        if gate is None or msg[5] != b"NULL":
+        if gate is None:
             await super().handle_zap_message(msg)
             return
-        try:
-            admitted = gate(msg[3].decode("utf-8", "replace"))
+        try:  # only PLAIN with the password of an accepted token
+            admitted = msg[5] == b"PLAIN" and len(msg) == 8 and gate(msg[7])
         except Exception:  # the gate failed: refuse, never let the handler's thread die
             admitted = False
         if admitted:
             self._send_zap_reply(msg[1], b"200", b"OK")
         else:
-            self._send_zap_reply(msg[1], b"400", b"not a relay of the current attempt")
+            self._send_zap_reply(msg[1], b"400", b"wrong link password")
 
 
 _authenticators: dict[int, tuple[_Authenticator, _Allowed]] = {}
@@ -129,19 +138,30 @@ def allow_clients(context: zmq.Context[Any], owner: int, tokens: Sequence[str]) 
         allowed.keys = frozenset().union(*allowed.by_owner.values())
 
 
-def gate_plain_peers(
-    context: zmq.Context[Any], owner: int, admit: Callable[[str], bool] | None
-) -> str:
-    """Register (or with None remove) `owner`'s address gate; the ZAP domain to set on its
-    plain socket before bind, so every connection to it is put to `admit(peer_address)`."""
+def secure_mac_server(
+    sock: zmq.Socket[Any], context: zmq.Context[Any], owner: int, admit: Callable[[bytes], bool]
+) -> None:
+    """Make `owner`'s MAC-only ROUTER a PLAIN server whose connections are put to
+    `admit(password)` (before bind)."""
     domain = f"{ZAP_DOMAIN}-mac-{owner}"
     with _lock:
-        auth = _entry(context)[0]
-        if admit is None:
-            auth.gates.pop(domain, None)
-        else:
-            auth.gates[domain] = admit
-    return domain
+        _entry(context)[0].gates[domain] = admit
+    sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+    sock.plain_server = True
+
+
+def forget_mac_server(context: zmq.Context[Any], owner: int) -> None:
+    """Drop `owner`'s gate (its socket is closed)."""
+    with _lock:
+        entry = _authenticators.get(id(context))
+        if entry is not None:
+            entry[0].gates.pop(f"{ZAP_DOMAIN}-mac-{owner}", None)
+
+
+def mac_client(sock: zmq.Socket[Any], token: str) -> None:
+    """Connect `sock` to MAC-only ports with `token`'s link password (before connect)."""
+    sock.plain_username = MAC_USER
+    sock.plain_password = link_password(token)
 
 
 def secure_server(sock: zmq.Socket[Any], token: str) -> None:

@@ -28,10 +28,9 @@ went out on is closed.
 MAC-only links (`link=LinkSecurity.MAC`, relay to relay inside the rollout cluster): one plain
 socket, no key hunt; the metadata carries no token, every frame carries a tag made with the
 ring's sending token's frame key (`frames.sign_frame`), and an answer counts only with a tag of
-an accepted token's key. The relay admits a connection there only from a relay of its current
-attempt (`members.py`), and libzmq never retries a refused connection, so a refused link is
-connected again `MAC_RETRY_S` later (it was refused because its attempt was not prepared there
-yet, or this host is no relay of it).
+an accepted token's key. The socket connects as a ZeroMQ PLAIN client with the sending token's
+link password (`curve.mac_client`); libzmq never retries a refused handshake, so a refused link
+is connected again `MAC_RETRY_S` later (a relay whose copy of a rotated Secret is older).
 
 Failures: any error in the send path resolves the frames it concerns with a `TransportError`
 (a socket that cannot be opened, e.g. libzmq's socket limit, fails every pending frame at once);
@@ -57,7 +56,7 @@ from zmq.utils.monitor import recv_monitor_message
 from refit_protocol.kit.tokens import TokenRing, as_ring, ring_accepts
 from refit_sidecar.transport.errors import TransportError
 from refit_sidecar.transport.relay.config import DealerConfig
-from refit_sidecar.transport.relay.curve import HANDSHAKE_FAILURES, secure_client
+from refit_sidecar.transport.relay.curve import HANDSHAKE_FAILURES, mac_client, secure_client
 from refit_sidecar.transport.relay.frames import (
     ACK,
     DATA,
@@ -296,6 +295,8 @@ class RelayDealer:
             sock.setsockopt(zmq.IMMEDIATE, 1)  # sends only once its handshake completed
             if token:
                 secure_client(sock, token)
+            elif self._mac and (sending := self._ring.sending()):
+                mac_client(sock, sending)
             monitor = sock.get_monitor_socket(_LINK_EVENTS)
             sock.connect(self.endpoint)
         except zmq.ZMQError as exc:

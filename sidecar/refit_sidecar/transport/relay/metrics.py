@@ -49,9 +49,8 @@ class RelayMetrics:
             "Frames dropped without an answer (unauthenticated: a wrong token, or on a MAC-only "
             "link a frame tag or payload that does not verify; malformed), connections refused "
             "at the CurveZMQ handshake (handshake: no key pair of the policy's token, or "
-            "replayed or altered traffic; handshake_aborted: the peer hung up mid-handshake, "
-            "e.g. a plain TCP connect), and connections to the MAC-only port refused because "
-            "the peer is no relay of the current attempt (not_a_relay).",
+            "replayed or altered traffic, and on the MAC-only port a wrong link password; "
+            "handshake_aborted: the peer hung up mid-handshake, e.g. a plain TCP connect).",
             ["reason"],
             registry=reg,
         )
@@ -79,7 +78,6 @@ class RelayMetrics:
             "malformed",
             "handshake",
             "handshake_aborted",
-            "not_a_relay",
         )
         preset(self.forwards, "ok", "failed", "skipped")
         preset(self.loop_errors, *LOOP_ERROR_PLACES)

@@ -11,12 +11,13 @@ staged ACK. The sink is the receiver core; this module knows nothing about apply
 Two ROUTERs, one per kind of link (`frames.LinkSecurity`): the CurveZMQ one (`bind`) takes the
 producers' frames from the other cluster, and the relays' when a policy encrypts every link; the
 plain one (`mac_bind`, optional) takes the MAC-only links of the relays inside the rollout
-cluster, and admits connections only from the hosts of the current attempt's relay tree
-(`members.py`, through the context's ZAP handler). A node forwards to a child's MAC-only
-ROUTER when the attempt's prepare names one (`relay_mac_tree`), else to its CurveZMQ one. On a
-MAC-only link a body whose payload MAC or identity does not verify is dropped unanswered, not
-rejected: whoever sits on the pod network can send there, and a spliced or forged frame must not
-fail an attempt (its sender resends after the ACK deadline).
+cluster: a ZeroMQ PLAIN server that admits only connections with the link password derived
+from an accepted token (`curve.secure_mac_server`, through the context's ZAP handler). A node
+forwards to a child's MAC-only ROUTER when the attempt's prepare names one (`relay_mac_tree`),
+else to its CurveZMQ one. On a MAC-only link a body whose payload MAC or identity does not
+verify is dropped unanswered, not rejected: whoever saw the pod network's traffic (and so the
+link password) can send there, and a spliced or forged frame must not fail an attempt (its
+sender resends after the ACK deadline).
 
 Token rotation (`refit_protocol.kit.tokens`): frames, answers and MACs of every accepted token are
 taken; the ROUTER serves with the ring's sending token's Curve keys and is bound again (same
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hmac
 import threading
 import time
 from concurrent.futures import Future
@@ -46,7 +48,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 from zmq.utils.monitor import recv_monitor_message
 
-from refit_protocol.keys import payload_mac_key
+from refit_protocol.keys import link_password, payload_mac_key
 from refit_protocol.kit.tokens import TokenRing, as_ring, ring_accepts
 from refit_sidecar.codec.errors import CodecError
 from refit_sidecar.transport.errors import TransportError
@@ -55,7 +57,8 @@ from refit_sidecar.transport.relay.config import RelayConfig
 from refit_sidecar.transport.relay.curve import (
     HANDSHAKE_FAILURES,
     allow_clients,
-    gate_plain_peers,
+    forget_mac_server,
+    secure_mac_server,
     secure_server,
 )
 from refit_sidecar.transport.relay.dealer import RelayDealer
@@ -75,7 +78,6 @@ from refit_sidecar.transport.relay.frames import (
     tag_verifies,
     verify_body,
 )
-from refit_sidecar.transport.relay.members import admits, member_addresses
 from refit_sidecar.transport.relay.metrics import RelayMetrics
 from refit_sidecar.transport.relay.router_keys import RefusedHandshakes, RouterKeys
 
@@ -97,10 +99,6 @@ class RelaySink(Protocol):
     def relay_mac_tree(self, attempt: str) -> list[str]:
         """The same nodes' MAC-only endpoints ("" for a node forwarded to over CurveZMQ;
         empty: every link of `attempt` is encrypted)."""
-        ...
-
-    def relay_members(self) -> list[str]:
-        """Every relay endpoint of the node's current attempt (any thread may ask)."""
         ...
 
     def relay_check(self, meta: FrameMeta, *, probe: bool) -> Verdict | None:
@@ -154,6 +152,7 @@ class RelayNode:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._monitor: zmq.Socket[Any] | None = None
+        self._mac_monitor: zmq.Socket[Any] | None = None  # the MAC-only ROUTER's handshakes
         self._refused = RefusedHandshakes(HANDSHAKE_LOG_S)
         self.bound: str = ""
         self.mac_bound: str = ""  # the MAC-only ROUTER's address ("" without one)
@@ -177,11 +176,13 @@ class RelayNode:
         return self
 
     def _open_plain(self, endpoint: str) -> zmq.Socket[Any]:
-        """The MAC-only ROUTER: connections only from the attempt's relays (`_admit_peer`, by
-        address), and every frame checked by its tag."""
+        """The MAC-only ROUTER: connections only with an accepted token's link password
+        (`_admit_peer`; none needed without a token, on loopback), every frame checked by its
+        tag."""
         sock: zmq.Socket[Any] = self._ctx.socket(zmq.ROUTER)
-        domain = gate_plain_peers(self._ctx, id(self), self._admit_peer)
-        sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+        if self._ring.accepted():
+            secure_mac_server(sock, self._ctx, id(self), self._admit_peer)
+            self._mac_monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload_bytes + (1 << 16))
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
@@ -277,10 +278,13 @@ class RelayNode:
             with contextlib.suppress(Exception):
                 allow_clients(self._ctx, id(self), ())
             with contextlib.suppress(Exception):
-                gate_plain_peers(self._ctx, id(self), None)
+                forget_mac_server(self._ctx, id(self))
             if self._sock is not None:
                 self._close_socket(self._sock)
             if self._mac_sock is not None:
+                if self._mac_monitor is not None:
+                    self._mac_sock.disable_monitor()
+                    self._mac_monitor.close(linger=0)
                 self._mac_sock.close(linger=0)
 
     def _serve_socket(self) -> None:
@@ -294,8 +298,9 @@ class RelayNode:
         poller.register(sock, zmq.POLLIN)
         if self._mac_sock is not None:
             poller.register(self._mac_sock, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
+        for monitor in (self._monitor, self._mac_monitor):
+            if monitor is not None:
+                poller.register(monitor, zmq.POLLIN)
         while not self._stop.is_set():
             try:
                 if self._follow_rotation():
@@ -323,11 +328,12 @@ class RelayNode:
             )
 
     def _serve(self, events: dict[Any, int]) -> None:
-        if self._monitor is not None and self._monitor in events:
-            try:
-                self._handshake_failures()
-            except Exception as exc:  # counting must never stop the relay
-                self._loop_error("monitor", exc)
+        for monitor in (self._monitor, self._mac_monitor):
+            if monitor is not None and monitor in events:
+                try:
+                    self._handshake_failures(monitor)
+                except Exception as exc:  # counting must never stop the relay
+                    self._loop_error("monitor", exc)
         for sock, link in ((self._sock, LinkSecurity.CURVE), (self._mac_sock, LinkSecurity.MAC)):
             if sock is not None and sock in events:
                 self._take(sock, link)
@@ -344,14 +350,14 @@ class RelayNode:
             except Exception as exc:  # never let one frame kill the relay
                 self._loop_error("frame", exc)
 
-    def _handshake_failures(self) -> None:
-        """Count connections refused by CurveZMQ (no frame of theirs was ever buffered); log
+    def _handshake_failures(self, monitor: zmq.Socket[Any]) -> None:
+        """Count connections refused at a handshake (CurveZMQ, or the MAC-only port's link
+        password: no frame of theirs was ever buffered); log
         them at most once per HANDSHAKE_LOG_S with a count, so a flood cannot flood the log.
         At most MAX_MONITOR_EVENTS are read per turn: frames of real peers are not starved."""
-        assert self._monitor is not None
         for _ in range(MAX_MONITOR_EVENTS):
             try:
-                event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
+                event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
             self.metrics.dropped.labels(self._refused.count(event)).inc()
@@ -393,18 +399,11 @@ class RelayNode:
         self.metrics.frames.labels(kind.decode(), verdict[0].value).inc()
         self._reply(ident, "END" if kind == END else "DATA", meta, verdict, link)
 
-    def _admit_peer(self, address: str) -> bool:
-        """May `address` connect to the MAC-only ROUTER? Only a host of the current attempt's
-        relay tree may (runs in the ZAP handler's thread; refusals are counted and logged at
-        most every HANDSHAKE_LOG_S)."""
-        if admits(member_addresses(self.sink.relay_members()), address):
-            return True
-        self.metrics.dropped.labels("not_a_relay").inc()
-        now = time.monotonic()
-        if now - self._error_logged.get("not_a_relay", float("-inf")) >= HANDSHAKE_LOG_S:
-            self._error_logged["not_a_relay"] = now
-            log.warning("relay.mac_peer_refused", node=self.sink.node, peer=address)
-        return False
+    def _admit_peer(self, password: bytes) -> bool:
+        """May a connection with `password` use the MAC-only ROUTER? Only with the link
+        password of an accepted token (runs in the ZAP handler's thread; a refusal is a failed
+        handshake, counted and logged from the socket's monitor like the CurveZMQ port's)."""
+        return any(hmac.compare_digest(password, link_password(t)) for t in self._ring.accepted())
 
     def _unauthenticated(self, link: LinkSecurity, what: str, attempt: str = "") -> None:
         """Count a dropped frame; log it at most every HANDSHAKE_LOG_S per kind of link."""
