@@ -112,16 +112,8 @@ def transport_figures(results_dir: Path, skip: set[str], sources: list[Source]) 
                     sources=[path.name],
                     how=f"transport bench: S3 {key.split('_')[0]} throughput of one client",
                 )
-        sources.append(
-            Source(
-                file=path.name,
-                benchmark="transport",
-                started=data.get("started") or stamp_time(path).isoformat(timespec="seconds"),
-                machine=data.get("machine") or {},
-                used=bool(found),
-                why="latest transport result" if found else "no relay hop or S3 figures in it",
-            )
-        )
+        why = "latest transport result" if found else "no relay hop or S3 figures in it"
+        sources.append(_transport_source(path, data, bool(found), why))
         if found:
             return out | found
     return out
@@ -135,16 +127,8 @@ def _mac_hop(files: list[Path], sources: list[Source]) -> dict[str, Any]:
             continue
         if not _usable(path, data, check_transport, "transport", sources):
             continue
-        sources.append(
-            Source(
-                file=path.name,
-                benchmark="transport",
-                started=data.get("started") or stamp_time(path).isoformat(timespec="seconds"),
-                machine=data.get("machine") or {},
-                used=True,
-                why="latest 1-node transport result of MAC-only links",
-            )
-        )
+        why = "latest 1-node transport result of MAC-only links"
+        sources.append(_transport_source(path, data, True, why))
         return {
             "hop_mac": Scalar(
                 value=float(data["hop_gb_s"]) * 1e9,
@@ -154,6 +138,18 @@ def _mac_hop(files: list[Path], sources: list[Source]) -> dict[str, Any]:
             )
         }
     return {}
+
+
+def _transport_source(path: Path, data: Mapping[str, Any], used: bool, why: str) -> Source:
+    """How a transport result file was used (the calibration's `sources`)."""
+    return Source(
+        file=path.name,
+        benchmark="transport",
+        started=data.get("started") or stamp_time(path).isoformat(timespec="seconds"),
+        machine=data.get("machine") or {},
+        used=used,
+        why=why,
+    )
 
 
 def _usable(
