@@ -53,6 +53,8 @@ from refit_protocol.receiver_api import (
 
 log = structlog.get_logger("kuberefit.coordinator")
 T = TypeVar("T")
+#: A receiver's phase once a stop reached it (`receiver.node_state.retire`).
+_STOPPED = "stopped"
 
 
 class RejectedError(Exception):
@@ -519,25 +521,12 @@ class Coordinator:
         await self._each_producer(lambda p: p.stop_and_wait(tau), tolerate=True)
         alive: list[ReceiverClient] = []
         for r in receivers:
-            for _ in range(self.config.stop_retries):
-                try:
-                    await self._call(r.stop(tau))
-                    alive.append(r)
-                    break
-                except (EndpointError, TimeoutError) as exc:
-                    if await self.membership.confirmed_dead(r.node):
-                        if await self._rejoin_host(r, kv):
-                            alive.append(r)
-                            break
-                        log.warning("receiver.retired", node=r.node, attempt=tau)
-                        result.retired.append(r.node)
-                        self._gate_closed.discard(r.node)
-                        break
-                    log.warning("receiver.stop_retry", node=r.node, error=_why(exc))
+            if await self._stop_one(tau, r, kv):
+                alive.append(r)
             else:
-                raise InterventionRequiredError(
-                    f"receiver {r.node} neither acknowledges stop nor is confirmed dead"
-                )
+                log.warning("receiver.retired", node=r.node, attempt=tau)
+                result.retired.append(r.node)
+                self._gate_closed.discard(r.node)
         # The rest of a retired node's server cannot apply without it: it leaves too.
         gone = {r.node for r in receivers} - {r.node for r in alive}
         mates = self._servers.with_mates(gone, [r.node for r in alive]) - gone
@@ -545,6 +534,57 @@ class Coordinator:
             log.warning("receiver.server_left", nodes=sorted(mates), attempt=tau)
             result.retired.extend(sorted(mates))
         return [r for r in alive if r.node not in mates]
+
+    async def _stop_one(self, tau: str, r: ReceiverClient, kv: CommitRecord) -> bool:
+        """True once `r` acknowledged the stop (or its restarted host rejoined); False when it
+        is confirmed dead. A receiver that answers its status with the attempt stopped is
+        finishing the apply call in progress (a vLLM rank on another host may wait
+        `stage_wait_s` for a payload file its dead receiver never writes): its one stop call is
+        waited for up to `stop_drain_s`, not counted as silent. Raises after `stop_retries`
+        tries without any answer."""
+        silent = 0
+        draining_since: float | None = None
+        call = asyncio.ensure_future(r.stop(tau))
+        try:
+            while True:
+                try:
+                    await self._call(asyncio.shield(call))
+                    return True
+                except TimeoutError as exc:
+                    if await self._draining(r, tau):
+                        now = time.monotonic()
+                        if draining_since is None:
+                            draining_since = now
+                            log.info("receiver.stop_draining", node=r.node, attempt=tau)
+                        if now - draining_since < self.config.stop_drain_s:
+                            continue  # the same call: its apply is finishing
+                        raise InterventionRequiredError(
+                            f"receiver {r.node} acknowledged stop but is still finishing its "
+                            f"apply call after {self.config.stop_drain_s:g}s"
+                        ) from exc
+                    error: Exception = exc
+                except EndpointError as exc:
+                    error = exc
+                if await self.membership.confirmed_dead(r.node):
+                    return await self._rejoin_host(r, kv)
+                silent += 1
+                log.warning("receiver.stop_retry", node=r.node, error=_why(error))
+                if silent >= self.config.stop_retries:
+                    raise InterventionRequiredError(
+                        f"receiver {r.node} neither acknowledges stop nor is confirmed dead"
+                    )
+                call.cancel()
+                call = asyncio.ensure_future(r.stop(tau))
+        finally:
+            call.cancel()
+
+    async def _draining(self, r: ReceiverClient, tau: str) -> bool:
+        """`r` answers and shows `tau` stopped: the stop arrived, its apply call is ending."""
+        try:
+            status = await self._call(r.status(), min(5.0, self.config.control_timeout_s))
+        except (EndpointError, TimeoutError):
+            return False
+        return status.attempt == tau and status.phase == _STOPPED
 
     async def _rejoin_hosts(
         self, rejected: set[str], receivers: Sequence[ReceiverClient], kv: CommitRecord

@@ -51,6 +51,13 @@ class CoordinatorConfig(BaseModel):
     flush_timeout_s: float = Field(600.0, gt=0, description="Timeout of a receiver flush.")
     max_attempts: int = Field(5, ge=1, description="Attempts before the operator must step in.")
     stop_retries: int = Field(3, ge=1, description="Tries to drain a silent receiver.")
+    stop_drain_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long a receiver that acknowledged a stop (its status shows the "
+        "attempt stopped) is waited for while its apply call in progress ends; a receiver's "
+        "own stop waits at most its stop_timeout_s (120 s by default).",
+    )
     check_samples: int = Field(
         0, ge=-1, description="Post-apply checks per payload (0 off, N samples, -1 all)."
     )

@@ -40,6 +40,11 @@ class FakeReceiver:
     #: (0: it stays dead), holding nothing (the fault the real part gives: tests/e2e).
     restarts_after: int = 0
     hang_flush_times: int = 0  # flushes that wait forever (a node waiting for a dead peer)
+    #: A stop that arrives during an apply call answers only when the call ends, this long
+    #: after the first stop (a vLLM rank waiting for a dead host's payload file); its status
+    #: shows the attempt stopped meanwhile, as the real receiver's does.
+    stop_drain_s: float = 0.0
+    stops: int = 0  # stop calls received
     die_on_notice: bool = False  # dies after its flush, before the commit notice arrives
     reject_overwrite: str = ""  # rejects overwrite prepares (restarted between attempts)
     prewarmed: bool = True
@@ -143,6 +148,13 @@ class FakeReceiver:
 
     async def stop(self, attempt: str) -> StopResponse:
         self._alive()
+        self.stops += 1
+        if self.attempt == attempt and self.phase != "flushed":
+            self.phase = "stopped"
+        if self.stop_drain_s:
+            loop = asyncio.get_running_loop()
+            self._drained_at = getattr(self, "_drained_at", loop.time() + self.stop_drain_s)
+            await asyncio.sleep(max(0.0, self._drained_at - loop.time()))
         return StopResponse(node=self.node, attempt=attempt, drained=True)
 
     async def cleanup(self, attempt: str) -> None:

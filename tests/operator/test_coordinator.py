@@ -294,6 +294,35 @@ async def test_silent_receiver_needs_an_operator(tmp_path: Path) -> None:
     assert sink.phases[-1] == "Aborted"
 
 
+async def test_a_receiver_finishing_its_apply_call_is_waited_for_not_retried(
+    tmp_path: Path,
+) -> None:
+    """A stop that arrives while the node's apply call waits (a rank on another host waiting
+    stage_wait_s for its dead receiver's file) answers after longer than all the tries for a
+    silent node; the node shows the attempt stopped, so its one call is waited for and the
+    overwrite retry commits."""
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[1].fail_flush_times = 1
+    receivers[1].stop_drain_s = 3.0  # > stop_retries x control_timeout_s (1 x 2 s)
+    c = await coordinator(store, producers, membership, sink, stop_retries=1)
+    result = await c.run_transition()
+    assert result.outcome == "committed", result.message
+    assert result.modes == ["mixed", "overwrite"]
+    assert receivers[1].stops == 1  # one call, waited for: not three piling up on the node
+    assert_all_at(receivers, 1)
+
+
+async def test_a_receiver_draining_past_the_bound_needs_an_operator(tmp_path: Path) -> None:
+    store, receivers, producers, membership, sink = world(tmp_path)
+    receivers[1].fail_flush_times = 1
+    receivers[1].stop_drain_s = 60.0
+    c = await coordinator(store, producers, membership, sink, stop_retries=1, stop_drain_s=1.0)
+    result = await c.run_transition()
+    assert (result.outcome, result.reason) == ("aborted", "ReceiverUnresponsive")
+    assert "r1 acknowledged stop but is still finishing its apply call after 1s" in result.message
+    assert (await store.read()).record == K0
+
+
 async def test_producer_failure_then_overwrite_retry(tmp_path: Path) -> None:
     store, receivers, producers, membership, sink = world(tmp_path)
     producers[1].fail_sends = 1

@@ -524,7 +524,8 @@ class RelayNode:
         fut: Future[AckStatus],
     ) -> None:
         exc = fut.exception()
-        error = None if exc is None else f"forward to {child}: {type(exc).__name__}: {exc}"
+        via = "" if client is None or client.endpoint == child else f" via {client.endpoint}"
+        error = None if exc is None else f"forward to {child}{via}: {type(exc).__name__}: {exc}"
         error, first = self._forwards.finish(meta.attempt, child, error)
         if first and client is not None:
             # One payload gave up on this child: fail its other pending forwards now instead of
