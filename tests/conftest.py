@@ -8,8 +8,9 @@ is missing fails the test with instructions; nothing is skipped (in CI or elsewh
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -64,6 +65,26 @@ if os.environ.get("KUBEREFIT_MUTATION"):
     _warm_up_dispatch_modes()
 elif os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    """A failed test whose fixtures keep component logs (a `failure_logs()` method) reports
+    their tails beside the assertion: a CI run on another machine shows only its output."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for name, value in getattr(item, "funcargs", {}).items():
+        logs = getattr(value, "failure_logs", None)
+        if callable(logs):
+            try:
+                text = logs()
+            except Exception as exc:  # a diagnosis must not hide the failure
+                text = f"(could not read the logs: {exc!r})"
+            report.sections.append((f"logs of the fixture {name!r}", text))
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ from refit_tools.local.nodes import LocalNode
 from refit_tools.local.procs import ManagedProcess, free_ports
 from refit_tools.local.trainer_pod import LocalTrainerPod
 from refit_tools.tiny_models import write_tiny_model
+from tests.harness.failure_logs import tails
 
 STEPS = 20
 KILL_RECEIVER_AT = {3: "node0", 6: "node1", 10: "node0", 13: "node1", 17: "node0"}
@@ -58,6 +59,10 @@ class FailoverDeployment:
             "trainer", root, 0, self.token_file, self.ckpt, STEPS, release_dir=self.release
         )
         self.coordinators: list[ManagedProcess] = []
+
+    def failure_logs(self) -> str:
+        """What a failed test reports (`tests/conftest.py`): the tails of its processes' logs."""
+        return tails(self.root)
 
     def start(self) -> None:
         v0 = write_tiny_model(self.ckpt / "v0", "qwen3", seed=0)

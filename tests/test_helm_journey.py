@@ -49,6 +49,7 @@ from refit_sidecar.vllm.bundle import install as install_bundle
 from refit_tools.local.nodes import vllm_rpc
 from refit_tools.local.procs import ManagedProcess, free_ports, http_ok
 from refit_tools.tiny_models import write_tiny_model
+from tests.harness.failure_logs import tails
 from tests.harness.kube import KubeCluster
 from tests.harness.kubelet import LocalImage, LocalKubelet, LocalPod
 from tests.harness.operator_env import wait_for
@@ -435,6 +436,14 @@ class Journey:
             self.ns, field_selector=f"involvedObject.name={name}"
         )
         return [str(e.reason) for e in found.items]
+
+    def failure_logs(self) -> str:
+        """What a failed journey reports (`tests/conftest.py`): the transitions and log tails."""
+        try:
+            table = self.kubectl("get", "refittransitions", "-n", self.ns, "-o", "wide")
+        except Exception as exc:  # the API server may be what failed
+            table = f"(kubectl get refittransitions: {exc!r})"
+        return table + "\n" + tails(self.root / "pods")
 
     def stop(self) -> None:
         self.kubelet.stop()

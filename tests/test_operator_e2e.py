@@ -42,6 +42,7 @@ from refit_tools.local.nodes import LocalNode
 from refit_tools.local.procs import ManagedProcess, free_ports
 from refit_tools.local.trainer_pod import LocalTrainerPod
 from refit_tools.tiny_models import write_tiny_model
+from tests.harness.failure_logs import tails
 from tests.harness.kube import KubeCluster
 from tests.harness.operator_env import OperatorEnv, log_events, wait_for
 
@@ -86,6 +87,10 @@ class World:
         self.beta = Policy("beta", root / "beta", 1, self.token_file)
         self.reference = LocalNode("reference", root, env.token)
         self.operator: ManagedProcess | None = None
+
+    def failure_logs(self) -> str:
+        """What a failed test reports (`tests/conftest.py`): the tails of its processes' logs."""
+        return tails(self.root)
 
     # -- start-up -------------------------------------------------------------------------------
     def start(self) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from refit_sidecar.vllm.control_path import MIDDLEWARE_QUALNAME
 from refit_sidecar.vllm.quirks.cpu_unpacked_layout import ENV_SWITCH
 from refit_sidecar.vllm.worker_extension import EXTENSION_QUALNAME
+from tests.harness.failure_logs import tails
 from tests.harness.pod_network import PodNetwork
 from tests.harness.procs import ManagedProcess, http_ok
 
@@ -196,6 +197,10 @@ class ServerGroup:
     def start_receiver(self, host: ServerHost, held_version: int | None) -> None:
         relay = [h.relay_endpoint for h in self.hosts]
         host.start_receiver(self.name, held_version, relay, self.leader.url, self.stage_wait_s)
+
+    def failure_logs(self) -> str:
+        """What a failed test reports (`tests/conftest.py`): every host's log tails."""
+        return "\n".join(tails(d) for d in sorted({h.workdir for h in self.hosts}))
 
     def stop(self) -> None:
         for h in reversed(self.hosts):
