@@ -255,7 +255,7 @@ class Coordinator:
             if tau is not None:
                 try:
                     await self.store.mark_obsolete(self.epoch, tau)
-                    receivers = await self._stop(tau, receivers, result, kv)
+                    receivers = await self._stop(tau, receivers, result, kv, progress)
                     await self._cleanup(tau, receivers)
                 except CommitConflictError as exc:
                     outcome, result.message = "conflict", str(exc)
@@ -515,13 +515,14 @@ class Coordinator:
         receivers: list[ReceiverClient],
         result: TransitionResult,
         kv: CommitRecord,
+        progress: TransitionProgress | None = None,
     ) -> list[ReceiverClient]:
         """stop_and_wait on every endpoint; retire receivers confirmed dead, except a server's
         host whose receiver restarted in its pod: it rejoins (`_rejoin_host`)."""
         await self._each_producer(lambda p: p.stop_and_wait(tau), tolerate=True)
         alive: list[ReceiverClient] = []
         for r in receivers:
-            if await self._stop_one(tau, r, kv):
+            if await self._stop_one(tau, r, kv, progress):
                 alive.append(r)
             else:
                 log.warning("receiver.retired", node=r.node, attempt=tau)
@@ -535,7 +536,9 @@ class Coordinator:
             result.retired.extend(sorted(mates))
         return [r for r in alive if r.node not in mates]
 
-    async def _stop_one(self, tau: str, r: ReceiverClient, kv: CommitRecord) -> bool:
+    async def _stop_one(
+        self, tau: str, r: ReceiverClient, kv: CommitRecord, progress: TransitionProgress | None
+    ) -> bool:
         """True once `r` acknowledged the stop (or its restarted host rejoined); False when it
         is confirmed dead. A receiver that answers its status with the attempt stopped is
         finishing the apply call in progress (a vLLM rank on another host may wait
@@ -544,6 +547,7 @@ class Coordinator:
         tries without any answer."""
         silent = 0
         draining_since: float | None = None
+        said: str | None = None  # the transition's message before the drain was shown
         call = asyncio.ensure_future(r.stop(tau))
         try:
             while True:
@@ -555,7 +559,7 @@ class Coordinator:
                         now = time.monotonic()
                         if draining_since is None:
                             draining_since = now
-                            log.info("receiver.stop_draining", node=r.node, attempt=tau)
+                            said = await self._draining_said(r.node, tau, progress)
                         if now - draining_since < self.config.stop_drain_s:
                             continue  # the same call: its apply is finishing
                         raise InterventionRequiredError(
@@ -577,6 +581,22 @@ class Coordinator:
                 call = asyncio.ensure_future(r.stop(tau))
         finally:
             call.cancel()
+            if progress is not None and said is not None:
+                progress.message = said  # the wait is over: the next update says why it failed
+
+    async def _draining_said(
+        self, node: str, tau: str, progress: TransitionProgress | None
+    ) -> str | None:
+        """Log it, and show it in the transition's message (the wait may last a minute);
+        returns the message it replaced."""
+        log.info("receiver.stop_draining", node=node, attempt=tau)
+        if progress is None:
+            return None
+        before = progress.message
+        note = f"{node} is ending its apply call (stop waits up to {self.config.stop_drain_s:g}s)"
+        progress.message = f"{before}; {note}" if before else note
+        await self.sink.update(progress)
+        return before
 
     async def _draining(self, r: ReceiverClient, tau: str) -> bool:
         """`r` answers and shows `tau` stopped: the stop arrived, its apply call is ending."""

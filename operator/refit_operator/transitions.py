@@ -2,10 +2,10 @@
 
 `TransitionRecorder` is the coordinator's `ProgressSink` for one transition: it creates (or,
 after a takeover, continues) the RefitTransition, merge-patches its `/status` on every phase
-change and at most once per `min_interval_s` otherwise, aggregates the receivers' staged and
-applied payload counts while the attempt streams, and posts an Event for every phase change,
-retry, takeover, restore and the outcome. The rendering is pure (`progress_status`,
-`outcome_status`) so it is tested without a cluster.
+change or new message and at most once per `min_interval_s` otherwise, aggregates the
+receivers' staged and applied payload counts while the attempt streams, and posts an Event for
+every phase change, retry, takeover, restore and the outcome. The rendering is pure
+(`progress_status`, `outcome_status`) so it is tested without a cluster.
 """
 
 from __future__ import annotations
@@ -184,6 +184,7 @@ class TransitionRecorder:
         self.restored: list[str] = []
         self.start_time = ""  # status.startTime: when the first attempt began
         self._phase = ""
+        self._message = ""  # the last message written
         self._attempt = 0  # the last attempt number shown
         self._base = 0  # attempts made by coordinators before a takeover
         self._modes: list[str] = []  # mode of every attempt shown, in order
@@ -270,7 +271,8 @@ class TransitionRecorder:
             return None if obj.get("status", {}).get("phase") in TERMINAL else obj
 
     async def update(self, progress: TransitionProgress) -> None:
-        """ProgressSink: every phase change is written and announced; the rest rate-limited.
+        """ProgressSink: every phase change is written and announced, every new message
+        written; the rest rate-limited.
 
         Attempts continue the count of the coordinators before a takeover."""
         if progress.phase in TERMINAL:
@@ -285,7 +287,9 @@ class TransitionRecorder:
             status["modes"] = list(self._modes)
         if progress.phase != "Streaming":
             await self._stop_poller()
-        await self._patch(status, force=changed or retry)
+        said = progress.message != self._message
+        await self._patch(status, force=changed or retry or said)
+        self._message = progress.message
         for reason, notice in progress.notices[self._noticed :]:
             await self._event(reason, notice, warning=True)
         self._noticed = len(progress.notices)

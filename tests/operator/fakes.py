@@ -245,8 +245,10 @@ class FakeMembership:
 @dataclass
 class RecordingSink:
     phases: list[str] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)
     notices: list[tuple[str, str]] = field(default_factory=list)
 
     async def update(self, progress: TransitionProgress) -> None:
         self.phases.append(progress.phase)
+        self.messages.append(progress.message)
         self.notices = list(progress.notices)

@@ -309,6 +309,8 @@ async def test_a_receiver_finishing_its_apply_call_is_waited_for_not_retried(
     assert result.outcome == "committed", result.message
     assert result.modes == ["mixed", "overwrite"]
     assert receivers[1].stops == 1  # one call, waited for: not three piling up on the node
+    said = "r1 is ending its apply call (stop waits up to 300s)"
+    assert any(m.startswith("attempt 1 failed: ") and m.endswith(said) for m in sink.messages)
     assert_all_at(receivers, 1)
 
 
