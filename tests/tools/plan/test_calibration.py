@@ -251,6 +251,34 @@ def test_a_transport_result_calibrates_the_relay_hop(tmp_path: Path) -> None:
     assert cal.load(tmp_path / "cal.json") == fitted
 
 
+def test_runs_of_mac_only_links_are_fitted_with_the_mac_only_hop(tmp_path: Path) -> None:
+    """The fit charges a refit run's relay-to-relay hops and receives at the hop of the links
+    it used: the same runs marked `--links mac`, with a MAC-only hop measured 4x faster, leave
+    less time to the relay and more to the apply they share the span with."""
+    for path in RESULTS.glob("*.json"):
+        if path.name.startswith(("refit-2", "transport-2", "codec-2")):
+            shutil.copy(path, tmp_path)
+    curve = cal.fit(tmp_path)
+    assert curve.relay_hop is not None
+    for path in tmp_path.glob("refit-2*.json"):
+        data = json.loads(path.read_text())
+        data.setdefault("settings", {})["links"] = "mac"
+        path.write_text(json.dumps(data))
+    hop_gb_s = 4 * curve.relay_hop.value / 1e9
+    (tmp_path / "transport-20991231T000000Z.json").write_text(
+        json.dumps({"benchmark": "transport", "links": "mac", "nodes": 1, "hop_gb_s": hop_gb_s})
+    )
+    mac = cal.fit(tmp_path)
+    assert mac.relay_hop == curve.relay_hop  # the root's receive: still CurveZMQ
+    assert mac.relay_hop_mac is not None
+    assert mac.relay_hop_mac.value == pytest.approx(hop_gb_s * 1e9)
+
+    def apply_s(c: cal.Calibration) -> float:  # one GB's apply at 3% of elements changed
+        return c.apply.s_per_byte * 1e9 + c.apply.s_per_changed * 0.03 * 1e9 / 2
+
+    assert apply_s(mac) > 1.05 * apply_s(curve), (mac.apply, curve.apply)
+
+
 def test_without_quiet_or_any_refit_results_it_says_so(tmp_path: Path) -> None:
     with pytest.raises(cal.CalibrationError, match="no refit"):
         cal.fit(tmp_path)

@@ -146,32 +146,46 @@ def _names(pts: Iterable[Point]) -> list[str]:
 
 @dataclass(frozen=True)
 class _Relay:
-    """The transport bench's relay hop: its throughput (None when not measured) and its time
-    per payload (0 when not measured)."""
+    """The transport bench's relay hops: the encrypted one's throughput (None when not
+    measured), the MAC-only one's (None: not measured, the encrypted one stands in), and the
+    time per payload (0 when not measured)."""
 
     bytes_s: float | None
     payload_s: float
+    mac_bytes_s: float | None = None
 
     @classmethod
     def of(cls, transport: Mapping[str, Any]) -> _Relay:
         hop: Scalar | None = transport.get("hop")
         hop_payload: Scalar | None = transport.get("hop_payload")
+        hop_mac: Scalar | None = transport.get("hop_mac")
         return cls(
             hop.value if hop is not None else None,
             hop_payload.value if hop_payload is not None else 0.0,
+            hop_mac.value if hop_mac is not None else None,
         )
+
+    def intra(self, p: Point) -> float | None:
+        """A relay-to-relay hop of `p`'s run: MAC-only where its links were (`--links mac`)."""
+        return self.mac_bytes_s if p.mac and self.mac_bytes_s else self.bytes_s
 
     def hops_s(self, p: Point) -> float:
         """The last payload's relay hops below the root (before the drain's apply)."""
         last_wire = p.v * p.last / p.h
         depth = tree_depth(p.nodes)
-        hop = self.bytes_s
+        hop = self.intra(p)
         return (depth - 1) * ((last_wire / hop if hop else 0.0) + self.payload_s)
 
     def receive_s(self, p: Point) -> float:
-        """Every node's receive of V_payload at the relay hop's pace."""
-        hop = self.bytes_s
-        return p.nodes * ((p.v / hop if hop else 0.0) + p.payloads * self.payload_s)
+        """Every node's receive of V_payload at its relay hop's pace: the root's from the
+        producer over CurveZMQ, the other nodes' over the run's intra-cluster links (as
+        `model.project` charges them)."""
+        root, intra = self.bytes_s, self.intra(p)
+        return (
+            (p.v / root if root else 0.0)
+            + (p.nodes - 1) * (p.v / intra if intra else 0.0)
+            + p.nodes * p.payloads * self.payload_s
+        )
 
 
 def _byte_counts(refits: list[RefitRun]) -> tuple[PowerLaw, Scalar]:
@@ -362,7 +376,8 @@ def _apply(
         ("s_per_byte", "s_per_changed", "s_per_payload"),
         "CPU-bound quiet refit rates (link time of V_payload <= "
         f"{CPU_BOUND_SHARE:.0%} of the span): span + drain = the producer's remaining "
-        "construction + each node's receive at the relay hop's pace + nodes / CPUs x each "
+        "construction + each node's receive at its relay hop's pace (the root's CurveZMQ, "
+        "the others' over the run's links) + nodes / CPUs x each "
         "node's apply of all but the last payload (one core each) + the fitted drain; "
         "non-negative least squares of relative residuals",
     )

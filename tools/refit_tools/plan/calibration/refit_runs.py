@@ -166,6 +166,8 @@ class Point:
     span: float
     drain: float
     finalization: float
+    #: The run's relay-to-relay links were MAC-only (`bench refit --links mac`), not CurveZMQ.
+    mac: bool = False
 
     def changed(self, nbytes: float) -> float:
         return self.rate * nbytes / ELEMENT_BYTES
@@ -203,6 +205,7 @@ def _points(name: str, result: Mapping[str, Any]) -> list[Point]:
                 span=float(row["transport_span_s"]),
                 drain=float(row["drain_s"]),
                 finalization=float(row["finalization_s"]),
+                mac=dep.intra_cluster == "mac",
             )
         )
     return out
