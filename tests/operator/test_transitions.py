@@ -14,16 +14,17 @@ from tests.harness.kube import KubeCluster
 
 
 async def test_a_new_message_is_written_at_once_within_the_rate_limit(
-    refit_crds: KubeCluster,
+    refit_crds: KubeCluster, namespace: str
 ) -> None:
     """Updates without a phase change are rate-limited, but a new message (an attempt failed,
     a node is ending its apply call before the retry) is written at once: the wait it explains
-    may last a minute."""
+    may last a minute. (In a namespace of its own: other tests list their namespace's
+    RefitTransitions.)"""
     name = f"p-{uuid.uuid4().hex[:8]}"
     policy = {
         "apiVersion": "refit.kuberefit.io/v1alpha1",
         "kind": "RefitPolicy",
-        "metadata": {"name": name, "namespace": "default", "uid": str(uuid.uuid4())},
+        "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4())},
     }
     api = KubeApi(refit_crds.api_client())
     recorder = TransitionRecorder(api, policy, 0, 1, coordinator="c", min_interval_s=3600)
@@ -35,7 +36,7 @@ async def test_a_new_message_is_written_at_once_within_the_rate_limit(
 
     def status() -> dict[str, object]:
         obj = client.CustomObjectsApi(refit_crds.api_client()).get_namespaced_custom_object(
-            "refit.kuberefit.io", "v1alpha1", "default", "refittransitions", recorder.name
+            "refit.kuberefit.io", "v1alpha1", namespace, "refittransitions", recorder.name
         )
         return dict(obj.get("status") or {})
 
