@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.harness.procs import log_tail
+
 #: Per log file: its last LINES lines, each cut to WIDTH characters (bounded output).
 LINES, WIDTH = 20, 300
 
@@ -13,10 +15,9 @@ def tails(directory: Path, lines: int = LINES, width: int = WIDTH) -> str:
     """The last `lines` lines of every `*.log` under `directory`, by name."""
     parts: list[str] = []
     for path in sorted(directory.rglob("*.log")):
-        try:
-            text = path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError as exc:
-            text = [f"(unreadable: {exc})"]
-        cut = [line if len(line) <= width else line[:width] + " …" for line in text]
+        cut = [
+            line if len(line) <= width else line[:width] + " …"
+            for line in log_tail(path, lines).splitlines()
+        ]
         parts.append(f"== {path.relative_to(directory)}\n" + "\n".join(cut))
     return "\n".join(parts) or f"(no log under {directory})"

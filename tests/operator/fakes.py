@@ -45,6 +45,7 @@ class FakeReceiver:
     #: shows the attempt stopped meanwhile, as the real receiver's does.
     stop_drain_s: float = 0.0
     stops: int = 0  # stop calls received
+    drained_at: float | None = None  # when the apply call a stop waits for ends (loop time)
     die_on_notice: bool = False  # dies after its flush, before the commit notice arrives
     reject_overwrite: str = ""  # rejects overwrite prepares (restarted between attempts)
     prewarmed: bool = True
@@ -153,8 +154,9 @@ class FakeReceiver:
             self.phase = "stopped"
         if self.stop_drain_s:
             loop = asyncio.get_running_loop()
-            self._drained_at = getattr(self, "_drained_at", loop.time() + self.stop_drain_s)
-            await asyncio.sleep(max(0.0, self._drained_at - loop.time()))
+            if self.drained_at is None:
+                self.drained_at = loop.time() + self.stop_drain_s
+            await asyncio.sleep(max(0.0, self.drained_at - loop.time()))
         return StopResponse(node=self.node, attempt=attempt, drained=True)
 
     async def cleanup(self, attempt: str) -> None:
