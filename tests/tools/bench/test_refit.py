@@ -154,19 +154,22 @@ def test_tiny_refit_bench_reports_consistent_bit_exact_numbers(tmp_path: Path) -
         # are those of a dense computation of the same versions made here.
         nodes = sorted(run.glob("bench*.digest.json"))
         assert len(nodes) == 2
-        expected = _final_digest(out)
+        expected = final_digest(out)
         assert {json.loads(n.read_text())["digest"] for n in nodes} == {expected}
     assert len(list(work.iterdir())) == 2
 
 
-def _final_digest(result: dict[str, object]) -> str:
+def final_digest(result: dict[str, object]) -> str:
     """The canonical digest of the last version of a run, recomputed densely from the
     workload's seed and the bench's change injections (warm-up seeds 10000 + i at the first
     rate, then seed 1 + 100k + r for the r-th repeat of the k-th rate), not read from any
     process."""
     settings = result["settings"]
     assert isinstance(settings, dict)
-    work = Workload(checkpoint_bytes=settings["checkpoint_bytes"], seed=settings["seed"])
+    family = "qwen3" if settings.get("engine") == "vllm" else "decoder"
+    work = Workload(
+        checkpoint_bytes=settings["checkpoint_bytes"], seed=settings["seed"], family=family
+    )
     tensors = list(work.tensors())
     steps = [(settings["rates"][0], 10_000 + i) for i in range(settings["warmup"])]
     steps += [

@@ -464,3 +464,23 @@ def test_a_wan_emulated_run_gives_its_byte_counts_only(tmp_path: Path) -> None:
     # byte-count curve, which it shares with that run).
     assert fitted.finalization == clean.finalization
     assert fitted.construction == clean.construction
+
+
+def test_a_run_into_real_engines_gives_its_byte_counts_only(tmp_path: Path) -> None:
+    """A `bench refit --engine vllm` run applied through vLLM's loaders, not the fitted torch
+    receivers: its V_payload counts, its timings not."""
+    good = _refit_files()[-3:]
+    for path in good:
+        shutil.copy(path, tmp_path)
+    clean = cal.fit(tmp_path)
+    data = json.loads(good[0].read_text())
+    assert cal.is_quiet(data)
+    data["engine"] = "vllm"
+    crafted = "refit-20261202T060000Z.json"
+    (tmp_path / crafted).write_text(json.dumps(data))
+    fitted = cal.fit(tmp_path)
+    by_file = {s.file: s for s in fitted.sources}
+    assert by_file[crafted].used
+    assert by_file[crafted].why.startswith("applied by vllm engines"), by_file[crafted].why
+    assert fitted.finalization == clean.finalization
+    assert fitted.construction == clean.construction

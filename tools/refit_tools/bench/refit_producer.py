@@ -11,7 +11,9 @@ coordinator calls. Bench-only routes under /v1/bench (same bearer token):
   first attempt, end of its baseline update) and every payload's transport interval;
 - `verify`: digests of the candidate's bits and of the baseline's committed bits;
 - `reference`: the transport-only full-checkpoint reference: H bytes of overwrite payloads
-  through the same transport to the same relay tree (built before the clock starts).
+  through the same transport to the same relay tree (built before the clock starts);
+- `save`: the candidate as a servable HF directory (`--engine vllm`: what the reference vLLM
+  server loads densely), after its transition.
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ class VersionRequest(BaseModel):
     version: int = Field(ge=1)
 
 
+class SaveRequest(BaseModel):
+    version: int = Field(ge=1)
+    directory: Path
+
+
 class ReferenceRequest(BaseModel):
     attempt: str
     relay_root: str
@@ -191,6 +198,16 @@ class ProducerBench:
         )
         return {"target": target, "baseline": baseline}
 
+    def save(self, req: SaveRequest) -> dict[str, object]:
+        """Write the candidate's tensors and the workload's config.json to `directory`."""
+        from refit_tools.bench.refit_engines import write_version
+
+        if self.candidate is None or self.candidate[0] != req.version:
+            raise ValueError(f"v{req.version} is not the last candidate")
+        t0 = time.perf_counter()
+        write_version(self.cfg.workload, self.candidate[1], req.directory)
+        return {"directory": str(req.directory), "seconds": time.perf_counter() - t0}
+
     def reference(self, req: ReferenceRequest) -> dict[str, object]:
         """Send H bytes of incompressible overwrite payloads; time from the first send until
         the root relay acknowledged the last one (receivers' relay flushes time the rest)."""
@@ -250,6 +267,7 @@ def create_app(bench: ProducerBench) -> web.Application:
     app.router.add_post("/v1/bench/timings", route(VersionRequest, bench.timings))
     app.router.add_post("/v1/bench/verify", route(VersionRequest, bench.verify))
     app.router.add_post("/v1/bench/reference", route(ReferenceRequest, bench.reference))
+    app.router.add_post("/v1/bench/save", route(SaveRequest, bench.save))
     return app
 
 

@@ -45,6 +45,17 @@ DEFINITIONS = {
     "payload: how long the median payload takes at the stream's pace",
     "startup_over_payload": "startup_s / median_payload_s",
     "drain_over_payload": "drain_s / median_payload_s",
+    "peak_rss": "per node process tree (receiver; with --engine vllm also the vLLM server and "
+    "its engine processes), sampled every 50 ms while the transition runs: the largest peak "
+    "of any node (bytes) and the largest rise above the tree's size at the transition's start "
+    "(extra_bytes)",
+    "dense_reload_s": "--engine vllm: a dense in-place load of the same version from its local "
+    "safetensors directory, every tensor through the model's own load_weights() (what a "
+    "colocated user does), on the reference server",
+    "reference_cold_start_s": "--engine vllm: the reference server's cold start on the "
+    "version's directory, process start until /health answers",
+    "dense_reload_over_latency": "dense_reload_s / latency_s (>1: the refit over the link "
+    "beats reloading the version from local disk)",
 }
 
 
@@ -70,6 +81,14 @@ def summarize(
     out["link_limit"] = checkpoint_bytes / out["v_payload_bytes"]
     out["speedup_over_limit"] = out["speedup"] / out["link_limit"]
     out["bit_exact"] = all(r["bit_exact"] for r in runs)
+    out["peak_rss"] = {
+        kind: {k: max(r["peak_rss"][kind][k] for r in runs) for k in ("bytes", "extra_bytes")}
+        for kind in runs[0]["peak_rss"]
+    }
+    if "dense_reload_s" in runs[0]:
+        for k in ("dense_reload_s", "reference_cold_start_s"):
+            out[k] = statistics.fmean(float(r[k]) for r in runs)
+        out["dense_reload_over_latency"] = out["dense_reload_s"] / out["latency_s"]
     out["runs"] = runs
     return out
 
@@ -115,6 +134,19 @@ def format_report(result: dict[str, Any]) -> str:
             f"{_share(r['link_busy_share']):>10} "
             f"{r['finalization_s']:>9.3f} {'yes' if r['bit_exact'] else 'NO':>9}"
         )
+    for key, r in result["rates"].items():
+        mem = ", ".join(
+            f"{kind} {m['bytes'] / 1e9:.2f} GB (+{m['extra_bytes'] / 1e6:.0f} MB)"
+            for kind, m in r["peak_rss"].items()
+        )
+        line = f"{float(key):>5.0%} peak memory per node: {mem}"
+        if "dense_reload_s" in r:
+            line += (
+                f"; dense reload from local disk {r['dense_reload_s']:.2f} s "
+                f"({r['dense_reload_over_latency']:.2f}x the refit), cold start "
+                f"{r['reference_cold_start_s']:.1f} s; every node equal to a cold dense load"
+            )
+        lines.append(line)
     if result.get("files"):
         lines.append("results: " + ", ".join(result["files"]))
     return "\n".join(lines)

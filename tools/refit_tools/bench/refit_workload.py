@@ -7,8 +7,10 @@ ever crosses a process boundary or the shaped link outside the measured transfer
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -47,17 +49,52 @@ class Workload(BaseModel):
         description="Lower bound on H; whole layers are added until it is reached.",
     )
     seed: int = Field(default=0, ge=0, description="Seed of the initial weights.")
+    family: Literal["decoder", "qwen3"] = Field(
+        default="decoder",
+        description="decoder: the synthetic decoder's tensors; qwen3: a real Qwen3 architecture "
+        "(per-head q/k norms too) that vLLM serves from `hf_config()` (`bench refit --engine "
+        "vllm`).",
+    )
 
     @property
     def shape(self) -> ModelShape:
         """The largest of the bench shapes that still fits one layer into the size."""
-        for shape in (FULL_SHAPE, QUICK_SHAPE):
-            if _minimum_bytes(shape) <= self.checkpoint_bytes:
-                return shape
-        return TINY_SHAPE
+        for shape in (FULL_SHAPE, QUICK_SHAPE, TINY_SHAPE):
+            if shape is TINY_SHAPE or _minimum_bytes(shape) <= self.checkpoint_bytes:
+                break
+        if self.family == "qwen3":  # a vocabulary vLLM serves unpadded, as real Qwen3's is
+            shape = dataclasses.replace(shape, vocab=-(-shape.vocab // 64) * 64)
+        return shape
 
     def layout(self) -> Layout:
-        return checkpoint_layout(self.shape, self.checkpoint_bytes)
+        return checkpoint_layout(self.shape, self.checkpoint_bytes, qk_norm=self.family == "qwen3")
+
+    def hf_config(self) -> dict[str, Any]:
+        """config.json of the `qwen3` family: untied embeddings, grouped KV heads."""
+        if self.family != "qwen3":
+            raise ValueError(f"a {self.family} workload has no HF architecture")
+        shape = self.shape
+        layers = sum(1 for name, _ in self.layout() if name.endswith(".input_layernorm.weight"))
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "hidden_size": shape.hidden,
+            "intermediate_size": shape.ffn,
+            "num_hidden_layers": layers,
+            "num_attention_heads": shape.hidden // shape.head_dim,
+            "num_key_value_heads": shape.kv // shape.head_dim,
+            "head_dim": shape.head_dim,
+            "vocab_size": shape.vocab,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1_000_000.0,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        }
 
     def metas(self) -> list[TensorMeta]:
         return [TensorMeta(name, shape, BF16) for name, shape in self.layout()]

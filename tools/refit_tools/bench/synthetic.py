@@ -29,15 +29,26 @@ class ModelShape:
     kv: int
     vocab: int
 
-    def layer_tensors(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    @property
+    def head_dim(self) -> int:
+        """Attention head width: 128 where the widths allow it (Qwen3's), else 64."""
+        return 128 if self.hidden % 128 == 0 and self.kv % 128 == 0 else 64
+
+    def layer_tensors(self, i: int, *, qk_norm: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+        """One decoder layer's tensors; `qk_norm`: Qwen3's per-head RMS norms of q and k too."""
         d, f, kv = self.hidden, self.ffn, self.kv
         p = f"model.layers.{i}."
+        norms = [
+            (p + "self_attn.q_norm.weight", (self.head_dim,)),
+            (p + "self_attn.k_norm.weight", (self.head_dim,)),
+        ]
         return [
             (p + "input_layernorm.weight", (d,)),
             (p + "self_attn.q_proj.weight", (d, d)),
             (p + "self_attn.k_proj.weight", (kv, d)),
             (p + "self_attn.v_proj.weight", (kv, d)),
             (p + "self_attn.o_proj.weight", (d, d)),
+            *(norms if qk_norm else []),
             (p + "post_attention_layernorm.weight", (d,)),
             (p + "mlp.gate_proj.weight", (f, d)),
             (p + "mlp.up_proj.weight", (f, d)),
@@ -49,14 +60,16 @@ FULL_SHAPE = ModelShape(hidden=2048, ffn=5632, kv=512, vocab=32000)
 QUICK_SHAPE = ModelShape(hidden=1024, ffn=2816, kv=256, vocab=16000)
 
 
-def checkpoint_layout(shape: ModelShape, min_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
+def checkpoint_layout(
+    shape: ModelShape, min_bytes: int, *, qk_norm: bool = False
+) -> list[tuple[str, tuple[int, ...]]]:
     """Names and shapes in export order, with enough layers to reach `min_bytes` of BF16."""
     head = [("model.embed_tokens.weight", (shape.vocab, shape.hidden))]
     tail = [("model.norm.weight", (shape.hidden,)), ("lm_head.weight", (shape.vocab, shape.hidden))]
     fixed = sum(math.prod(s) for _, s in head + tail) * 2
-    per_layer = sum(math.prod(s) for _, s in shape.layer_tensors(0)) * 2
+    per_layer = sum(math.prod(s) for _, s in shape.layer_tensors(0, qk_norm=qk_norm)) * 2
     layers = max(1, math.ceil((min_bytes - fixed) / per_layer))
-    body = [t for i in range(layers) for t in shape.layer_tensors(i)]
+    body = [t for i in range(layers) for t in shape.layer_tensors(i, qk_norm=qk_norm)]
     return head + body + tail
 
 

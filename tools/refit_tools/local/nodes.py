@@ -42,6 +42,42 @@ def vllm_rpc(base_url: str, token: str, method: str, *args: Any, timeout: float 
     return results
 
 
+def vllm_server_argv(model_dir: Path, host: str, port: int) -> list[str]:
+    """A vLLM OpenAI server as a rollout pod runs it: the refit worker extension, the refit
+    control path as middleware, no tokenizer, eager, BF16."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "256",
+        "--worker-extension-cls",
+        EXTENSION_QUALNAME,
+        "--middleware",
+        MIDDLEWARE_QUALNAME,
+    ]
+
+
+def vllm_server_env(token: str) -> dict[str, str]:
+    """Its environment: the control path's token, the CPU layout the loaders can write, never
+    vLLM's development mode."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", KUBEREFIT_TOKEN=token)
+    env.pop("VLLM_SERVER_DEV_MODE", None)
+    env[ENV_SWITCH] = "1"
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
 @dataclass
 class LocalNode:
     """One rollout node; `start(model_dir, held_version)` loads that checkpoint densely."""
@@ -90,35 +126,11 @@ class LocalNode:
         (self.vllm_port, self.http_port, self.relay_port, self.relay_mac_port) = (
             ports or free_ports(4)
         )
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", KUBEREFIT_TOKEN=self.token)
-        env.pop("VLLM_SERVER_DEV_MODE", None)
-        env[ENV_SWITCH] = "1"
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.vllm = ManagedProcess(
             f"{self.name}-vllm",
-            [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                str(model_dir),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.vllm_port),
-                "--skip-tokenizer-init",
-                "--enforce-eager",
-                "--dtype",
-                "bfloat16",
-                "--max-model-len",
-                "256",
-                "--worker-extension-cls",
-                EXTENSION_QUALNAME,
-                "--middleware",
-                MIDDLEWARE_QUALNAME,
-            ],
+            vllm_server_argv(model_dir, "127.0.0.1", self.vllm_port),
             self.workdir / f"{self.name}-vllm-{self.generation}.log",
-            env=env,
+            env=vllm_server_env(self.token),
         ).launch()
 
     def wait_vllm(self, timeout: float = 300) -> None:

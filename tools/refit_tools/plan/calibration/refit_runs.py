@@ -236,7 +236,9 @@ def read_refit(path: Path) -> tuple[RefitRun | None, str]:
     try:
         check_refit(data)
         wan = is_wan(data)
-        quiet = is_quiet(data) and not wan
+        # Real vLLM engines apply through another path than the fitted one (torch receivers).
+        engines = data.get("engine", "torch") != "torch"
+        quiet = is_quiet(data) and not wan and not engines
         h = float(data["checkpoint_bytes"])
         v_points = [(rate, float(row["v_payload_bytes"]) / h) for _, rate, row in rate_rows(data)]
         full = data.get("full_reference") or {}
@@ -259,4 +261,6 @@ def read_refit(path: Path) -> tuple[RefitRun | None, str]:
     )
     if wan:  # the model has no round trip, loss or cut; retransmits inflate the link's bytes
         why = "a WAN-emulated run (round trip, loss or a link cut): V_payload / H only"
+    elif engines:
+        why = f"applied by {data['engine']} engines, not the fitted receivers: byte counts only"
     return RefitRun(path.name, data, quiet, v_points, reference, points), why
