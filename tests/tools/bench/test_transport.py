@@ -76,6 +76,14 @@ def test_transport_quick_reports_the_relay_tree_figures(tmp_path: Path) -> None:
         assert out["tree_depth"] == 2
         (file,) = out["files"]
         assert json.loads(Path(file).read_text())["bare_unique_gb_s"] == out["bare_unique_gb_s"]
+        # The encrypted run also measured the same payloads sealed with AES-GCM instead.
+        aes = out.get("bare_aesgcm_delivery_s")
+        if out["links"] == "curve":
+            assert isinstance(aes, float)
+            assert aes > 0
+            assert out["aesgcm_over_curve"] == pytest.approx(bare / aes, rel=1e-9)
+        else:
+            assert aes is None
 
 
 def test_apply_entry_point_takes_the_checkpoint_size() -> None:

@@ -494,6 +494,8 @@ class _Driver:
             "link_cut_s": cut_s,
             "link_cut_at_s": None if cut_at is None else cut_at - t0,
             "pipeline": t["pipeline"],
+            # the slowest receiver's applier calls (and device sync), from its flush ACK
+            "apply_s": progress.timings.get("apply_s"),
             "coordinator_latency_s": result.latency_s,
             "bit_exact": True,
             "peak_rss": {

@@ -45,6 +45,8 @@ DEFINITIONS = {
     "payload: how long the median payload takes at the stream's pace",
     "startup_over_payload": "startup_s / median_payload_s",
     "drain_over_payload": "drain_s / median_payload_s",
+    "apply_s": "the slowest receiver's time in its applier's calls during the transition (with "
+    "--engine vllm: its refit_apply calls into the vLLM server), from its flush ACK",
     "peak_rss": "per node process tree (receiver; with --engine vllm also the vLLM server and "
     "its engine processes), sampled every 50 ms while the transition runs: the largest peak "
     "of any node (bytes) and the largest rise above the tree's size at the transition's start "
