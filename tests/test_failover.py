@@ -156,8 +156,9 @@ class FailoverDeployment:
 def _events(path: Path, seen: int) -> tuple[list[dict[str, Any]], int]:
     if not path.exists():
         return [], seen
-    lines = path.read_text().splitlines()
-    complete = lines if path.read_text().endswith("\n") else lines[:-1]
+    text = path.read_text()
+    lines = text.splitlines()
+    complete = lines if text.endswith("\n") else lines[:-1]
     return [json.loads(line) for line in complete[seen:]], len(complete)
 
 
@@ -212,7 +213,9 @@ def test_twenty_transitions_survive_killed_receivers_and_coordinators(
         if not events:
             code = coordinator.proc.poll() if coordinator.proc else None
             assert code in (None, 0), f"coordinator exited with {code}"
-            time.sleep(0.05)
+            # Poll often: a kill at "Streaming" must land before the tiny model's payloads are
+            # all applied, which on a fast machine takes a few tens of milliseconds.
+            time.sleep(0.005)
 
     assert coordinator.proc is not None
     assert coordinator.proc.wait(timeout=60) == 0
@@ -223,7 +226,9 @@ def test_twenty_transitions_survive_killed_receivers_and_coordinators(
     assert sum(len(nodes) for nodes in checked.values()) >= 2 * STEPS - len(KILL_RECEIVER_AT)
     # Killed receivers were repaired in place by overwrite retries; nobody had to intervene.
     assert all(r["outcome"] == "committed" for r in results)
-    assert sum(r["attempts"] > 1 for r in results) >= len(KILL_RECEIVER_AT) - 1
+    retried = sum(r["attempts"] > 1 for r in results)
+    print(f"transitions of more than one attempt: {retried}; receiver kills: {len(receiver_kills)}")
+    assert retried >= len(KILL_RECEIVER_AT) - 1
     # No re-export: the trainer exported each version exactly once.
     exports = [
         json.loads(line)["version"]
