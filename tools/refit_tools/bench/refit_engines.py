@@ -63,8 +63,8 @@ def write_version(
 class BenchEngines:
     """The nodes' vLLM servers and the reference server, inside the rollout namespace.
 
-    `host`: where the servers listen (the namespace's control address, for /health);
-    `ctl_host`: where this process reaches them; every refit call goes over loopback."""
+    The servers listen on every address of the namespace: this process polls their /health
+    at `ctl_host` (its control address); every refit call goes over loopback inside it."""
 
     def __init__(self, n: int, workdir: Path, token: str, *, wrap: Wrap, ctl_host: str) -> None:
         self.workdir = workdir
@@ -108,6 +108,7 @@ class BenchEngines:
         }
 
     def _server(self, name: str, model_dir: Path, port: int) -> ManagedProcess:
+        # Imported here: it brings torch, which the loopback helper never needs.
         from refit_tools.local.nodes import vllm_server_argv, vllm_server_env
 
         argv = self.wrap(vllm_server_argv(model_dir, "0.0.0.0", port))  # noqa: S104 - its netns
@@ -126,9 +127,6 @@ class BenchEngines:
             assert proc is not None
             url = f"http://{self.ctl_host}:{port}/health"
             proc.wait_ready(lambda u=url: http_ok(u), timeout=timeout_s)  # type: ignore[misc]
-
-    def alive(self) -> bool:
-        return all(p.alive() for p in self.servers)
 
     def rpc(self, calls: list[Call], timeout_s: float) -> list[dict[str, Any]]:
         """Refit worker methods, one after the other, through the loopback helper: each answer
