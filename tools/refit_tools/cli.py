@@ -362,7 +362,8 @@ def _links(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
 @click.option(
     "--checkpoint-mib",
     type=click.IntRange(1, None),
-    help="Synthetic BF16 checkpoint size, a lower bound on H (default 512, 128 with --quick).",
+    help="Synthetic BF16 checkpoint size, a lower bound on H (default 512, 128 with --quick, "
+    "1024 with --engine vllm).",
 )
 @click.option(
     "--link-mbit",
@@ -376,7 +377,7 @@ def _links(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
 @click.option(
     "--nodes",
     type=click.IntRange(1, 16),
-    help="Rollout nodes in the relay tree (default 3, 2 with --quick).",
+    help="Rollout nodes in the relay tree (default 3, 2 with --quick or --engine vllm).",
 )
 @click.option(
     "--rates",
