@@ -362,8 +362,12 @@ class _Run:
     clock: PhaseClock = field(default_factory=PhaseClock)
 
     def version_dir(self, version: int) -> Path:
-        """Where a version's servable directory goes (`--engine vllm`)."""
-        return self.workdir / f"model-v{version}"
+        return version_dir(self.workdir, version)
+
+
+def version_dir(workdir: Path, version: int) -> Path:
+    """Where a version's servable directory goes (`--engine vllm`)."""
+    return workdir / f"model-v{version}"
 
 
 class _Driver:
@@ -822,7 +826,7 @@ def _start_engines(
     """Write v0 as a servable directory and boot the nodes' and the reference's vLLM servers
     on it in the rollout namespace (waited for later: they boot beside the producer)."""
     t0 = time.monotonic()
-    v0 = write_version(workload, list(workload.tensors()), workdir / "model-v0")
+    v0 = write_version(workload, list(workload.tensors()), version_dir(workdir, 0))
     say(
         f"[bench refit] wrote v0 as a Qwen3 checkpoint ({workload.nbytes / 1e9:.2f} GB, "
         f"{time.monotonic() - t0:.1f} s); starting {cfg.nodes} + 1 vLLM servers"

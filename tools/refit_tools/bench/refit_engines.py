@@ -21,14 +21,12 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from refit_protocol.kit.auth import bearer_header
-from refit_sidecar.vllm.control_path import PREFIX as CONTROL_PREFIX
 from refit_tools.local.procs import ManagedProcess, free_ports, http_ok
+from refit_tools.local.vllm_rpc import vllm_rpc
 
 if TYPE_CHECKING:  # the loopback helper starts without torch
     import torch
@@ -189,19 +187,6 @@ class BenchEngines:
 
 
 # ------------------------------------------------------------------------- the loopback helper
-def _call(url: str, token: str, method: str, args: list[Any], timeout: float) -> dict[str, Any]:
-    body = json.dumps({"method": method, "args": args, "timeout": timeout}).encode()
-    req = urllib.request.Request(  # noqa: S310 - loopback inside the bench's namespace
-        f"{url}{CONTROL_PREFIX}/rpc",
-        data=body,
-        headers={"Content-Type": "application/json", **bearer_header(token)},
-    )
-    t0 = time.monotonic()
-    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback
-        out = json.loads(resp.read())
-    return {"results": out.get("results"), "seconds": time.monotonic() - t0}
-
-
 def main(argv: list[str] | None = None) -> None:
     """`rpc`: read {"token", "calls": [[url, method, args]], "timeout"} on stdin, print the
     answers as a JSON list."""
@@ -210,7 +195,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.parse_args(argv)
     req = json.loads(sys.stdin.read())
     token, timeout = str(req["token"]), float(req["timeout"])
-    answers = [_call(u, token, m, list(a), timeout) for u, m, a in req["calls"]]
+    answers = []
+    for url, method, args in req["calls"]:
+        t0 = time.monotonic()
+        results = vllm_rpc(url, token, method, *args, timeout=timeout)
+        answers.append({"results": results, "seconds": time.monotonic() - t0})
     json.dump(answers, sys.stdout)
 
 

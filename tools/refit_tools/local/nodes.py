@@ -14,32 +14,17 @@ import os
 import shutil
 import sys
 import tempfile
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refit_protocol.kit.auth import bearer_header
 from refit_sidecar.vllm.control_path import MIDDLEWARE_QUALNAME
-from refit_sidecar.vllm.control_path import PREFIX as CONTROL_PREFIX
 from refit_sidecar.vllm.quirks.cpu_unpacked_layout import ENV_SWITCH
 from refit_sidecar.vllm.worker_extension import EXTENSION_QUALNAME
 from refit_tools.local.procs import ManagedProcess, free_ports, http_ok
+from refit_tools.local.vllm_rpc import vllm_rpc
 
-
-def vllm_rpc(base_url: str, token: str, method: str, *args: Any, timeout: float = 600) -> list[Any]:
-    """A refit worker method on every worker of a local vLLM server, through its control path."""
-    body = json.dumps({"method": method, "args": list(args), "timeout": timeout}).encode()
-    headers = {"Content-Type": "application/json", **bearer_header(token)}
-    req = urllib.request.Request(  # noqa: S310 - loopback only
-        f"{base_url}{CONTROL_PREFIX}/rpc", data=body, headers=headers
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback only
-        out = json.loads(resp.read())
-    results = out.get("results")
-    if not isinstance(results, list):
-        raise RuntimeError(f"{method}: unexpected answer {out!r}")
-    return results
+__all__ = ["LocalNode", "vllm_rpc", "vllm_server_argv", "vllm_server_env"]
 
 
 def vllm_server_argv(model_dir: Path, host: str, port: int) -> list[str]:
