@@ -14,6 +14,7 @@ trusting anything else.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import sys
 from dataclasses import dataclass
@@ -217,6 +218,11 @@ def compressed_body(data: bytes | bytearray | memoryview) -> memoryview:
     its length is checked against `comp_len` by the decoder, not here)."""
     mv = memoryview(data).cast("B")
     return mv[read_preamble(mv).body_offset :]
+
+
+def body_digest(body: bytes | bytearray | memoryview) -> bytes:
+    """BLAKE2b-128 of the payload's compressed body (what the codec and manifests announce)."""
+    return hashlib.blake2b(compressed_body(body), digest_size=DIGEST_SIZE).digest()
 
 
 def payload_mac(key: bytes, signed: bytes | memoryview, comp: bytes | memoryview) -> bytes:

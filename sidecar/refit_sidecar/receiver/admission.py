@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refit_protocol.receiver_api import PrepareRequest
-from refit_sidecar.receiver.state import ACTIVE, AttemptState, ObsoleteSet, PayloadIdent
-from refit_sidecar.transport.relay.frames import AckStatus
+from refit_sidecar.receiver.state import ACTIVE, AttemptState, ObsoleteSet
+from refit_sidecar.transport.inbound import AckStatus, PayloadIdent
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,6 @@ def prepare_refusal(
     prewarmed: bool,
     held_version: int | None,
     dirty: bool,
-    relay_endpoint: str | None,
 ) -> str:
     """Why `req` cannot be admitted on this node ('' if it can)."""
     if req.attempt in obsolete:
@@ -46,8 +45,6 @@ def prepare_refusal(
         return "producer ids must be >= 0"
     if req.target_version <= req.from_version:
         return f"target v{req.target_version} is not after v{req.from_version}"
-    if relay_endpoint is not None and req.relay_tree and relay_endpoint not in req.relay_tree:
-        return f"this node's relay {relay_endpoint} is not in relay_tree"
     # Either mode carries only the elements changed since from_version, so it repairs a node
     # only if that node's bits are from_version (plus, for overwrite, partial writes of the
     # same transition).

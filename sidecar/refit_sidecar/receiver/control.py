@@ -69,7 +69,7 @@ from refit_sidecar.receiver.errors import (
 from refit_sidecar.receiver.intake import Intake
 from refit_sidecar.receiver.node_state import NodeState
 from refit_sidecar.receiver.state import ACTIVE, AttemptState, Phase
-from refit_sidecar.transport.relay.node import RelayNode
+from refit_sidecar.transport.inbound import Inbound
 
 log = structlog.get_logger("kuberefit.receiver")
 _GATE_ERRORS = {
@@ -84,11 +84,18 @@ _BUSY_POLL_S = 0.05
 class ReceiverControl:
     """The control calls of one node (thread-safe; the HTTP plane runs them on a pool)."""
 
-    def __init__(self, node: NodeState, intake: Intake, config: ReceiverConfig) -> None:
+    def __init__(
+        self,
+        node: NodeState,
+        intake: Intake,
+        config: ReceiverConfig,
+        inbounds: list[Inbound] | None = None,
+    ) -> None:
         self.state = node
         self.intake = intake
         self.config = config
-        self.relay: RelayNode | None = None  # set by the node once its relay is up
+        #: The node's transports' receiving sides (shared with `ReceiverCore`, which makes them).
+        self.inbounds: list[Inbound] = inbounds if inbounds is not None else []
         # Serializes prepare/stop/cleanup/gate/commit/prewarm; reentrant for restore.
         self._lock = threading.RLock()
         # What holds the lock to read a checkpoint ("an audit of v3 against DIR"), else None.
@@ -390,15 +397,13 @@ class ReceiverControl:
                     if cur.request == req and not cur.stopping:
                         return self._prepared(True)
                     return self._prepared(False, "attempt id already used on this node")
-                relay = self.config.relay
                 reason = prepare_refusal(
                     req,
                     obsolete=s.obsolete,
                     prewarmed=bool(s.metas),
                     held_version=s.held_version,
                     dirty=s.dirty,
-                    relay_endpoint=relay.endpoint if relay is not None else None,
-                )
+                ) or next((r for ib in self.inbounds if (r := ib.refusal(req))), "")
                 if reason:
                     s.metrics.attempts.labels("rejected").inc()
                     log.info(
@@ -413,17 +418,14 @@ class ReceiverControl:
                 return self._prepared(
                     False, "the previous attempt's apply call is still running; retry"
                 )
-            if cur is not None and self.relay is not None:
-                self.relay.abort(cur.attempt)
-                self.relay.forget(cur.attempt)
-            tree = list(req.relay_tree) or (
-                list(self.config.relay.nodes) if self.config.relay else []
-            )
+            if cur is not None:
+                for ib in self.inbounds:
+                    ib.abort(cur.attempt)
+                    ib.forget(cur.attempt)
             quota = max(1, self.config.queue_capacity // len(set(req.producers)))
             st = AttemptState(
                 req,
                 quota=quota,
-                relay_tree=tree,
                 check_samples=req.check_samples or self.config.check_samples,
             )
             worker = threading.Thread(
@@ -496,8 +498,8 @@ class ReceiverControl:
         return self.status()
 
     def relay_flush(self, req: RelayFlushRequest) -> RelayFlushResponse:
-        """Arrival barrier of the relay tree (`flush.relay_flush`)."""
-        return flush.relay_flush(self.state, self.relay, req, self.config.relay_flush_timeout_s)
+        """Arrival barrier of the attempt's delivery (`flush.relay_flush`)."""
+        return flush.relay_flush(self.state, self.inbounds, req, self.config.relay_flush_timeout_s)
 
     def flush(self, req: FlushRequest) -> FlushResponse:
         """Close the attempt: the completion ACK (`flush.flush`)."""
@@ -513,8 +515,8 @@ class ReceiverControl:
                     return StopResponse(node=s.node, attempt=attempt, drained=True)
                 s.retire(st, "stopped by the coordinator")
                 threads = list(st.threads)
-            if self.relay is not None:
-                self.relay.abort(attempt)
+            for ib in self.inbounds:
+                ib.abort(attempt)
             drained = _join(threads, self.config.stop_timeout_s)
             log.info("receiver.stopped", node=s.node, attempt=attempt, drained=drained)
             with s.cond:
@@ -536,8 +538,8 @@ class ReceiverControl:
                     st.ready.clear()
                     st.compressed_bytes = 0
                     s.gauges(st)
-            if self.relay is not None:
-                self.relay.forget(attempt)
+            for ib in self.inbounds:
+                ib.forget(attempt)
         return self.status()
 
     def commit(self, notice: CommitNotice) -> ReceiverStatus:

@@ -1,13 +1,14 @@
 """The barriers that end an attempt's delivery on a node (paper Appendix B.1).
 
-`relay_flush`: the relay tree's arrival barrier, every expected payload staged here and every
-forward to the children drained. `flush`: the completion ACK of Figure 4, every expected
-payload applied in declared order and the device synchronized.
+`relay_flush`: the arrival barrier, every expected payload staged here and every inbound's
+work drained (the relay tree's forwards to the children). `flush`: the completion ACK of
+Figure 4, every expected payload applied in declared order and the device synchronized.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import structlog
 
@@ -20,15 +21,16 @@ from refit_protocol.receiver_api import (
 from refit_sidecar.receiver.metrics import STAGES
 from refit_sidecar.receiver.node_state import NodeState
 from refit_sidecar.receiver.state import AttemptState, Phase
-from refit_sidecar.transport.relay.node import RelayNode
+from refit_sidecar.transport.inbound import Inbound
 
 log = structlog.get_logger("kuberefit.receiver")
 
 
 def relay_flush(
-    s: NodeState, relay: RelayNode | None, req: RelayFlushRequest, default_timeout_s: float
+    s: NodeState, inbounds: Sequence[Inbound], req: RelayFlushRequest, default_timeout_s: float
 ) -> RelayFlushResponse:
-    """Arrival barrier of the relay tree: every expected payload staged, forwards drained."""
+    """Arrival barrier: every expected payload staged, every inbound's work drained (the
+    relay's forwards to the children)."""
     timeout = req.timeout_s or default_timeout_s
     deadline = time.monotonic() + timeout
     with s.cond:
@@ -38,8 +40,8 @@ def relay_flush(
             if not st.count_errors() or time.monotonic() >= deadline:
                 break
             s.cond.wait(min(0.2, max(deadline - time.monotonic(), 0.0)))
-    if relay is not None:
-        errors += relay.drain(req.attempt, max(deadline - time.monotonic(), 0.0))
+    for inbound in inbounds:
+        errors += inbound.drain(req.attempt, max(deadline - time.monotonic(), 0.0))
     with s.cond:
         errors += st.count_errors()
         if st.failed or st.stopping:

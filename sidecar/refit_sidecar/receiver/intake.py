@@ -1,13 +1,14 @@
 """❺ intake: payloads in, checked, deduplicated and staged for the apply queue.
 
-Both transports feed it: the relay-tree node calls the `relay_*` methods (this is its
-`RelaySink`), the HTTP manifest handler calls `offer_manifest` and the S3 downloads feed the
-same staging step. Nothing here knows how bytes travelled or how they are applied.
+The one transport-neutral sink (`transport.inbound.PayloadSink`) every transport's inbound
+delivers into: the relay-tree node claims and stages a received frame at once, the S3 inbound
+claims a manifest entry, downloads it and stages the bytes. Nothing here knows how bytes
+travelled or how they are applied.
 
-Threads: payloads are validated and decoded on a small staging pool; S3 objects are fetched on a
-download pool; in async RL one decoder thread (`decode_loop`, started by open_apply) feeds the
-queue from the compressed staging area in declared order. Verdicts are `admission`'s; shared
-state is the node's (`NodeState`), changed only with its condition held.
+Threads: payloads are validated and decoded on a small staging pool; in async RL one decoder
+thread (`decode_loop`, started by open_apply) feeds the queue from the compressed staging area
+in declared order. Verdicts are `admission`'s; shared state is the node's (`NodeState`),
+changed only with its condition held.
 """
 
 from __future__ import annotations
@@ -15,45 +16,41 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import structlog
 
 from refit_protocol.keys import payload_mac_key
 from refit_protocol.kit.tokens import TokenRing
-from refit_protocol.receiver_api import ManifestEntry, StreamEnd
+from refit_protocol.receiver_api import PrepareRequest
 from refit_sidecar.codec.decode import raw_bound, verify_mac
 from refit_sidecar.codec.errors import CodecError, DigestMismatch
 from refit_sidecar.codec.records import TensorMeta
+from refit_sidecar.codec.wire import body_digest
 from refit_sidecar.receiver.admission import attempt_refusal, offer_refusal
 from refit_sidecar.receiver.appliers.base import StagedPayload
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.errors import ReceptionError
 from refit_sidecar.receiver.node_state import NodeState
-from refit_sidecar.receiver.state import AttemptState, Entry, EntryState, PayloadIdent
+from refit_sidecar.receiver.state import AttemptState, Entry, EntryState
 from refit_sidecar.receiver.validate import check_identity, decode_and_stage
-from refit_sidecar.transport.errors import PayloadRejectedError
-from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta, Verdict, body_digest
-from refit_sidecar.transport.s3 import S3Fetcher
+from refit_sidecar.transport.inbound import AckStatus, Claim, PayloadIdent, Verdict
 
 log = structlog.get_logger("kuberefit.receiver")
 
 
 class Intake:
-    """One node's payload intake (the relay node's sink and the S3 manifest endpoint)."""
+    """One node's payload intake: the `PayloadSink` of every inbound on the node."""
 
-    def __init__(
-        self, node: NodeState, config: ReceiverConfig, fetcher: S3Fetcher | None = None
-    ) -> None:
+    def __init__(self, node: NodeState, config: ReceiverConfig) -> None:
         self.state = node
-        self.node = node.node  # RelaySink: the name in every answer
+        self.node = node.node  # the name in every answer
         self.config = config
-        self.fetcher = fetcher
         #: The node's token(s) (set by `ReceiverNode`): payloads must carry a MAC made with the
         #: key of an accepted token. Without a token (in-process tests) any payload is taken.
         self.tokens: TokenRing = TokenRing(None)
         self._raw_bound: tuple[Mapping[str, TensorMeta], int] | None = None
         self._stage_pool = ThreadPoolExecutor(config.staging_workers, "refit-stage")
-        self._download_pool = ThreadPoolExecutor(config.download_workers, "refit-download")
 
     def mac_keys(self) -> list[bytes]:
         """The payload MAC keys accepted now (the sending token's first)."""
@@ -61,7 +58,6 @@ class Intake:
 
     def close(self) -> None:
         self._stage_pool.shutdown(wait=False, cancel_futures=True)
-        self._download_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- offers ---------------------------------------------------------------------------------
     def _offer(self, ident: PayloadIdent) -> Verdict | AttemptState:
@@ -79,127 +75,89 @@ class Intake:
         assert s.current is not None
         return s.current
 
-    def relay_tree(self, attempt: str) -> list[str]:
+    # -- PayloadSink --------------------------------------------------------------------------
+    def attempt_request(self, attempt: str) -> PrepareRequest | None:
         with self.state.cond:
             st = self.state.current
-            return st.relay_tree if st is not None and st.attempt == attempt else []
+            return st.request if st is not None and st.attempt == attempt else None
 
-    def relay_mac_tree(self, attempt: str) -> list[str]:
+    def check(self, ident: PayloadIdent, *, probe: bool) -> Verdict | None:
         with self.state.cond:
-            st = self.state.current
-            if st is None or st.attempt != attempt:
-                return []
-            return list(st.request.relay_mac_tree) if st.request.relay_tree else []
-
-    def relay_check(self, meta: FrameMeta, *, probe: bool) -> Verdict | None:
-        with self.state.cond:
-            offer = self._offer(PayloadIdent.from_frame(meta))
+            offer = self._offer(ident)
         if isinstance(offer, tuple):
             return offer
         return (AckStatus.READY, "") if probe else None
 
-    def relay_stage(
-        self, meta: FrameMeta, body: memoryview, keep: object, children: int
-    ) -> Verdict:
-        ident = PayloadIdent.from_frame(meta)
+    def claim(self, ident: PayloadIdent, *, forwards: int = 0) -> Verdict | Claim:
         with self.state.cond:
             offer = self._offer(ident)
             if isinstance(offer, tuple):
                 return offer
-            entry = offer.register(ident, children)
-            entry.keep = keep
+            entry = offer.register(ident, forwards)
             self.state.metrics.payloads.labels("staged").inc()
-        self._stage_pool.submit(self._stage_local, offer, entry, body, verified=True)
-        return (AckStatus.STAGED, "")
+        return _Claim(ident, offer, entry)
 
-    def relay_release(self, meta: FrameMeta, error: str | None) -> None:
+    def stage(
+        self, claim: Claim, body: bytes | memoryview, *, verified: bool, keep: object = None
+    ) -> None:
+        c = _own(claim)
+        if keep is not None:
+            with self.state.cond:
+                c.entry.keep = keep
+        self._stage_pool.submit(self._stage_local, c.attempt, c.entry, body, verified=verified)
+
+    def live(self, claim: Claim) -> bool:
+        with self.state.cond:
+            return self.state.is_live(_own(claim).attempt)
+
+    def withdraw(self, claim: Claim, reason: str | None) -> None:
+        c = _own(claim)
+        with self.state.cond:
+            if reason is None or not self.state.is_live(c.attempt):
+                self.state.drop(c.entry)
+            else:
+                self.state.fail(c.attempt, f"payload {c.ident.label()}: {reason}")
+
+    def forwarded(self, ident: PayloadIdent, error: str | None) -> None:
         with self.state.cond:
             st = self.state.current
-            if st is None or st.attempt != meta.attempt:
+            if st is None or st.attempt != ident.attempt:
                 return
-            entry = st.entries.get((meta.producer, meta.payload_id))
+            entry = st.entries.get((ident.producer, ident.payload_id))
             if entry is not None:
                 st.release(entry)
             self.state.cond.notify_all()
 
-    def relay_end(self, meta: FrameMeta) -> Verdict:
-        if meta.total is None:
-            return (AckStatus.REJECTED, "END without a total")
-        return self.stream_end(
-            StreamEnd(attempt=meta.attempt, producer=meta.producer, total=meta.total)
-        )
-
-    def relay_fail(self, attempt: str, reason: str) -> None:
-        with self.state.cond:
-            st = self.state.current
-            if st is not None and st.attempt == attempt:
-                self.state.fail(st, reason)
-
-    def stream_end(self, req: StreamEnd) -> Verdict:
-        """A producer's stream is complete with `req.total` payloads."""
+    def end(self, attempt: str, producer: int, total: int) -> Verdict:
         s = self.state
         with s.cond:
-            refusal = attempt_refusal(s.current, s.obsolete, req.attempt, s.node)
+            refusal = attempt_refusal(s.current, s.obsolete, attempt, s.node)
             if refusal is not None:
                 return s.settle(refusal)
             st = s.current
             assert st is not None
-            err = st.set_total(req.producer, req.total)
+            err = st.set_total(producer, total)
             if err:
                 s.fail(st, err)
                 return (AckStatus.REJECTED, err)
             s.cond.notify_all()
             return (AckStatus.STAGED, "")
 
-    def offer_manifest(self, m: ManifestEntry) -> Verdict:
-        """Register an object-storage payload and queue its download (S3 transport)."""
-        if self.fetcher is None:
-            return (AckStatus.REJECTED, "this node has no object storage configured")
-        try:
-            ident = PayloadIdent.from_manifest(m)
-        except ValueError as exc:
-            return (AckStatus.REJECTED, str(exc))
+    def fail(self, attempt: str, reason: str) -> None:
         with self.state.cond:
-            offer = self._offer(ident)
-            if isinstance(offer, tuple):
-                return offer
-            entry = offer.register(ident, 0)
-            self.state.metrics.payloads.labels("staged").inc()
-        self._download_pool.submit(self._download, offer, entry, m)
-        return (AckStatus.STAGED, "")
+            st = self.state.current
+            if st is not None and st.attempt == attempt:
+                self.state.fail(st, reason)
 
     # -- staging --------------------------------------------------------------------------------
-    def _download(self, st: AttemptState, entry: Entry, m: ManifestEntry) -> None:
-        assert self.fetcher is not None
-        last: Exception | None = None
-        for i in range(self.config.download_retries + 1):
-            with self.state.cond:
-                if not self.state.is_live(st):
-                    self.state.drop(entry)
-                    return
-            try:
-                data = self.fetcher.fetch(m.bucket, m.key, m.size)
-                break
-            except PayloadRejectedError as exc:  # wrong bucket or size: retrying cannot help
-                with self.state.cond:
-                    self.state.fail(st, f"download of {entry.ident.label()} ({m.key}): {exc}")
-                return
-            except Exception as exc:  # network, 404 before consistency
-                last = exc
-                time.sleep(min(0.1 * 2**i, 2.0))
-        else:
-            with self.state.cond:
-                self.state.fail(st, f"download of {entry.ident.label()} ({m.key}) failed: {last!r}")
-            return
-        self._stage_local(st, entry, data, verified=False)
-
     def _stage_local(
         self, st: AttemptState, entry: Entry, body: bytes | memoryview, *, verified: bool
     ) -> None:
         """Validate one registered payload; sync RL: decode and queue it for the apply loop,
         async RL: keep its compressed bytes until the gate closes (staging pool thread).
-        `verified`: the relay node already checked the bytes' identity, size and digest against
-        what was announced (`verify_body`); S3 downloads are checked here."""
+        `verified`: the inbound already checked the bytes' identity, size and MAC or digest
+        against what was announced (the relay's `verify_body`); otherwise they are checked
+        here."""
         s = self.state
         ident = entry.ident
         try:
@@ -214,7 +172,7 @@ class Intake:
                     self._ready(st, entry, staged, (ident.order, ident.producer))
                 return
             if not verified:
-                # Downloaded bytes are held until the gate closes: authenticate them first.
+                # Bytes held until the gate closes are authenticated first.
                 keys = self.mac_keys()
                 if keys:
                     verify_mac(body, keys)
@@ -319,3 +277,18 @@ def _failure(ident: PayloadIdent, exc: Exception, doing: str) -> str:
     if isinstance(exc, CodecError | ReceptionError):
         return f"payload {ident.label()}: {type(exc).__name__}: {exc}"
     return f"payload {ident.label()}: {doing} failed: {exc!r}"
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """A registered payload: its identity, the attempt that took it and its entry there."""
+
+    ident: PayloadIdent
+    attempt: AttemptState
+    entry: Entry
+
+
+def _own(claim: Claim) -> _Claim:
+    if not isinstance(claim, _Claim):
+        raise TypeError(f"not a claim of this intake: {claim!r}")
+    return claim

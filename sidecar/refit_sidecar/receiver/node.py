@@ -1,4 +1,4 @@
-"""Assembles one receiver node: applier + core + relay-tree node + HTTP service."""
+"""Assembles one receiver node: applier + core + the transports' inbounds + HTTP service."""
 
 from __future__ import annotations
 
@@ -6,11 +6,10 @@ import asyncio
 import signal
 
 import structlog
-import zmq
 from aiohttp import web
 
 from refit_protocol.errors import listen_error
-from refit_protocol.kit.auth import endpoint_host, open_ring, require_token_or_loopback
+from refit_protocol.kit.auth import open_ring, require_token_or_loopback
 from refit_protocol.kit.cli import mark_started
 from refit_protocol.kit.logs import configure_logging, log_settings
 from refit_sidecar.receiver import appliers
@@ -18,17 +17,16 @@ from refit_sidecar.receiver.appliers.base import Applier
 from refit_sidecar.receiver.appliers.vllm_host import VllmHostApplier
 from refit_sidecar.receiver.appliers.vllm_http import VllmHttpApplier
 from refit_sidecar.receiver.config import ReceiverConfig
-from refit_sidecar.receiver.core import ReceiverCore
+from refit_sidecar.receiver.core import ReceiverCore, receiving
 from refit_sidecar.receiver.metrics import ReceiverMetrics
 from refit_sidecar.receiver.service import create_app
-from refit_sidecar.transport.relay.node import RelayNode
-from refit_sidecar.transport.s3 import S3Fetcher
 
 log = structlog.get_logger("kuberefit.receiver")
 
 
 class ReceiverNode:
-    """One node's receiver: start() brings up the relay and the HTTP site, close() stops both."""
+    """One node's receiver: start() brings up the inbounds (the relay tree's ROUTER, the S3
+    downloads) and the HTTP site, close() stops them."""
 
     def __init__(self, config: ReceiverConfig, applier: Applier | None = None) -> None:
         self.config = config
@@ -37,15 +35,14 @@ class ReceiverNode:
         )
         self.token = self.tokens.sending()
         hosts = [config.host]
-        if config.relay is not None:
-            hosts.append(endpoint_host(config.relay.bind))
+        for plugin, settings in receiving(config):
+            hosts += plugin.listen_hosts(settings)
         require_token_or_loopback(
             f"receiver {config.node}", hosts, self.token, allow_insecure=config.allow_insecure
         )
         if not self.token:
             log.warning("receiver.no_token", node=config.node, hosts=hosts)
         self.metrics = ReceiverMetrics()
-        fetcher = S3Fetcher(config.s3) if config.s3 is not None else None
         self.applier = applier if applier is not None else appliers.make(config.applier)
         if isinstance(self.applier, VllmHttpApplier) and config.applier.control_token is None:
             # The vLLM server in this pod checks the pod's token on its refit control path.
@@ -53,10 +50,10 @@ class ReceiverNode:
         if isinstance(self.applier, VllmHostApplier):
             # The server leader's receiver holds the same policy token.
             self.applier.tokens = self.tokens
-        self.core = ReceiverCore(config, self.applier, metrics=self.metrics, fetcher=fetcher)
+        self.core = ReceiverCore(config, self.applier, metrics=self.metrics)
         # With a token, only payloads sealed with the policy's key(s) are decoded.
         self.core.intake.tokens = self.tokens
-        self.relay: RelayNode | None = None
+        self.inbounds = self.core.open_inbounds(self.tokens)
         self._runner: web.AppRunner | None = None
         self._absence: asyncio.Task[None] | None = None
         self.port = 0
@@ -66,17 +63,8 @@ class ReceiverNode:
             # Unknown bits (e.g. a restarted sidecar whose server may hold partial writes) must
             # not serve: hold the gate closed until a dense restore.
             await asyncio.to_thread(self.core.control.close_gate_for_unknown_bits)
-        if self.config.relay is not None:
-            try:
-                self.relay = RelayNode(
-                    self.config.relay,
-                    self.core.intake,
-                    token=self.tokens,
-                    registry=self.metrics.registry,
-                ).start()
-            except zmq.ZMQError as exc:
-                raise listen_error("relay.bind", self.config.relay.bind, exc) from exc
-            self.core.control.relay = self.relay
+        for inbound in self.inbounds:
+            await asyncio.to_thread(inbound.start)
         app = create_app(self.core, token=self.tokens)
         self._runner = web.AppRunner(
             app, access_log=None, handle_signals=False, shutdown_timeout=5.0
@@ -97,7 +85,7 @@ class ReceiverNode:
             "receiver.ready",
             node=self.config.node,
             http=f"{self.config.host}:{self.port}",
-            relay=self.relay.bound if self.relay else None,
+            inbounds=[inbound.readiness()[2] for inbound in self.inbounds],
         )
 
     async def _watch_absence(self) -> None:
@@ -116,8 +104,6 @@ class ReceiverNode:
             self._absence.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
-        if self.relay is not None:
-            self.relay.close()
         self.core.close()
         self.applier.close()
 

@@ -43,17 +43,15 @@ from refit_protocol.receiver_api import (
     CommitNotice,
     FlushRequest,
     GateRequest,
-    ManifestEntry,
-    ManifestResponse,
     PrepareRequest,
     PrewarmRequest,
     RelayFlushRequest,
     RestoreRequest,
-    StreamEnd,
 )
+from refit_sidecar import transport
 from refit_sidecar.receiver.core import ReceiverCore
 from refit_sidecar.receiver.errors import ReceiverError
-from refit_sidecar.transport.relay.frames import AckStatus
+from refit_sidecar.transport.plugin import TransportPlugin
 
 log = structlog.get_logger("kuberefit.receiver.http")
 M = TypeVar("M", bound=BaseModel)
@@ -61,16 +59,6 @@ M = TypeVar("M", bound=BaseModel)
 CORE: web.AppKey[ReceiverCore] = web.AppKey("core", ReceiverCore)
 POOL: web.AppKey[ThreadPoolExecutor] = web.AppKey("pool", ThreadPoolExecutor)
 
-#: HTTP status of each answer to a payload offer (manifest, stream end).
-OFFER_STATUS = {
-    AckStatus.STAGED: 202,
-    AckStatus.DUPLICATE: 200,
-    AckStatus.WAIT: 429,
-    AckStatus.OBSOLETE: 409,
-    AckStatus.UNKNOWN_ATTEMPT: 409,
-    AckStatus.REJECTED: 422,
-    AckStatus.READY: 200,
-}
 #: The routes only a coordinator calls: the time since the last one measures operator absence
 #: (not /metrics, audits or payload offers, which others send).
 COORDINATOR_ROUTES = frozenset(
@@ -103,6 +91,19 @@ def _first_error(what: str, errors: list[Any]) -> str:
 async def _parse(request: web.Request, model: type[M]) -> M:
     raw = await request.read()
     return model.model_validate_json(raw or b"{}")
+
+
+def _not_configured(node: str, plugin: TransportPlugin[Any, Any]) -> Handler:
+    """The answer of a node that does not run `plugin`'s inbound to what only it serves."""
+    message = (
+        f"node {node} does not receive over {plugin.kind} ({plugin.title}): its receiver "
+        f"settings have no `{plugin.receiver_field}` section"
+    )
+
+    async def refuse(_: web.Request) -> web.Response:
+        return error_response(422, message, "transport_not_configured")
+
+    return refuse
 
 
 def create_app(
@@ -215,25 +216,6 @@ def create_app(
     async def commit(request: web.Request) -> web.Response:
         return _model(await blocking(core.control.commit, await _parse(request, CommitNotice)))
 
-    async def manifest(request: web.Request) -> web.Response:
-        entry = await _parse(request, ManifestEntry)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + core.config.manifest_wait_s
-        delay = 0.005
-        while True:
-            verdict, error = core.intake.offer_manifest(entry)
-            if verdict is not AckStatus.WAIT or loop.time() >= deadline:
-                break
-            await asyncio.sleep(delay)  # backpressure: the producer's request waits here
-            delay = min(delay * 2, 0.1)
-        body = ManifestResponse(node=core.node, status=verdict.value, error=error)
-        return _model(body, OFFER_STATUS[verdict])
-
-    async def stream_end(request: web.Request) -> web.Response:
-        verdict, error = core.intake.stream_end(await _parse(request, StreamEnd))
-        code = 200 if verdict is AckStatus.STAGED else OFFER_STATUS[verdict]
-        return _model(ManifestResponse(node=core.node, status=verdict.value, error=error), code)
-
     p = API_PREFIX
     # /healthz is liveness only: this process serves requests (not that the runtime does).
     probe = ReadinessProbe(core.readiness, timeout_s=READY_TIMEOUT_S + 1.0, blocking=True)
@@ -245,8 +227,6 @@ def create_app(
     app.router.add_post(f"{p}/prepare", prepare)
     app.router.add_post(f"{p}/gate", gate)
     app.router.add_post(f"{p}/open-apply", open_apply)
-    app.router.add_post(f"{p}/manifest", manifest)
-    app.router.add_post(f"{p}/stream-end", stream_end)
     app.router.add_post(f"{p}/relay-flush", relay_flush)
     app.router.add_post(f"{p}/flush", flush)
     app.router.add_post(f"{p}/stop", stop)
@@ -254,6 +234,13 @@ def create_app(
     app.router.add_post(f"{p}/commit", commit)
     app.router.add_post(f"{p}/restore", restore)
     app.router.add_post(f"{p}/audit", audit)
+    for inbound in core.inbounds:  # e.g. the S3 inbound's manifest and stream-end routes
+        app.router.add_routes(inbound.routes())
+    served = {inbound.kind for inbound in core.inbounds}
+    for plugin in transport.plugins():
+        if plugin.kind not in served:
+            for path in plugin.http_paths:
+                app.router.add_post(path, _not_configured(core.node, plugin))
     core.metrics.preset_routes(
         sorted({str(r.resource.canonical) for r in app.router.routes() if r.resource} - OPEN_PATHS)
     )

@@ -20,9 +20,9 @@ import threading
 from dataclasses import dataclass, field
 
 from refit_protocol.compat import StrEnum
-from refit_protocol.receiver_api import ManifestEntry, PrepareRequest
+from refit_protocol.receiver_api import PrepareRequest
 from refit_sidecar.receiver.appliers.base import StagedPayload
-from refit_sidecar.transport.relay.frames import FrameMeta
+from refit_sidecar.transport.inbound import PayloadIdent
 
 
 class Phase(StrEnum):
@@ -48,42 +48,6 @@ class EntryState(enum.Enum):
     DROPPED = "dropped"
 
 
-@dataclass(frozen=True)
-class PayloadIdent:
-    """What arrives with a payload, before its bytes are trusted."""
-
-    attempt: str
-    producer: int
-    payload_id: int
-    order: int
-    digest: bytes
-    size: int
-
-    @classmethod
-    def from_frame(cls, meta: FrameMeta) -> PayloadIdent:
-        return cls(
-            meta.attempt,
-            meta.producer,
-            meta.payload_id,
-            meta.order,
-            bytes.fromhex(meta.digest),
-            meta.size,
-        )
-
-    @classmethod
-    def from_manifest(cls, m: ManifestEntry) -> PayloadIdent:
-        try:
-            digest = bytes.fromhex(m.digest)
-        except ValueError as exc:
-            raise ValueError(f"digest {m.digest[:40]!r} is not hex") from exc
-        if len(digest) != 16:
-            raise ValueError("digest must be 16 bytes (BLAKE2b-128)")
-        return cls(m.attempt, m.producer, m.payload_id, m.order, digest, m.size)
-
-    def label(self) -> str:
-        return f"{self.producer}/{self.payload_id} (order {self.order})"
-
-
 @dataclass(eq=False)
 class Entry:
     ident: PayloadIdent
@@ -101,15 +65,12 @@ OrderKey = tuple[int, int]  # (order, producer)
 class AttemptState:
     """Everything a node knows about one attempt."""
 
-    def __init__(
-        self, req: PrepareRequest, *, quota: int, relay_tree: list[str], check_samples: int
-    ) -> None:
+    def __init__(self, req: PrepareRequest, *, quota: int, check_samples: int) -> None:
         self.request = req
         self.attempt = req.attempt
         self.sync = req.sync
         self.producers: tuple[int, ...] = tuple(sorted(set(req.producers)))
         self.quota = quota
-        self.relay_tree = relay_tree
         self.check_samples = check_samples
         self.phase = Phase.PREPARED
         self.opened = False

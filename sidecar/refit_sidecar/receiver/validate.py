@@ -16,7 +16,7 @@ from refit_sidecar.codec.records import Op, TensorMeta
 from refit_sidecar.codec.wire import DecodedPayload, peek_header
 from refit_sidecar.receiver.appliers.base import Applier, StagedPayload
 from refit_sidecar.receiver.errors import ReceptionError
-from refit_sidecar.receiver.state import PayloadIdent
+from refit_sidecar.transport.inbound import PayloadIdent
 
 
 def check_identity(body: bytes | memoryview, ident: PayloadIdent) -> None:

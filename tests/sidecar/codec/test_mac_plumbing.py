@@ -30,8 +30,8 @@ from refit_sidecar.receiver.appliers.base import StagedPayload
 from refit_sidecar.receiver.appliers.inprocess import InProcessApplier
 from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode
-from refit_sidecar.receiver.state import PayloadIdent
 from refit_sidecar.receiver.validate import decode_and_stage
+from refit_sidecar.transport.inbound import PayloadIdent
 from tests.harness.s3_payloads import S3Delivery
 from tests.sidecar.codec.craft import HEADER, KEY, OTHER_KEY
 from tests.sidecar.receiver.models import TinyModel

@@ -14,7 +14,8 @@ from refit_sidecar.receiver.admission import (
     offer_refusal,
     prepare_refusal,
 )
-from refit_sidecar.receiver.state import AttemptState, ObsoleteSet, PayloadIdent, Phase
+from refit_sidecar.receiver.state import AttemptState, ObsoleteSet, Phase
+from refit_sidecar.transport.inbound import PayloadIdent
 from refit_sidecar.transport.relay.frames import AckStatus
 
 DIGEST = bytes(range(16))
@@ -34,7 +35,7 @@ def request(**kw: object) -> PrepareRequest:
 
 def attempt(**kw: object) -> AttemptState:
     quota = kw.pop("quota", 2)
-    return AttemptState(request(**kw), quota=quota, relay_tree=[], check_samples=0)  # type: ignore[arg-type]
+    return AttemptState(request(**kw), quota=quota, check_samples=0)  # type: ignore[arg-type]
 
 
 def ident(producer: int = 0, payload_id: int = 0, order: int = 0, **kw: object) -> PayloadIdent:
@@ -54,7 +55,6 @@ def admit(req: PrepareRequest, **kw: object) -> str:
         "prewarmed": True,
         "held_version": 3,
         "dirty": False,
-        "relay_endpoint": None,
     }
     state.update(kw)
     return prepare_refusal(req, **state)  # type: ignore[arg-type]
@@ -93,22 +93,11 @@ def test_prepare_admits_a_clean_node_on_the_base_version() -> None:
             {"dirty": True},
             "partial writes since v3: only an overwrite attempt is admissible",
         ),
-        (
-            {"relay_tree": ["tcp://x:1"]},
-            {"relay_endpoint": "tcp://me:1"},
-            "this node's relay tcp://me:1 is not in relay_tree",
-        ),
     ],
 )
 def test_prepare_refusals(req: dict[str, object], state: dict[str, object], reason: str) -> None:
     """The whole message: it is what the coordinator reports for the node."""
     assert admit(request(**req), **state) == reason
-
-
-def test_a_relay_tree_matters_only_with_a_relay_endpoint() -> None:
-    assert admit(request(relay_tree=["tcp://x:1"]), relay_endpoint=None) == ""  # S3 nodes
-    assert admit(request(), relay_endpoint="tcp://me:1") == ""  # no tree given
-    assert admit(request(relay_tree=["tcp://me:1"]), relay_endpoint="tcp://me:1") == ""
 
 
 def test_an_obsolete_attempt_is_never_admitted_again() -> None:

@@ -1,6 +1,6 @@
 """ReceiverCore in process with the real in-process applier: admission, reception checks, dedup,
-declared order, quotas, async staging, flush and commit. Payloads enter through the same calls
-the relay uses (`relay_check` / `relay_stage`)."""
+declared order, quotas, async staging, flush and commit. Payloads enter through the same sink
+calls the relay's inbound makes (`check`, `claim`, `stage`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from refit_protocol.receiver_api import (
     PrepareRequest,
     PrewarmRequest,
     RelayFlushRequest,
-    StreamEnd,
 )
 from refit_sidecar.codec import CodecError
 from refit_sidecar.codec.records import Op, TensorMeta
@@ -30,6 +29,7 @@ from refit_sidecar.receiver.core import ReceiverCore
 from refit_sidecar.receiver.errors import ReceiverError
 from refit_sidecar.receiver.state import EntryState
 from refit_sidecar.transport.relay.frames import AckStatus, FrameMeta, verify_body
+from refit_sidecar.transport.relay.inbound import ident_of
 from tests.harness.operator_env import wait_for
 from tests.sidecar.receiver.models import (
     RecordingApplier,
@@ -88,16 +88,21 @@ def prep(
 def offer(core: ReceiverCore, p: EncodedPayload, body: bytes | None = None) -> AckStatus:
     meta = FrameMeta.of(p)
     # What a relay node does with a DATA frame: check, verify the bytes, then stage them.
-    verdict = core.intake.relay_check(meta, probe=False)
+    ident = ident_of(meta)
+    verdict = core.intake.check(ident, probe=False)
     if verdict is not None:
         return verdict[0]
     data = memoryview(body if body is not None else p.body)
     try:
         verify_body(meta, data)
     except CodecError as exc:
-        core.intake.relay_fail(meta.attempt, f"{type(exc).__name__}: {exc}")
+        core.intake.fail(meta.attempt, f"{type(exc).__name__}: {exc}")
         return AckStatus.REJECTED
-    return core.intake.relay_stage(meta, data, None, 0)[0]
+    claim = core.intake.claim(ident)
+    if isinstance(claim, tuple):
+        return claim[0]
+    core.intake.stage(claim, data, verified=True)
+    return AckStatus.STAGED
 
 
 def flush(core: ReceiverCore, attempt: str, expected: dict[int, int], timeout: float = 10.0):  # type: ignore[no-untyped-def]
@@ -159,9 +164,7 @@ def test_stream_end_lets_apply_finish_before_flush(node: ReceiverCore, tmp_path:
     wait_for("(0,0) and (1,0) applied", lambda: len(applied(tmp_path)) >= 2)
     wait_for("nothing left to decode", lambda: entries_in(node, EntryState.REGISTERED) == 0)
     assert len(applied(tmp_path)) == 2  # (0,0), (1,0); (1,1) waits for producer 0's (1,0)
-    assert (
-        node.intake.stream_end(StreamEnd(attempt="a1", producer=0, total=1))[0] is AckStatus.STAGED
-    )
+    assert node.intake.end("a1", producer=0, total=1)[0] is AckStatus.STAGED
     wait_for("all 8 applied", lambda: len(applied(tmp_path)) == 8)
     extra = payloads("a1", 0, V0, V1, names=names[1:2])[0]
     late = overwrite_payload(

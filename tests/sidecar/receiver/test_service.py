@@ -43,6 +43,14 @@ def test_refuses_to_serve_unauthenticated_beyond_loopback(
             ReceiverConfig(node="n", relay={"bind": "tcp://10.1.2.3:5701"}),
             applier,  # type: ignore[arg-type]
         )
+    with pytest.raises(ValueError, match="without a token"):  # the MAC-only ROUTER counts too
+        ReceiverNode(
+            ReceiverConfig(
+                node="n",
+                relay={"bind": "tcp://127.0.0.1:0", "mac_bind": "tcp://0.0.0.0:5702"},
+            ),
+            applier,  # type: ignore[arg-type]
+        )
     ReceiverNode(ReceiverConfig(node="n", host="0.0.0.0", allow_insecure=True), applier)
     ReceiverNode(ReceiverConfig(node="n", host="0.0.0.0", token=SecretStr("t")), applier)
     token_file = tmp_path / "token"
@@ -83,6 +91,7 @@ async def test_client_drives_an_attempt_and_errors_are_typed(
     with pytest.raises(ReceiverHttpError) as err:
         await c.manifest(entry)
     assert err.value.status == 422  # no object storage on this node: refused, state intact
+    assert "does not receive over s3" in str(err.value)
     assert (await c.status()).phase == "prepared"
     ack = await c.flush(FlushRequest(attempt="a1", expected={0: 1}, timeout_s=1))
     assert not ack.ok

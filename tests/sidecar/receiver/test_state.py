@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-
-from refit_protocol.receiver_api import ManifestEntry, PrepareRequest
-from refit_sidecar.receiver.state import (
-    AttemptState,
-    EntryState,
-    ObsoleteSet,
-    PayloadIdent,
-    Phase,
-)
+from refit_protocol.receiver_api import PrepareRequest
+from refit_sidecar.receiver.state import AttemptState, EntryState, ObsoleteSet, Phase
+from refit_sidecar.transport.inbound import PayloadIdent
 
 
 def state(producers: list[int], quota: int = 2) -> AttemptState:
     req = PrepareRequest(
         attempt="a", from_version=0, target_version=1, mode="mixed", producers=producers
     )
-    return AttemptState(req, quota=quota, relay_tree=[], check_samples=0)
+    return AttemptState(req, quota=quota, check_samples=0)
 
 
 def ident(p: int, order: int) -> PayloadIdent:
@@ -123,8 +116,7 @@ def test_a_fresh_attempt_starts_with_nothing_done() -> None:
         producers=[0],
         relay_tree=["tcp://r:1"],
     )
-    st = AttemptState(req, quota=2, relay_tree=["tcp://r:1"], check_samples=0)
-    assert st.relay_tree == ["tcp://r:1"]
+    st = AttemptState(req, quota=2, check_samples=0)
     flags = (st.opened, st.stopping, st.failed, st.flushed_ok, st.wrote)
     assert all(flag is False for flag in flags)
     counters = (st.pending_local, st.decoding, st.applying, st.checks)
@@ -140,29 +132,3 @@ def test_the_local_release_counts_once_and_held_falls_by_one() -> None:
     assert (b.refs, b.local_released, st.held[0], st.low[0]) == (0, True, 1, 0)
     st.release_local(a)
     assert (a.refs, st.held[0], st.low[0]) == (0, 0, 2)
-
-
-def _manifest(digest: str) -> ManifestEntry:
-    return ManifestEntry(
-        attempt="a",
-        producer=2,
-        payload_id=7,
-        order=5,
-        bucket="b",
-        key="k",
-        digest=digest,
-        size=123,
-    )
-
-
-def test_a_manifest_entry_names_a_payload_by_its_16_byte_digest() -> None:
-    digest = bytes(range(16))
-    got = PayloadIdent.from_manifest(_manifest(digest.hex()))
-    assert got == PayloadIdent("a", 2, 7, 5, digest, 123)
-    with pytest.raises(ValueError, match=r"^digest 'zz' is not hex$"):
-        PayloadIdent.from_manifest(_manifest("zz"))
-    with pytest.raises(ValueError, match=r"^digest '(0{40})' is not hex$"):
-        PayloadIdent.from_manifest(_manifest("0" * 41))  # odd length; quoted up to 40 chars
-    for n in (15, 17):
-        with pytest.raises(ValueError, match=r"^digest must be 16 bytes \(BLAKE2b-128\)$"):
-            PayloadIdent.from_manifest(_manifest("ab" * n))

@@ -168,7 +168,8 @@ def test_corrupted_object_is_rejected_and_leftovers_are_swept(
     code, body = cluster.nodes[1].ctl.raw(
         "POST", "/v1/manifest", wrong_bucket.model_dump_json().encode()
     )
-    assert code == 202  # registered; the download refuses the foreign bucket and fails the attempt
+    assert code == 422  # a foreign bucket is refused before any download, failing the attempt
+    assert "not the configured payload bucket 'k" in body["error"]
     wait_for(
         "node 1 failed the attempt",
         lambda: cluster.nodes[1].ctl.status().phase == "failed",

@@ -1,6 +1,6 @@
-"""The transport registry (`transport.make`) and a producer's per-attempt `TransportSelector`:
-the plan names the destination, one real transport is made per destination and reused, and
-nothing is guessed when a plan names none."""
+"""The registry's sender factory (`transport.make`) and a producer's per-attempt
+`TransportSelector`: the plan names the destination, one real transport is made per
+destination and reused, and nothing is guessed when a plan names none."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_make_builds_each_kind_from_its_config() -> None:
 
 
 def test_make_refuses_a_config_of_another_kind_or_an_unknown_kind() -> None:
-    with pytest.raises(TypeError, match="RelayTransportConfig"):
+    with pytest.raises(TypeError, match="'zmq' needs a RelayTransportConfig, got S3Transport"):
         transport.make("zmq", S3TransportConfig(s3=S3, receivers=["http://x"]))
     with pytest.raises(TypeError, match="S3TransportConfig"):
         transport.make("s3", RelayTransportConfig(root="tcp://x:1"))

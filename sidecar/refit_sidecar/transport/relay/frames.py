@@ -20,7 +20,6 @@ decoded by the codec.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Sequence
 from typing import Literal
@@ -33,12 +32,12 @@ from refit_protocol.keys import frame_mac_key
 from refit_sidecar.codec.decode import MacKeys, mac_keys, verify_mac
 from refit_sidecar.codec.errors import CodecError, DigestMismatch, HeaderMismatch
 from refit_sidecar.codec.wire import (
-    DIGEST_SIZE,
     MAX_ATTEMPT_BYTES,
     EncodedPayload,
-    compressed_body,
+    body_digest,
     read_preamble,
 )
+from refit_sidecar.transport.inbound import AckStatus, Verdict
 
 DATA = b"DATA"
 PROBE = b"PROBE"
@@ -58,21 +57,7 @@ class LinkSecurity(StrEnum):
     MAC = "mac"  # plain TCP: every frame and answer tagged (keyed BLAKE3), payloads readable
 
 
-class AckStatus(StrEnum):
-    """What a relay did with a frame."""
-
-    STAGED = "staged"  # registered, local staging and child forwards submitted (the staged ACK)
-    DUPLICATE = "duplicate"  # same id and digest seen before: ignored, acknowledged again
-    WAIT = "wait"  # queue full: not taken, send a PROBE later (backpressure)
-    READY = "ready"  # answer to a PROBE: send the body now
-    OBSOLETE = "obsolete"  # a later prepare replaced the attempt (or it was stopped): dropped
-    UNKNOWN_ATTEMPT = "unknown_attempt"  # not prepared here (yet): retry a little later
-    REJECTED = "rejected"  # failed a check; the attempt has failed on this node
-
-
 FINAL_OK = frozenset({AckStatus.STAGED, AckStatus.DUPLICATE})
-#: A receiver's answer to a payload offer: what happened, and why when it was refused.
-Verdict = tuple[AckStatus, str]
 
 
 class FrameMeta(BaseModel):
@@ -173,11 +158,6 @@ def tag_verifies(
         return False
     given = bytes(tag)
     return any(hmac.compare_digest(frame_tag(frame_mac_key(t), kind, meta), given) for t in tokens)
-
-
-def body_digest(body: bytes | bytearray | memoryview) -> bytes:
-    """BLAKE2b-128 of the payload's compressed body (what the codec and manifests announce)."""
-    return hashlib.blake2b(compressed_body(body), digest_size=DIGEST_SIZE).digest()
 
 
 def verify_body(

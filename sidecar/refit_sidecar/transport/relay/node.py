@@ -6,7 +6,8 @@ or malformed frames are dropped and counted, never answered), ask the
 sink whether the attempt is current and the id new, verify MAC, identity and digest, let
 the sink register the payload and submit its local staging, submit at most two child forwards
 (the balanced binary tree of `tree.py`) to per-child bounded DEALER clients, then answer with the
-staged ACK. The sink is the receiver core; this module knows nothing about applying.
+staged ACK. The sink is the node's relay inbound (`inbound.RelayInbound`, over the receiver's
+intake); this module knows nothing about applying.
 
 Two ROUTERs, one per kind of link (`frames.LinkSecurity`): the CurveZMQ one (`bind`) takes the
 producers' frames from the other cluster, and the relays' when a policy encrypts every link; the
@@ -88,9 +89,11 @@ HANDSHAKE_LOG_S, MAX_MONITOR_EVENTS = 10.0, 64
 
 
 class RelaySink(Protocol):
-    """What a relay needs from the node's receiver (implemented by `ReceiverCore`)."""
+    """What a relay needs from the node's receiver (implemented by `inbound.RelayInbound`,
+    which answers from the node's transport-neutral sink)."""
 
-    node: str
+    @property
+    def node(self) -> str: ...
 
     def relay_tree(self, attempt: str) -> list[str]:
         """Relay endpoints in tree order for `attempt` (empty: not known)."""
