@@ -203,6 +203,7 @@ class Coordinator:
                     mode=mode,
                     xor_incompatible=xor_incompatible,
                     receivers=nodes,
+                    receiver_urls=tuple(r.url for r in receivers),
                     relay_tree=tree,
                     settings=settings,
                 )

@@ -71,6 +71,10 @@ class ReceiverHttpClient:
         self._tokens = as_ring(token)  # a ring is followed across token rotations
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
 
+    @property
+    def url(self) -> str:
+        return self.base_url
+
     async def _call(
         self,
         method: str,

@@ -54,6 +54,11 @@ class AttemptPlan(_Msg):
     mode: AttemptMode
     xor_incompatible: frozenset[str] = frozenset()
     receivers: tuple[str, ...] = ()
+    receiver_urls: tuple[str, ...] = Field(
+        default=(),
+        description="Base URLs of the same receivers' control planes, in the same order (a "
+        "transport that announces payloads to every receiver over HTTP, S3, posts there).",
+    )
     relay_tree: tuple[str, ...] = Field(
         default=(), description="Relay endpoints in tree order (ZeroMQ transport)."
     )

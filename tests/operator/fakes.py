@@ -71,6 +71,10 @@ class FakeReceiver:
         if self.dead:
             raise EndpointError(f"{self.node}: connection refused")
 
+    @property
+    def url(self) -> str:
+        return f"http://{self.node}.invalid:9"  # never called: fakes take no payload offers
+
     async def status(self) -> ReceiverStatus:
         self._alive()
         return ReceiverStatus(

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from pydantic import BaseModel, ValidationError
 
 from refit_protocol.kit import cli
-from refit_protocol.kit.config_files import ConfigFileError, load_config
+from refit_protocol.kit.config_files import ConfigFileError, kind_choice, load_config
 from refit_protocol.sizes import format_byte_size, parse_byte_size
 from refit_sidecar.producer.main import ProducerProcessConfig
 from refit_sidecar.receiver.config import ReceiverConfig
@@ -172,6 +172,10 @@ def settings_models() -> list[type[BaseModel]]:
             continue
         found.append(model)
         for info in model.model_fields.values():
+            choice = kind_choice(info)
+            if choice is not None:  # one of several sections, by `kind`: each of them
+                todo += list(choice.choices().values())
+                continue
             for arg in (info.annotation, *typing.get_args(info.annotation)):
                 for inner in (arg, *typing.get_args(arg)):
                     if isinstance(inner, type) and issubclass(inner, BaseModel):

@@ -14,7 +14,14 @@ from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
 from refit_protocol.kit.cli import import_model
-from refit_protocol.kit.config_files import field_value, is_byte_size, nested_model, render_value
+from refit_protocol.kit.config_files import (
+    KindChoice,
+    field_value,
+    is_byte_size,
+    kind_choice,
+    nested_model,
+    render_value,
+)
 
 #: (command, model) of every service whose settings come from a file.
 SERVICES = (
@@ -99,12 +106,29 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
         key = f"{prefix}{name}"
         text = (info.description or "").replace("|", "\\|").replace("\n", " ")
         rows.append(f"| `{key}` | {type_name(info.annotation, info)} | {_default(info)} | {text} |")
+        choice = kind_choice(info)
+        if choice is not None:
+            rows += _kind_rows(choice, f"{key}.")
+            continue
         sub = nested_model(info.annotation)
         if sub is None and typing.get_origin(info.annotation) is list:
             sub = nested_model(typing.get_args(info.annotation)[0])
             key += "[]"
         if sub is not None:
             rows += _rows(sub, f"{key}.")
+    return rows
+
+
+def _kind_rows(choice: KindChoice, prefix: str) -> list[str]:
+    """A section chosen by its `kind`: the `kind` row, then each kind's settings, marked."""
+    models = choice.choices()
+    kinds = ", ".join(f"`{k}`" for k in models)
+    rows = [f"| `{prefix}kind` | one of {kinds} | `{choice.default}` | Which section this is. |"]
+    for kind, model in models.items():
+        for row in _rows(model, prefix):
+            cells = row.split(" | ")
+            cells[3] = f"(`kind: {kind}`) {cells[3]}"
+            rows.append(" | ".join(cells))
     return rows
 
 

@@ -23,6 +23,8 @@ import re
 import textwrap
 import types
 import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -297,6 +299,34 @@ def _non_finite(value: Any, at: str = "") -> str:
 
 
 # -- the views: example, reference -------------------------------------------------------------
+@dataclass(frozen=True)
+class KindChoice:
+    """Field metadata: the field holds one of several settings sections, the one its `kind`
+    key names (the model's own validator picks it; this tells the views and the schema).
+    `choices` is called when needed, so the sections' modules are imported only then."""
+
+    choices: Callable[[], Mapping[str, type[BaseModel]]]
+    default: str
+
+    def kind_of(self, value: BaseModel) -> str:
+        for kind, model in self.choices().items():
+            if isinstance(value, model):
+                return kind
+        raise ValueError(f"{type(value).__name__} is none of {', '.join(self.choices())}")
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        options = []
+        for kind, model in self.choices().items():
+            sub = dict(handler.resolve_ref_schema(handler(model.__pydantic_core_schema__)))
+            default = {"default": kind} if kind == self.default else {}
+            kind_schema = {"const": kind, **default}
+            sub["properties"] = {"kind": kind_schema, **sub.get("properties", {})}
+            options.append(sub)
+        return {"oneOf": options}
+
+
+def kind_choice(info: FieldInfo) -> KindChoice | None:
+    return next((m for m in info.metadata if isinstance(m, KindChoice)), None)
 
 
 def nested_model(annotation: Any) -> type[BaseModel] | None:
@@ -359,6 +389,14 @@ def _example_lines(
         for text in textwrap.wrap(description + note, width=94 - len(indent)) or [name]:
             out.append(f"{indent}# {text}")
         value = getattr(instance, name) if instance is not None else field_value(info)
+        choice = kind_choice(info)
+        if choice is not None and isinstance(value, BaseModel):  # the default kind's section
+            out.append(f"{lead}{name}:")
+            kinds = ", ".join(choice.choices())
+            out.append(f"{indent}  # Which kind of section this is: one of {kinds}.")
+            out.append(f"{lead}  kind: {choice.kind_of(value)}")
+            out += _example_lines(type(value), value, indent=indent + "  ", commented=commented)
+            continue
         sub = nested_model(info.annotation)
         if sub is not None and (value is None or isinstance(value, BaseModel) or required):
             if value is PydanticUndefined:  # a required section: its own defaults and examples

@@ -39,6 +39,7 @@ from refit_sidecar.producer.resume import checkpoint_nbytes
 from refit_sidecar.producer.service import ProducerObserver, ProducerService
 from refit_sidecar.producer.staging import StagingConfig
 from refit_sidecar.producer.trainer_exit import ExitWithTrainer, wait_for_trainer_exit
+from refit_sidecar.transport import SenderSettings
 from refit_sidecar.transport.base import SendObserver
 from refit_sidecar.transport.relay.transport import RelayTransportConfig
 from refit_sidecar.transport.selector import TransportSelector
@@ -102,11 +103,12 @@ class ProducerProcessConfig(BaseModel):
         description="With exit_with_trainer: how long a version the trainer published may still "
         "be pending (staged, or its transition running) before the sidecar exits anyway.",
     )
-    transport: RelayTransportConfig = Field(
+    transport: SenderSettings = Field(
         default_factory=lambda: RelayTransportConfig(root="", stop_timeout_s=30.0),
-        description="ZeroMQ transport settings. `root` is the fallback when an attempt plan "
-        "names no relay tree (empty: such plans fail); `token` and `producer` are this "
-        "process's.",
+        description="Transport settings; `kind` picks the transport (`zmq`, the default: the "
+        "relay tree, whose `root` is the fallback when an attempt plan names no tree, empty: "
+        "such plans fail; `s3`: object storage, announced to each plan's `receiver_urls`). "
+        "`token` and `producer` are this process's.",
     )
 
 

@@ -20,15 +20,16 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+from pydantic import BaseModel, BeforeValidator, PlainSerializer, SerializationInfo
+
+from refit_protocol.kit.config_files import KindChoice
 from refit_protocol.kit.tokens import TokenRing
 from refit_protocol.transports import TRANSPORT_KINDS, TransportKind
 from refit_sidecar.transport.base import SendObserver, Transport, TransportSummary
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
-
     from refit_sidecar.transport.plugin import TransportPlugin
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "PLUGINS",
     "Kind",
     "SendObserver",
+    "SenderSettings",
     "Transport",
     "TransportSummary",
     "by_kind",
@@ -96,3 +98,40 @@ def make(
             f"transport {kind!r} needs a {p.sender_config.__name__}, got {type(config).__name__}"
         )
     return p.sender(config, observer=observer, tokens=tokens)
+
+
+def _sender_settings(value: Any) -> Any:
+    """A producer's transport settings as a settings file spells them: `kind` (default
+    `zmq`) names the plug-in whose `sender_config` validates the rest."""
+    if isinstance(value, BaseModel):
+        try:
+            for_sender(value)  # a model of no registered kind is refused
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+    if not isinstance(value, dict):
+        raise ValueError("transport settings must be an object with a `kind`")
+    data = dict(value)
+    kind = data.pop("kind", "zmq")
+    return by_kind(str(kind)).sender_config.model_validate(data)
+
+
+def _with_kind(value: BaseModel, info: SerializationInfo) -> dict[str, Any]:
+    """The settings' own fields (not the declared `BaseModel`'s, which has none) and `kind`."""
+    mode = "json" if info.mode_is_json() else "python"
+    out = value.model_dump(mode=mode, by_alias=info.by_alias, exclude_none=info.exclude_none)
+    return {"kind": for_sender(value).kind, **out}
+
+
+def _sender_models() -> dict[str, type[BaseModel]]:
+    return {p.kind: p.sender_config for p in plugins()}
+
+
+#: A settings field holding one producer transport's settings, of any registered kind: read
+#: from `{"kind": "s3", ...}` (no `kind`: `zmq`), written back with its `kind`.
+SenderSettings = Annotated[
+    BaseModel,
+    BeforeValidator(_sender_settings),
+    PlainSerializer(_with_kind),
+    KindChoice(_sender_models, "zmq"),
+]

@@ -111,3 +111,27 @@ def test_a_relay_names_the_hosts_it_listens_on_for_the_token_rule() -> None:
     both = RelayConfig(bind="tcp://127.0.0.1:5701", mac_bind="tcp://0.0.0.0:5702")
     assert relay.listen_hosts(both) == ["127.0.0.1", "0.0.0.0"]
     assert transport.by_kind("s3").listen_hosts(S3) == []  # it only connects out
+
+
+class _Settings(BaseModel):
+    transport: transport.SenderSettings
+
+
+def test_a_settings_file_names_its_transport_by_kind() -> None:
+    relay = _Settings.model_validate({"transport": {"root": "tcp://r:1"}})  # no kind: zmq
+    assert isinstance(relay.transport, RelayTransportConfig)
+    s3 = _Settings.model_validate(
+        {"transport": {"kind": "s3", "s3": S3.model_dump(mode="json"), "producer": 2}}
+    )
+    assert isinstance(s3.transport, S3TransportConfig)
+    assert s3.transport.receivers == []  # each attempt plan names them
+    dumped = s3.model_dump(mode="json")
+    assert dumped["transport"]["kind"] == "s3"
+    assert dumped["transport"]["producer"] == 2
+    assert _Settings.model_validate(dumped) == s3  # written back, read again
+    with pytest.raises(ValueError, match="unknown transport kind 'pigeon'; known: zmq, s3"):
+        _Settings.model_validate({"transport": {"kind": "pigeon"}})
+    with pytest.raises(ValueError, match=r"transport\.s3\n  Field required"):
+        _Settings.model_validate({"transport": {"kind": "s3"}})
+    with pytest.raises(ValueError, match="no transport is configured by S3Config"):
+        _Settings(transport=S3)

@@ -34,11 +34,18 @@ class S3Plugin(TransportPlugin[S3TransportConfig, S3Config]):
     def destination(
         self, template: S3TransportConfig, plan: AttemptPlan, receiver_urls: ReceiverUrls | None
     ) -> str:
-        """Every receiver of the plan (their URLs from `receiver_urls`, else the template's),
-        separated by spaces."""
-        urls = list(template.receivers) if receiver_urls is None else receiver_urls(plan.receivers)
+        """Every receiver of the plan, separated by spaces: their URLs from `receiver_urls`
+        when given (a resolver of node names), else the plan's own (`receiver_urls`, which the
+        coordinator fills in), else the template's fixed list."""
+        if receiver_urls is not None:
+            urls = receiver_urls(plan.receivers)
+        else:
+            urls = list(plan.receiver_urls) or list(template.receivers)
         if not urls:
-            raise ValueError(f"attempt {plan.attempt} names no receivers")
+            raise ValueError(
+                f"attempt {plan.attempt} names no receiver URLs and the S3 transport has no "
+                "`receivers` configured"
+            )
         return " ".join(urls)
 
     def at(self, template: S3TransportConfig, destination: str) -> S3TransportConfig:

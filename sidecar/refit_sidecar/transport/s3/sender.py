@@ -46,11 +46,15 @@ log = structlog.get_logger("kuberefit.transport.s3")
 
 
 class S3TransportConfig(BaseModel):
+    """Where a producer uploads payloads and whom it announces them to."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    s3: S3Config
+    s3: S3Config = Field(description="The object store payloads are uploaded to.")
     receivers: list[str] = Field(
-        min_length=1, description="Base URLs of every receiver node's service."
+        default_factory=list,
+        description="Base URLs of every receiver node's service (empty: each attempt plan's "
+        "`receiver_urls`, as a coordinator sends them).",
     )
     token: SecretStr | None = Field(default=None, description="Receivers' bearer token.")
     producer: int | None = Field(
@@ -65,7 +69,9 @@ class S3TransportConfig(BaseModel):
     unknown_attempt_timeout_s: float = Field(
         default=30.0, gt=0, description="How long to retry while a receiver lacks the attempt."
     )
-    stop_timeout_s: float = Field(default=120.0, gt=0)
+    stop_timeout_s: float = Field(
+        default=120.0, gt=0, description="How long stop_and_wait waits for uploads and offers."
+    )
 
 
 class S3Transport:
