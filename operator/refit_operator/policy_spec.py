@@ -124,8 +124,8 @@ class PolicySpec(_Spec):
             raise ValueError("spec.s3.bucket is required when spec.transport is s3")
         if self.transport == "s3":
             raise ValueError(
-                "spec.transport s3 is not supported by the operator yet: the injected trainer "
-                "sidecars send over the relay tree only; use zmq (docs/scope.md)"
+                "spec.transport s3 is not supported by the operator yet: injection does not give "
+                "the sidecars S3 settings, credentials or a CA bundle; use zmq (docs/scope.md)"
             )
         template = self.restore.checkpoint_template
         if self.verify.every_versions and not template:
