@@ -8,6 +8,7 @@ is missing fails the test with instructions; nothing is skipped (in CI or elsewh
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,14 @@ def s3(artifacts_dir: Path) -> Iterator[S3Server]:
         yield server
     finally:
         server.process.stop()
+
+
+@pytest.fixture
+def bucket(s3: S3Server) -> str:
+    """A fresh bucket on the session's SeaweedFS: no test depends on what another left."""
+    name = "kuberefit-" + secrets.token_hex(4)
+    s3.client().create_bucket(Bucket=name)
+    return name
 
 
 @pytest.fixture(scope="session")

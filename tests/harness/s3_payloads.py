@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from pydantic import SecretStr
 
 from refit_protocol.commit import AttemptMode
 from refit_protocol.producer_api import AttemptPlan
@@ -42,7 +41,6 @@ from refit_sidecar.receiver.config import ReceiverConfig
 from refit_sidecar.receiver.node import ReceiverNode
 from refit_sidecar.transport.base import Transport
 from refit_sidecar.transport.s3 import (
-    S3Config,
     S3Transport,
     S3TransportConfig,
     attempt_prefix,
@@ -52,7 +50,7 @@ from refit_sidecar.transport.s3 import (
 )
 from tests.harness.operator_env import wait_for
 from tests.harness.receivers import Ctl
-from tests.harness.s3 import S3Server
+from tests.harness.s3 import S3Server, store_config
 from tests.sidecar.receiver.models import TinyModel
 
 BUCKET = "kuberefit-payloads"
@@ -63,14 +61,7 @@ class S3Delivery:
 
     def __init__(self, server: S3Server) -> None:
         """`server` must hold the bucket `BUCKET` (the `payload_s3` fixture's does)."""
-        self.config = S3Config(
-            bucket=BUCKET,
-            prefix="payloads-" + secrets.token_hex(6),
-            endpoint_url=server.endpoint_url,
-            access_key_id=SecretStr(server.access_key),
-            secret_access_key=SecretStr(server.secret_key),
-            addressing_style="path",
-        )
+        self.config = store_config(server, BUCKET, prefix="payloads-" + secrets.token_hex(6))
         self.client: Any = make_client(self.config)
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None

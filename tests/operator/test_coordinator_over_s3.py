@@ -7,7 +7,6 @@ each target; every object an attempt uploaded is gone once it committed."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.transport.s3 import S3Config, S3TransportConfig
 from refit_sidecar.transport.selector import TransportSelector
 from tests.harness.receivers import Cluster, start_cluster
-from tests.harness.s3 import S3Server
+from tests.harness.s3 import S3Server, node_settings, store_config
 from tests.operator.fakes import RecordingSink
 from tests.sidecar.receiver.models import canonical, fingerprint, metas, perturb, read_applied
 
@@ -39,23 +38,8 @@ SEED, TENSORS, NUMEL = 0, 6, 4096
 PREFIX = "refits"
 
 
-@pytest.fixture
-def bucket(s3: S3Server) -> str:
-    name = "coord-" + secrets.token_hex(4)
-    s3.client().create_bucket(Bucket=name)
-    return name
-
-
 def _s3(s3: S3Server, bucket: str) -> S3Config:
-    return S3Config(
-        bucket=bucket,
-        prefix=PREFIX,
-        endpoint_url=s3.endpoint_url,
-        access_key_id=SecretStr(s3.access_key),
-        secret_access_key=SecretStr(s3.secret_key),
-        addressing_style="path",
-        max_attempts=1,
-    )
+    return store_config(s3, bucket, prefix=PREFIX, max_attempts=1)
 
 
 @pytest.fixture
@@ -67,8 +51,7 @@ def cluster(s3: S3Server, bucket: str, tmp_path: Path) -> Iterator[Cluster]:
             "options": {"log_path": str(log), "seed": SEED, "tensors": TENSORS, "numel": NUMEL},
         }
 
-    cfg = _s3(s3, bucket).model_dump(mode="json")
-    cfg["access_key_id"], cfg["secret_access_key"] = s3.access_key, s3.secret_key
+    cfg = node_settings(_s3(s3, bucket))
     (tmp_path / "nodes").mkdir()
     c = start_cluster(tmp_path / "nodes", 2, applier=applier, relay=False, s3=cfg)
     try:

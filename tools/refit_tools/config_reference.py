@@ -100,11 +100,12 @@ def _default(info: FieldInfo) -> str:
     return f"`{json.dumps(shown)}`"
 
 
-def _rows(model: type[BaseModel], prefix: str) -> list[str]:
+def _rows(model: type[BaseModel], prefix: str, note: str = "") -> list[str]:
+    """One row per setting of `model` and of its sections; `note` leads every description."""
     rows: list[str] = []
     for name, info in model.model_fields.items():
         key = f"{prefix}{name}"
-        text = (info.description or "").replace("|", "\\|").replace("\n", " ")
+        text = note + (info.description or "").replace("|", "\\|").replace("\n", " ")
         rows.append(f"| `{key}` | {type_name(info.annotation, info)} | {_default(info)} | {text} |")
         choice = kind_choice(info)
         if choice is not None:
@@ -115,7 +116,7 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
             sub = nested_model(typing.get_args(info.annotation)[0])
             key += "[]"
         if sub is not None:
-            rows += _rows(sub, f"{key}.")
+            rows += _rows(sub, f"{key}.", note)
     return rows
 
 
@@ -125,10 +126,7 @@ def _kind_rows(choice: KindChoice, prefix: str) -> list[str]:
     kinds = ", ".join(f"`{k}`" for k in models)
     rows = [f"| `{prefix}kind` | one of {kinds} | `{choice.default}` | Which section this is. |"]
     for kind, model in models.items():
-        for row in _rows(model, prefix):
-            cells = row.split(" | ")
-            cells[3] = f"(`kind: {kind}`) {cells[3]}"
-            rows.append(" | ".join(cells))
+        rows += _rows(model, prefix, note=f"(`kind: {kind}`) ")
     return rows
 
 

@@ -26,16 +26,14 @@ from pydantic import BaseModel, BeforeValidator, PlainSerializer, SerializationI
 
 from refit_protocol.kit.config_files import KindChoice
 from refit_protocol.kit.tokens import TokenRing
-from refit_protocol.transports import TRANSPORT_KINDS, TransportKind
+from refit_protocol.transports import TransportKind
 from refit_sidecar.transport.base import SendObserver, Transport, TransportSummary
 
 if TYPE_CHECKING:
     from refit_sidecar.transport.plugin import TransportPlugin
 
 __all__ = [
-    "KINDS",
     "PLUGINS",
-    "Kind",
     "SendObserver",
     "SenderSettings",
     "Transport",
@@ -45,9 +43,6 @@ __all__ = [
     "make",
     "plugins",
 ]
-
-Kind = TransportKind
-KINDS: tuple[Kind, ...] = TRANSPORT_KINDS
 
 #: Every kind's plug-in, as "module:Class".
 PLUGINS: dict[str, str] = {
@@ -84,7 +79,7 @@ def for_sender(config: BaseModel) -> TransportPlugin[Any, Any]:
 
 
 def make(
-    kind: Kind,
+    kind: TransportKind,
     config: BaseModel,
     *,
     observer: SendObserver | None = None,

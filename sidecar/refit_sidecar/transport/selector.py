@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from refit_protocol.kit.tokens import TokenRing
 from refit_protocol.producer_api import AttemptPlan
-from refit_sidecar.transport import Kind, for_sender
+from refit_sidecar.transport import for_sender
 from refit_sidecar.transport.base import SendObserver, Transport
 from refit_sidecar.transport.plugin import ReceiverUrls
 
@@ -37,7 +37,6 @@ class TransportSelector:
     ) -> None:
         self.template = template
         self.plugin = for_sender(template)
-        self.kind: Kind = self.plugin.kind  # type: ignore[assignment]
         self._tokens = tokens
         self._receiver_urls = receiver_urls
         self._observer = observer

@@ -4,7 +4,6 @@ apply, stream-end sweep of leftovers, and cleanup that leaves the bucket empty."
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from refit_sidecar.transport.s3 import (
 )
 from tests.harness.operator_env import wait_for
 from tests.harness.receivers import Cluster, start_cluster
-from tests.harness.s3 import S3Server
+from tests.harness.s3 import S3Server, node_settings, store_config
 from tests.sidecar.receiver.models import (
     canonical,
     fingerprint,
@@ -38,21 +37,11 @@ NUMEL = 3 * MIB  # two float32 tensors of 12 MiB: one payload goes multipart (5 
 
 # A bucket and two receiver nodes per test (a few seconds): no test depends on what another
 # left in the bucket or on the version the nodes reached.
-@pytest.fixture
-def bucket(s3: S3Server) -> str:
-    name = "kuberefit-" + secrets.token_hex(4)
-    s3.client().create_bucket(Bucket=name)
-    return name
-
-
 def s3_config(s3: S3Server, bucket: str) -> S3Config:
-    return S3Config(
-        bucket=bucket,
+    return store_config(
+        s3,
+        bucket,
         prefix="payloads",
-        endpoint_url=s3.endpoint_url,
-        access_key_id=SecretStr(s3.access_key),
-        secret_access_key=SecretStr(s3.secret_key),
-        addressing_style="path",
         multipart_threshold=5 * MIB,
         part_size=5 * MIB,
         max_attempts=1,
@@ -68,8 +57,7 @@ def cluster(s3: S3Server, bucket: str, tmp_path: Path) -> Iterator[Cluster]:
             "options": {"log_path": str(log), "tensors": 2, "numel": NUMEL},
         }
 
-    cfg = s3_config(s3, bucket).model_dump(mode="json")
-    cfg["access_key_id"], cfg["secret_access_key"] = s3.access_key, s3.secret_key
+    cfg = node_settings(s3_config(s3, bucket))
     c = start_cluster(tmp_path, 2, applier=applier, relay=False, s3=cfg)
     try:
         c.each(lambda n: n.ctl.prewarm(metas(canonical(0, tensors=2, numel=NUMEL))))

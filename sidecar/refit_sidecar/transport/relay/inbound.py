@@ -92,14 +92,15 @@ class RelayInbound:
 
     # -- RelaySink --------------------------------------------------------------------------------
     def relay_tree(self, attempt: str) -> list[str]:
+        """Read on every frame: the prepare's own list (or the configured one), not a copy."""
         req = self.sink.attempt_request(attempt)
         if req is None:
             return []
-        return list(req.relay_tree) or list(self.config.nodes)
+        return req.relay_tree or self.config.nodes
 
     def relay_mac_tree(self, attempt: str) -> list[str]:
         req = self.sink.attempt_request(attempt)
-        return list(req.relay_mac_tree) if req is not None and req.relay_tree else []
+        return req.relay_mac_tree if req is not None and req.relay_tree else []
 
     def relay_check(self, meta: FrameMeta, *, probe: bool) -> Verdict | None:
         return self.sink.check(ident_of(meta), probe=probe)

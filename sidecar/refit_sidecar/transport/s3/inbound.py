@@ -171,12 +171,13 @@ class S3Inbound:
     async def _stream_end(self, request: web.Request) -> web.Response:
         req = StreamEnd.model_validate_json(await request.read() or b"{}")
         verdict, error = self.sink.end(req.attempt, req.producer, req.total)
-        return self._answer(verdict, error, 200 if verdict is AckStatus.STAGED else None)
+        status = 200 if verdict is AckStatus.STAGED else OFFER_STATUS[verdict]
+        return self._answer(verdict, error, status)
 
-    def _answer(self, verdict: AckStatus, error: str, status: int | None) -> web.Response:
+    def _answer(self, verdict: AckStatus, error: str, status: int) -> web.Response:
         body = ManifestResponse(node=self.sink.node, status=verdict.value, error=error)
         return web.Response(
             body=body.model_dump_json().encode(),
-            status=status if status is not None else OFFER_STATUS[verdict],
+            status=status,
             content_type="application/json",
         )
