@@ -22,9 +22,11 @@ from refit_operator.kube.names import (
     POLICY,
     RELAY_MAC_PORT,
     RELAY_PORT,
+    S3_SETTINGS,
     SERVER_LABEL,
     SIDECAR_CONTAINER,
     TOKEN_VOLUME,
+    TRANSPORT,
 )
 from refit_operator.policy_spec import PolicySpec
 
@@ -51,6 +53,10 @@ class PodView:
     injected: bool = True  # the pod has the sidecar container
     #: The token Secret (name, key) injection mounted, fixed when the pod was created.
     token_secret: tuple[str, str] | None = None
+    #: The transport injection configured the sidecar for (pods injected before the
+    #: annotation existed: zmq) and, for s3, the digest of the store settings.
+    transport: str = "zmq"
+    s3_settings: str = ""
 
     @property
     def server(self) -> str:
@@ -124,6 +130,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         restarts=restarts,
         injected=injected,
         token_secret=_token_secret(spec),
+        transport=str(annotations.get(TRANSPORT) or "zmq"),
+        s3_settings=str(annotations.get(S3_SETTINGS) or ""),
     )
 
 

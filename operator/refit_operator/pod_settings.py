@@ -6,6 +6,9 @@ own settings are read on every transition. A few are fixed for a pod's life, bec
 wrote them into the pod or its sidecar built state from them:
 
 - the token Secret (`spec.tokenSecret`): injection mounted it as a volume;
+- the transport (`spec.transport`) and the store's settings (`spec.s3`): injection wrote them
+  into the sidecars' config, credentials and CA bundle mounts (a rollout pod injected for s3
+  keeps its relay too, so it follows a policy that goes back to zmq);
 - a trainer sidecar's export chunking (`spec.chunkBytes`) and baseline storage
   (`spec.baseline.storage`): its baseline is laid out and kept by them.
 
@@ -51,6 +54,7 @@ def fixed_drift(
             f"spec.tokenSecret is {want[0]} (key {want[1]}); the pod mounts "
             f"{view.token_secret[0]} (key {view.token_secret[1]})"
         )
+    drift += _transport_drift(view, spec)
     if fixed is not None:
         if fixed.chunk_bytes != spec.chunk_bytes:
             drift.append(
@@ -63,6 +67,18 @@ def fixed_drift(
                 f"{fixed.baseline_storage}"
             )
     return drift
+
+
+def _transport_drift(view: PodView, spec: PolicySpec) -> list[str]:
+    store = spec.s3_settings()
+    if store is not None:
+        if view.transport != "s3":
+            return [f"spec.transport is s3; the pod's sidecar was injected for {view.transport}"]
+        if view.s3_settings != store.digest():
+            return ["spec.s3 changed after the pod was created; its sidecar has the old settings"]
+    elif view.role == "trainer" and view.transport != spec.transport:
+        return [f"spec.transport is {spec.transport}; its sidecar sends over {view.transport}"]
+    return []
 
 
 def restart_message(view: PodView, drift: list[str]) -> str:

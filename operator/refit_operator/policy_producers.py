@@ -24,6 +24,8 @@ from refit_protocol.errors import EndpointError
 from refit_protocol.producer_api import ProducerStatus
 
 log = structlog.get_logger("kuberefit.policy")
+#: The Ready reason while a producer's transport cannot send (e.g. credentials refused).
+UNAVAILABLE = "TransportUnavailable"
 
 
 @dataclass
@@ -32,8 +34,9 @@ class ProducerProbe:
 
     #: Clients of producers 0..spec.producers-1 in index order; None until all answer and agree.
     clients: list[HttpProducerClient] | None = None
-    #: Why `clients` is None ("" when it is not).
+    #: Why `clients` is None ("" when it is not), and the Ready condition's reason for it.
     error: str = ""
+    reason: str = "ProducersNotReady"
     #: producer index -> the version it has staged (None: nothing staged).
     candidates: dict[int, int | None] = field(default_factory=dict)
 
@@ -63,6 +66,9 @@ async def probe_producers(
             probe.error = f"trainer pod {pod.name}: {str(exc) or f'no answer within {timeout:g}s'}"
             return probe
         settings_watch.saw(pod, status)
+        if status.transport_problem:
+            probe.error, probe.reason = _transport_problem(pod.name, status, spec), UNAVAILABLE
+            return probe
         statuses[f"trainer pod {pod.name}"] = status
         problem = _disagreement(pod.name, status, spec, clients) or chunking_disagreement(statuses)
         if problem:
@@ -87,6 +93,27 @@ async def probe_producers(
         return probe
     probe.clients = [clients[i] for i in range(spec.producers)]
     return probe
+
+
+def _transport_problem(pod: str, status: ProducerStatus, spec: PolicySpec) -> str:
+    """The producer's own words, and where its credentials and CA come from (the user's fix)."""
+    text = f"trainer pod {pod} cannot send: {status.transport_problem}"
+    if spec.transport != "s3" or spec.s3 is None:
+        return text
+    s3 = spec.s3
+    keys = (
+        f"Secret {s3.credentials_secret} (keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY; read "
+        "when the pod started: recreate it after a change)"
+        if s3.credentials_secret
+        else "the pod's own identity (spec.s3.credentialsSecret is not set)"
+    )
+    ca = s3.ca_bundle
+    trust = (
+        "the sidecar image's trust store (spec.s3.caBundle is not set)"
+        if ca is None
+        else f"{'Secret' if ca.secret else 'ConfigMap'} {ca.secret or ca.config_map} key {ca.key}"
+    )
+    return f"{text}; credentials: {keys}; CA: {trust}"
 
 
 def _disagreement(

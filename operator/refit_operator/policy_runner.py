@@ -347,6 +347,7 @@ class PolicyRunner:
             last_message=message,
             error=self._error,
             producers_error=self._probe.error,
+            producers_reason=self._probe.reason,
             coordinator=self.settings.identity,
             not_injected=tuple(p.name for p in found.not_injected),
             restart_required=self._fixed_settings.current,

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from refit_operator.injection.s3 import CaBundle, S3Settings
 from refit_operator.transition_types import CoordinatorConfig
 from refit_protocol.producer_api import StreamSettings
 from refit_protocol.sizes import AUTO, SizeOrAuto
@@ -61,12 +62,72 @@ class SecretKeyRef(_Spec):
     key: str = "token"
 
 
+class CaBundleRef(_Spec):
+    """Where the PEM of the CA(s) that signed a private store's certificate lives: a key of a
+    ConfigMap or of a Secret in the policy's namespace (exactly one of the two)."""
+
+    config_map: str = ""
+    secret: str = ""
+    key: str = Field("ca.crt", min_length=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> CaBundleRef:
+        if bool(self.config_map) == bool(self.secret):
+            raise ValueError("spec.s3.caBundle names exactly one of configMap and secret")
+        return self
+
+
 class S3Spec(_Spec):
+    """Where payload objects go and how the sidecars reach the store (docs/transports.md)."""
+
     bucket: str = ""
     endpoint_url: str = Field("", alias="endpointUrl")
     region: str = "us-east-1"
     prefix: str = "kuberefit"
+    #: A Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; "" : the pod's own identity.
     credentials_secret: str = ""
+    ca_bundle: CaBundleRef | None = None
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    server_side_encryption: Literal["", "AES256", "aws:kms"] = ""
+    sse_kms_key_id: str = Field("", alias="sseKmsKeyId")
+    allow_insecure: bool = False
+
+    @model_validator(mode="after")
+    def _coherent(self) -> S3Spec:
+        if self.sse_kms_key_id and self.server_side_encryption != "aws:kms":
+            raise ValueError("spec.s3.sseKmsKeyId needs spec.s3.serverSideEncryption: aws:kms")
+        url = self.endpoint_url
+        if url and not url.startswith(("https://", "http://")):
+            raise ValueError(f"spec.s3.endpointUrl must be http(s)://host[:port], got {url!r}")
+        if url.startswith("http://") and not self.allow_insecure:
+            raise ValueError(
+                f"spec.s3.endpointUrl {url} is plain HTTP: credentials and payloads would cross "
+                "the network in clear; use https:// (spec.s3.caBundle for a private CA), or set "
+                "spec.s3.allowInsecure"
+            )
+        return self
+
+    def injected(self) -> S3Settings:
+        """These settings as injection writes them into the sidecars."""
+        ca = self.ca_bundle
+        return S3Settings(
+            bucket=self.bucket,
+            prefix=self.prefix,
+            endpoint_url=self.endpoint_url or None,
+            region=self.region,
+            addressing_style=self.addressing_style,
+            server_side_encryption=self.server_side_encryption,
+            sse_kms_key_id=self.sse_kms_key_id,
+            allow_insecure=self.allow_insecure,
+            credentials_secret=self.credentials_secret,
+            ca_bundle=None
+            if ca is None
+            else CaBundle(
+                source="secret" if ca.secret else "configMap",
+                name=ca.secret or ca.config_map,
+                key=ca.key,
+            ),
+        )
 
 
 class EncodingSpec(_Spec):
@@ -120,13 +181,8 @@ class PolicySpec(_Spec):
 
     @model_validator(mode="after")
     def _cross_field(self) -> PolicySpec:
-        if self.transport == "s3" and (self.s3 is None or not self.s3.bucket):
+        if self.transport == "s3" and (self.s3 is None or len(self.s3.bucket) < 3):
             raise ValueError("spec.s3.bucket is required when spec.transport is s3")
-        if self.transport == "s3":
-            raise ValueError(
-                "spec.transport s3 is not supported by the operator yet: injection does not give "
-                "the sidecars S3 settings, credentials or a CA bundle; use zmq (docs/scope.md)"
-            )
         template = self.restore.checkpoint_template
         if self.verify.every_versions and not template:
             raise ValueError(
@@ -150,6 +206,10 @@ class PolicySpec(_Spec):
             max_attempts=self.max_attempts,
             check_samples=self.post_apply_checks,
         )
+
+    def s3_settings(self) -> S3Settings | None:
+        """What injection gives the sidecars for the store (None unless transport is s3)."""
+        return self.s3.injected() if self.transport == "s3" and self.s3 is not None else None
 
     def stream_settings(self) -> StreamSettings:
         """What every attempt's plan tells the trainer sidecars (they follow the spec)."""

@@ -40,6 +40,7 @@ class Observed:
     last_message: str = ""
     error: str = ""  # the operator's own last failure (e.g. the API server unreachable)
     producers_error: str = ""  # why the running trainer pods cannot be used as producers
+    producers_reason: str = "ProducersNotReady"  # the Ready condition's reason for it
     coordinator: str = ""
     not_injected: tuple[str, ...] = ()  # opted-in pods admitted without the sidecar
     #: "pod: setting ..." for pods holding settings fixed at creation other than the spec's.
@@ -70,7 +71,7 @@ def _ready(o: Observed) -> tuple[bool, str, str]:
             f"({o.trainers} annotated)",
         )
     if o.producers_error:
-        return False, "ProducersNotReady", o.producers_error
+        return False, o.producers_reason, o.producers_error
     if o.rollouts_ready == 0:
         return False, "WaitingForRollouts", f"no rollout pod running ({o.rollouts} annotated)"
     return (

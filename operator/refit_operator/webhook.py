@@ -141,6 +141,7 @@ async def policy_facts(
         producers=spec.producers,
         trainer=trainer,
         token_rotation_grace_s=float(spec.token_rotation_grace_seconds),
+        s3=spec.s3_settings(),
     )
     return PolicyLookup(facts, [])
 

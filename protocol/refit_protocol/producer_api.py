@@ -123,6 +123,9 @@ class ProducerStatus(_Msg):
     #: The stream settings of its last attempt (its own configuration before the first one).
     settings: StreamSettings | None = None
     fixed: FixedSettings | None = None
+    #: Why it could not send now (its transport's last check: e.g. the object store refuses
+    #: its credentials); "" when nothing is known to be wrong.
+    transport_problem: str = ""
 
 
 # -- candidate staging: the trainer process hands its export of a version to its sidecar -------

@@ -25,9 +25,11 @@ from refit_operator.injection import (
     review_response,
 )
 from refit_operator.injection.config import TokenSecretRef
+from refit_operator.policy_spec import parse_spec
 from refit_protocol.pod_contract import VLLM_MIDDLEWARE, VLLM_WORKER_EXTENSION
 from refit_sidecar.producer.main import ProducerProcessConfig
 from refit_sidecar.receiver.config import ReceiverConfig
+from refit_sidecar.transport.s3 import S3TransportConfig
 from tests.harness.pss import read_only_root_violations, restricted_violations
 
 CFG = InjectionConfig()
@@ -74,7 +76,8 @@ def _expand_env(container: dict[str, Any], fields: dict[str, str]) -> dict[str, 
     env: dict[str, str] = {}
     for e in container.get("env", []):
         if "valueFrom" in e:
-            env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+            ref = e["valueFrom"].get("fieldRef")
+            env[e["name"]] = fields[ref["fieldPath"]] if ref else f"<{e['valueFrom']}>"
         else:
             env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), str(e["value"]))
     return env
@@ -577,3 +580,93 @@ def test_other_launchers_name_the_server_and_roles_by_annotation() -> None:
         denied = inject(pod, CFG, POLICY).denied
         assert denied is not None, says
         assert says in denied, denied
+
+
+def _s3_policy(**s3: Any) -> PolicyFacts:
+    spec = parse_spec(
+        {
+            "tokenSecret": {"name": "alpha-token"},
+            "transport": "s3",
+            "s3": {"bucket": "payloads", "endpointUrl": "https://store:8333", **s3},
+        }
+    )
+    return PolicyFacts(
+        exists=True, token_secret=TokenSecretRef(name="alpha-token"), s3=spec.s3_settings()
+    )
+
+
+@pytest.mark.parametrize("role", ["trainer", "rollout"])
+def test_an_s3_policy_gives_both_sidecars_the_store_credentials_and_ca(role: str) -> None:
+    policy = _s3_policy(credentialsSecret="s3-keys", caBundle={"configMap": "store-ca"})
+    container = {"name": "main", "image": "i", "args": ["--port", "8123"]}
+    pod = _applied(_pod(role, [container]), policy)
+    sidecar = _sidecar(pod)
+    env = _expand_env(sidecar, FIELDS)
+    if role == "trainer":
+        config = ProducerProcessConfig.model_validate_json(env["KUBEREFIT_CONFIG"])
+        assert isinstance(config.transport, S3TransportConfig)
+        store = config.transport.s3
+    else:
+        receiver = ReceiverConfig.model_validate_json(env["KUBEREFIT_CONFIG"])
+        assert receiver.relay is not None  # still bound: the policy may go back to zmq
+        store = receiver.s3
+    assert store is not None
+    assert (store.bucket, store.endpoint_url) == ("payloads", "https://store:8333")
+    assert str(store.ca_bundle) == "/etc/kuberefit/s3-ca/ca.crt"
+    assert store.access_key_id is None  # no secret in the config: boto3 reads the env
+    refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in sidecar["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    assert refs == {
+        "AWS_ACCESS_KEY_ID": {"name": "s3-keys", "key": "AWS_ACCESS_KEY_ID"},
+        "AWS_SECRET_ACCESS_KEY": {"name": "s3-keys", "key": "AWS_SECRET_ACCESS_KEY"},
+    }
+    assert "AWS_ACCESS_KEY_ID" not in json.dumps(pod["spec"]["containers"][0])  # sidecar only
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["kuberefit-s3-ca"]["configMap"]["name"] == "store-ca"
+    assert {"name": "kuberefit-s3-ca", "mountPath": "/etc/kuberefit/s3-ca", "readOnly": True} in (
+        sidecar["volumeMounts"]
+    )
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["kuberefit.io/transport"] == "s3"
+    assert annotations["kuberefit.io/s3-settings"] == policy.s3.digest()  # type: ignore[union-attr]
+    assert restricted_violations(pod) == []
+
+
+def test_without_a_credentials_secret_the_pods_cloud_identity_reaches_the_sidecar() -> None:
+    token = "/var/run/secrets/eks.amazonaws.com/serviceaccount/token"
+    trainer = {
+        "name": "train",
+        "image": "t",
+        "env": [
+            {"name": "AWS_ROLE_ARN", "value": "arn:aws:iam::1:role/refit"},
+            {"name": "AWS_WEB_IDENTITY_TOKEN_FILE", "value": token},
+            {"name": "HOME", "value": "/home/t"},
+        ],
+        "volumeMounts": [
+            {
+                "name": "aws-iam-token",
+                "mountPath": "/var/run/secrets/eks.amazonaws.com/serviceaccount",
+            }
+        ],
+    }
+    pod = _applied(_pod("trainer", [trainer]), _s3_policy())
+    sidecar = _sidecar(pod)
+    env = _expand_env(sidecar, FIELDS)
+    assert env["AWS_ROLE_ARN"] == "arn:aws:iam::1:role/refit"
+    assert env["AWS_WEB_IDENTITY_TOKEN_FILE"] == token
+    assert "HOME" not in env
+    assert "AWS_ACCESS_KEY_ID" not in env
+    assert {
+        "name": "aws-iam-token",
+        "mountPath": "/var/run/secrets/eks.amazonaws.com/serviceaccount",
+        "readOnly": True,
+    } in sidecar["volumeMounts"]
+    # A token file the sidecar could not read is refused, with the fix.
+    del trainer["volumeMounts"]
+    result = inject(_pod("trainer", [trainer]), CFG, _s3_policy())
+    assert result.denied is not None
+    assert "under none of its volume mounts" in result.denied
+    assert "spec.s3.credentialsSecret" in result.denied

@@ -3,6 +3,7 @@ dicts and producer reports): what is reported, once per pod and difference."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from refit_operator.discovery import PodView, pod_view
@@ -112,3 +113,25 @@ def test_a_sidecar_of_the_previous_release_gets_no_settings_and_is_named() -> No
     (reported,) = watch.check([old, new], _spec())
     assert reported[0].name == "t0"
     assert "predates settings that follow the policy" in reported[1]
+
+
+def test_a_pod_injected_for_another_transport_or_store_is_reported() -> None:
+    s3 = {"transport": "s3", "s3": {"bucket": "payloads", "endpointUrl": "https://s:1"}}
+    spec = _spec(**s3)
+    store = spec.s3_settings()
+    assert store is not None
+    trainer = _view("t0")  # injected before the annotation existed: the relay tree
+    assert fixed_drift(trainer, spec, DEFAULTS) == [
+        "spec.transport is s3; the pod's sidecar was injected for zmq"
+    ]
+    same = replace(trainer, transport="s3", s3_settings=store.digest())
+    assert fixed_drift(same, spec, DEFAULTS) == []
+    moved = _spec(transport="s3", s3={"bucket": "payloads", "endpointUrl": "https://s:2"})
+    assert fixed_drift(same, moved, DEFAULTS) == [
+        "spec.s3 changed after the pod was created; its sidecar has the old settings"
+    ]
+    # Back to the relay tree: a trainer must be recreated, a rollout pod still has its relay.
+    assert fixed_drift(same, _spec(), DEFAULTS) == [
+        "spec.transport is zmq; its sidecar sends over s3"
+    ]
+    assert fixed_drift(replace(same, role="rollout"), _spec(), None) == []

@@ -90,3 +90,26 @@ async def test_the_probe_names_what_disagrees(statuses: list[ProducerStatus], pr
     assert [c.producer for c in probe.clients] == [0, 1]  # index order, whatever pod order
     staged = [s.candidate_version for s in statuses]
     assert probe.all_staged(5) == (staged == [5, 5])
+
+
+async def test_a_producer_that_cannot_send_is_named_with_its_credentials_source() -> None:
+    """A trainer sidecar whose store refuses its keys reports it in its status; the policy's
+    Ready condition then says so, with the Secret the keys came from (the user's fix)."""
+    spec = parse_spec(
+        {
+            "tokenSecret": {"name": "t"},
+            "producers": 2,
+            "transport": "s3",
+            "s3": {"bucket": "payloads", "credentialsSecret": "s3-keys"},
+        }
+    )
+    refused = "S3 bucket payloads at AWS us-east-1 refuses the credentials (InvalidAccessKeyId)"
+    async with aiohttp.ClientSession() as session:
+        async for found in fake_status_sidecars([status(0), status(1, transport_problem=refused)]):
+            probe = await probe_producers(
+                session, found, spec, "token", RECORD, FixedSettingsWatch()
+            )
+    assert probe.clients is None
+    assert probe.reason == "TransportUnavailable"
+    assert probe.error.startswith(f"trainer pod trainer-1 cannot send: {refused}")
+    assert "Secret s3-keys" in probe.error

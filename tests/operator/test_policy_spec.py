@@ -34,7 +34,15 @@ def test_defaults_map_to_the_coordinator() -> None:
     [
         ({"transport": "s3"}, "spec.s3.bucket is required when spec.transport is s3"),
         ({"transport": "s3", "s3": {"region": "x"}}, "spec.s3.bucket"),
-        ({"transport": "s3", "s3": {"bucket": "b"}}, "spec.transport s3 is not supported"),
+        ({"transport": "s3", "s3": {"bucket": "b"}}, "spec.s3.bucket is required"),
+        (
+            {"s3": {"endpointUrl": "http://store:8333"}},
+            "spec.s3.endpointUrl http://store:8333 is plain HTTP",
+        ),
+        ({"s3": {"endpointUrl": "store:8333"}}, "spec.s3.endpointUrl must be http"),
+        ({"s3": {"sseKmsKeyId": "k"}}, "spec.s3.sseKmsKeyId needs"),
+        ({"s3": {"caBundle": {"key": "ca.pem"}}}, "spec.s3.caBundle names exactly one"),
+        ({"s3": {"caBundle": {"secret": "a", "configMap": "b"}}}, "spec.s3.caBundle names"),
         ({"restore": {"checkpointTemplate": "/ckpt/latest"}}, "spec.restore.checkpointTemplate"),
         ({"maxAttempts": 0}, "spec.maxAttempts"),
         ({"encoding": {"zstdLevel": 40}}, "spec.encoding.zstdLevel"),
@@ -48,6 +56,42 @@ def test_defaults_map_to_the_coordinator() -> None:
 def test_errors_name_the_field(spec: dict[str, object], names: str) -> None:
     with pytest.raises(SpecError, match=names.replace(".", r"\.")):
         parse_spec({**TOKEN, **spec})
+
+
+def test_an_s3_policy_gives_injection_the_store_without_secrets() -> None:
+    spec = parse_spec(
+        {
+            **TOKEN,
+            "transport": "s3",
+            "s3": {
+                "bucket": "payloads",
+                "endpointUrl": "https://store.example:8333",
+                "credentialsSecret": "s3-keys",
+                "caBundle": {"configMap": "store-ca"},
+                "addressingStyle": "path",
+                "serverSideEncryption": "aws:kms",
+                "sseKmsKeyId": "alias/refit",
+            },
+        }
+    )
+    assert spec.coordinator_config().relay_tree is False  # receivers download, no tree
+    settings = spec.s3_settings()
+    assert settings is not None
+    store = settings.store()
+    assert store["ca_bundle"] == "/etc/kuberefit/s3-ca/ca.crt"
+    assert store["endpoint_url"] == "https://store.example:8333"
+    assert (store["server_side_encryption"], store["sse_kms_key_id"]) == ("aws:kms", "alias/refit")
+    assert "credentials_secret" not in store
+    assert "access_key_id" not in store
+    # What the sidecar is given must be a valid S3Config of the sidecar (same field names).
+    from refit_sidecar.transport.s3 import S3Config
+
+    assert S3Config.model_validate(store).bucket == "payloads"
+    # The digest names the settings: any change is a different digest (RestartRequired).
+    other = parse_spec({**TOKEN, "transport": "s3", "s3": {"bucket": "payloads"}})
+    assert other.s3_settings() is not None
+    assert settings.digest() != other.s3_settings().digest()  # type: ignore[union-attr]
+    assert parse_spec({**TOKEN, "s3": {"bucket": "payloads"}}).s3_settings() is None  # zmq
 
 
 def test_token_secret_is_required() -> None:

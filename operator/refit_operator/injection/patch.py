@@ -50,6 +50,7 @@ from refit_operator.injection.resources import (
     restricted,
     sidecar_resources,
 )
+from refit_operator.injection.s3 import CA_VOLUME, S3Settings
 from refit_operator.injection.server import ServerRole, server_role
 from refit_operator.injection.vllm_launch import LaunchRefusedError, VllmWiring, wire_vllm
 from refit_operator.kube.names import (
@@ -64,10 +65,12 @@ from refit_operator.kube.names import (
     RELAY_MAC_PORT,
     RELAY_PORT,
     ROLE_LABEL,
+    S3_SETTINGS,
     SERVER_LABEL,
     SHM_SIZE_LIMIT,
     SIDECAR_CONTAINER,
     TOKEN_VOLUME,
+    TRANSPORT,
 )
 from refit_protocol.pod_contract import (
     CONFIG_ENV,
@@ -137,6 +140,12 @@ class PolicyFacts:
     trainer: TrainerSettings | None = None
     #: `spec.tokenRotationGraceSeconds`: how long every sidecar keeps sending a rotated token.
     token_rotation_grace_s: float = 300.0
+    #: `spec.s3` when `spec.transport` is s3 (None: the relay tree, zmq).
+    s3: S3Settings | None = None
+
+    @property
+    def transport(self) -> str:
+        return "s3" if self.s3 is not None else "zmq"
 
 
 #: A regular-container trainer sidecar exits with its trainer where the pod ends (a Job's):
@@ -227,7 +236,7 @@ def _build(
         raise InjectionRefusedError(f"an init container is named {SIDECAR_CONTAINER}: rename it")
     if _has_container(BUNDLE_INIT, spec.init_containers, spec.containers):
         raise InjectionRefusedError(f"a container is named {BUNDLE_INIT}: rename it")
-    clash = existing & {WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME, BUNDLE_VOLUME, TMP_VOLUME}
+    clash = existing & {WORK_VOLUME, SHM_VOLUME, TOKEN_VOLUME, BUNDLE_VOLUME, TMP_VOLUME, CA_VOLUME}
     if clash:
         raise InjectionRefusedError(f"the pod already has volume(s) {sorted(clash)}: rename them")
     token_file = f"{cfg.token_dir}/{policy.token_secret.key}"
@@ -255,8 +264,13 @@ def _build(
         paired_env = list(wiring.env)
     bundle = role == "rollout"
     paired_env += [_env(TOKEN_FILE_ENV, token_file)]
+    marks = {INJECTED: role, TRANSPORT: policy.transport}
+    if policy.s3 is not None:
+        sidecar["env"] += policy.s3.env(paired)
+        sidecar["volumeMounts"] += policy.s3.mounts(paired)
+        marks[S3_SETTINGS] = policy.s3.digest()
     ops: list[Obj] = []
-    ops += _merge_map(meta.annotations, "/metadata/annotations", {INJECTED: role})
+    ops += _merge_map(meta.annotations, "/metadata/annotations", marks)
     labels = {ROLE_LABEL: role}
     if _label_value_ok(policy_name):
         labels[POLICY_LABEL] = policy_name
@@ -264,7 +278,9 @@ def _build(
         labels[SERVER_LABEL] = server.server
     ops += _merge_map(meta.labels, "/metadata/labels", labels)
     shm_limit = annotated_quantity(annotations, SHM_SIZE_LIMIT, cfg.shm_size_limit)
-    ops += _append(spec.volumes, "/spec/volumes", _volumes(shm_limit, policy.token_secret, bundle))
+    volumes = _volumes(shm_limit, policy.token_secret, bundle)
+    volumes += policy.s3.volumes() if policy.s3 is not None else []
+    ops += _append(spec.volumes, "/spec/volumes", volumes)
     have = {r.name for r in spec.image_pull_secrets or []}
     pull = [{"name": n} for n in cfg.image_pull_secrets if n not in have]
     ops += _append(spec.image_pull_secrets, "/spec/imagePullSecrets", pull)
@@ -378,6 +394,8 @@ def _receiver(
         },
         "applier": applier | {"shm_dir": cfg.shm_dir},
     }
+    if policy.s3 is not None:  # the relay stays bound: it receives if the policy goes back to zmq
+        settings["s3"] = policy.s3.store()
     if server is not None:
         settings["server"] = server.server
     ports = [
@@ -412,6 +430,8 @@ def _producer(
         "baseline": {"directory": f"{cfg.work_dir}/baseline", **from_policy.get("baseline", {})},
         "staging": staging,
     }
+    if policy.s3 is not None:
+        settings["transport"] = {"kind": "s3", "s3": policy.s3.store()}
     if exit_with_trainer != "no":
         settings["exit_with_trainer"] = exit_with_trainer
     ports = [{"name": CONTROL_PORT, "containerPort": cfg.ports.producer, "protocol": "TCP"}]

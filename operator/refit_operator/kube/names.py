@@ -34,6 +34,10 @@ SHM_SIZE_LIMIT = "kuberefit.io/shm-size-limit"
 #: Written by injection: the marker annotation (its value is the role injected) and the labels
 #: NetworkPolicies select on (annotations cannot be selected).
 INJECTED = "kuberefit.io/injected"
+#: Written by injection: the transport the pod's sidecar was configured for, and for s3 a
+#: digest of the store settings (both fixed for the pod's life; a policy change is reported).
+TRANSPORT = "kuberefit.io/transport"
+S3_SETTINGS = "kuberefit.io/s3-settings"
 ROLE_LABEL, POLICY_LABEL = "kuberefit.io/role", "kuberefit.io/policy"
 #: On the operator's own pods; the webhook configuration never selects them.
 COMPONENT_LABEL = "kuberefit.io/component"

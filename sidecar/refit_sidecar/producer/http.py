@@ -204,6 +204,7 @@ def producer_status(service: ProducerService) -> ProducerStatus:
         baseline_ready=service.baseline_ready,
         baseline_fingerprint=service.baseline_fingerprint,
         settings=service.settings,
+        transport_problem=service.transport_problem(),
         fixed=FixedSettings(
             chunk_bytes=b.config.export_chunk_bytes,
             baseline_storage="memory" if b.config.in_memory else "file",

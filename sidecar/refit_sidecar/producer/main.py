@@ -189,7 +189,9 @@ def build(
         staging=config.staging,
         observer=observer,
         mac_key=lambda: mac_key_of(tokens),  # the sending token's, when an attempt starts
+        medium=transports,
     )
+    transports.problem()  # the first check of the medium starts now, in the background
     return ProducerProcess(baseline, service, transports, tokens)
 
 

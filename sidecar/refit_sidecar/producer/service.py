@@ -53,7 +53,7 @@ from refit_sidecar.trainer.errors import (
     VersionMismatchError,
 )
 from refit_sidecar.trainer.manifest import from_wire, require_same_layout
-from refit_sidecar.transport.base import AbandoningTransport, Transport
+from refit_sidecar.transport.base import AbandoningTransport, Transport, TransportMedium
 
 log = structlog.get_logger("kuberefit.producer")
 
@@ -91,6 +91,7 @@ class ProducerService:
         observer: ProducerObserver | None = None,
         mac_key: bytes | Callable[[], bytes | None] | None = None,
         metrics: ProducerMetrics | None = None,
+        medium: TransportMedium | None = None,
     ) -> None:
         """`transport` is one transport, or a factory choosing it per attempt (e.g. the relay
         tree's root for this producer, which can change when membership does). `staging`
@@ -100,7 +101,8 @@ class ProducerService:
         (`refit_protocol.keys.payload_mac_key` of the policy's token), or with what it returns
         when an attempt starts (the sending token's key, which a rotation changes).
         `metrics`: where attempts, bytes and stage times are counted (default: a registry of
-        its own, served on `/metrics`)."""
+        its own, served on `/metrics`). `medium`: the transport kind's checks and cleanup
+        beyond one attempt (`TransportSelector`)."""
         self.baseline = baseline
         if isinstance(transport, Transport):
             fixed = transport
@@ -108,6 +110,7 @@ class ProducerService:
         else:
             self._transport_for = transport
         self.config = config
+        self.medium = medium
         #: The stream settings of the last attempt (`settings`), once one was started.
         self._last_settings: StreamSettings | None = None
         self.committed = committed or CommitRecord(0, "initial")
@@ -268,6 +271,12 @@ class ProducerService:
             transport = self._transports.pop(attempt, None)
         if transport is not None:
             await asyncio.to_thread(transport.cleanup, attempt)
+        elif self.medium is not None:  # restarted since the attempt: its objects may remain
+            await asyncio.to_thread(self.medium.leftovers, attempt)
+
+    def transport_problem(self) -> str:
+        """Why this producer could not send now ("" : nothing known), for its status."""
+        return self.medium.problem() if self.medium is not None else ""
 
     async def update_baseline(self, attempt: str, record: CommitRecord) -> None:
         """Commit the pending bits named by `record`; repeating it is a no-op."""

@@ -34,6 +34,7 @@ from typing import TypeVar
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from refit_protocol.kit.answers import read_answer
 from refit_protocol.kit.auth import bearer_header, open_ring
 from refit_protocol.kit.config_files import ConfigPath
 from refit_protocol.pod_contract import INBOX_ENV, PRODUCER_URL_ENV
@@ -382,7 +383,7 @@ class Publisher:
         self._presence.announce()  # the sidecar answers: its inbox exists by now
         if out is None:
             return None  # type: ignore[return-value]
-        return out.model_validate_json(raw)
+        return read_answer(out, raw)  # a newer sidecar's added fields are ignored
 
 
 def _refusal(url: str, exc: urllib.error.HTTPError) -> StagingError:

@@ -76,3 +76,16 @@ class AbandoningTransport(Transport, Protocol):
     def abandon(self, attempt: str) -> None:
         """Stop sending for `attempt` and fail its unacknowledged sends now."""
         ...
+
+
+class TransportMedium(Protocol):
+    """What a producer asks of its transport kind beyond one attempt's transport
+    (`TransportSelector`)."""
+
+    def problem(self) -> str:
+        """Why nothing could be sent now ("" : nothing known to be wrong)."""
+        ...
+
+    def leftovers(self, attempt: str) -> None:
+        """Delete what `attempt` left in the medium; idempotent."""
+        ...

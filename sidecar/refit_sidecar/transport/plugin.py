@@ -93,6 +93,16 @@ class TransportPlugin(ABC, Generic[SenderT, ReceiverT]):
     def inbound(self, settings: ReceiverT, sink: PayloadSink, context: InboundContext) -> Inbound:
         """The node's receiving side (not started)."""
 
+    def probe(self, template: SenderT) -> str:
+        """Why a producer configured with `template` cannot send ("": it can, as far as a
+        cheap check shows); reported in its status, so the operator names the cause. Kinds
+        whose medium needs no credentials check nothing."""
+        return ""
+
+    def leftovers(self, template: SenderT, attempt: str) -> None:
+        """Delete what `attempt` left in a shared medium (objects), for a producer that no
+        longer holds the attempt's transport (restarted since). Idempotent."""
+
     def listen_hosts(self, settings: ReceiverT) -> list[str]:
         """Hosts the inbound listens on besides the node's HTTP plane: the node refuses to
         start without a token unless every one is loopback."""

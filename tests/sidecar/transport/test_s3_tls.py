@@ -13,7 +13,8 @@ import botocore.exceptions
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from refit_sidecar.transport.s3 import S3Config, make_client, upload_payload
+from refit_sidecar.transport.s3 import S3Config, S3TransportConfig, make_client, upload_payload
+from refit_sidecar.transport.selector import TransportSelector
 from tests.harness.pki import TestCA
 from tests.harness.s3 import S3Server, start_s3
 from tests.sidecar.receiver.models import canonical, payloads, perturb
@@ -98,3 +99,32 @@ def test_ca_bundle_must_exist(tmp_path: Path) -> None:
     cfg = S3Config(bucket="bbb", ca_bundle=tmp_path / "missing.pem")
     with pytest.raises(ValueError, match=r"missing\.pem"):
         make_client(cfg)
+
+
+def test_a_producers_store_check_names_what_to_fix_and_leftovers_are_deleted(
+    tls_s3: S3Server,
+) -> None:
+    """What the operator shows in the policy's Ready condition comes from this check (the
+    producer's status), run against the real store: refused keys, an untrusted certificate, a
+    missing bucket each say so; a working store says nothing. A producer restarted since an
+    attempt still deletes that attempt's objects."""
+    good = _config(tls_s3, ca_bundle=tls_s3.ca_bundle, bucket="check-payloads")
+    make_client(good).create_bucket(Bucket=good.bucket)
+
+    def problem(cfg: S3Config) -> str:
+        selector = TransportSelector(S3TransportConfig(s3=cfg))
+        found = selector.check_now()  # what `problem()` runs in the background
+        assert selector.problem() == found
+        return found
+
+    assert problem(good) == ""
+    wrong = good.model_copy(update={"secret_access_key": SecretStr("not-the-secret")})
+    assert "refuses the credentials" in problem(wrong)
+    assert "certificate is not trusted" in problem(good.model_copy(update={"ca_bundle": None}))
+    assert "does not exist" in problem(good.model_copy(update={"bucket": "no-such-bucket"}))
+    client = make_client(good)
+    for key in ("kuberefit/a-1/p0/1.krp", "kuberefit/a-1/p1/2.krp", "kuberefit/a-2/p0/1.krp"):
+        client.put_object(Bucket=good.bucket, Key=key, Body=b"x")
+    TransportSelector(S3TransportConfig(s3=good)).leftovers("a-1")
+    listed = client.list_objects_v2(Bucket=good.bucket)
+    assert [o["Key"] for o in listed.get("Contents", [])] == ["kuberefit/a-2/p0/1.krp"]

@@ -10,7 +10,13 @@ from refit_sidecar.transport.inbound import Inbound, PayloadSink
 from refit_sidecar.transport.plugin import InboundContext, ReceiverUrls, TransportPlugin
 from refit_sidecar.transport.s3.inbound import MANIFEST_PATH, STREAM_END_PATH, S3Inbound
 from refit_sidecar.transport.s3.sender import S3Transport, S3TransportConfig
-from refit_sidecar.transport.s3.store import S3Config
+from refit_sidecar.transport.s3.store import (
+    S3Config,
+    attempt_prefix,
+    delete_prefix,
+    make_client,
+    store_problem,
+)
 
 
 class S3Plugin(TransportPlugin[S3TransportConfig, S3Config]):
@@ -50,6 +56,13 @@ class S3Plugin(TransportPlugin[S3TransportConfig, S3Config]):
 
     def at(self, template: S3TransportConfig, destination: str) -> S3TransportConfig:
         return template.model_copy(update={"receivers": destination.split()})
+
+    def probe(self, template: S3TransportConfig) -> str:
+        return store_problem(template.s3)
+
+    def leftovers(self, template: S3TransportConfig, attempt: str) -> None:
+        cfg = template.s3
+        delete_prefix(make_client(cfg), cfg.bucket, attempt_prefix(cfg, attempt))
 
     def inbound(self, settings: S3Config, sink: PayloadSink, context: InboundContext) -> Inbound:
         return S3Inbound(settings, sink, context)

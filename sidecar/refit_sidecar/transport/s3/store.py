@@ -139,6 +139,41 @@ def make_client(cfg: S3Config) -> Any:
     )
 
 
+#: Error codes of a store that does not accept the credentials (HeadBucket answers bare 403).
+DENIED = frozenset(
+    {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
+)
+
+
+def store_problem(cfg: S3Config) -> str:
+    """Why the bucket cannot be used with these settings ("" : HeadBucket succeeded). Names
+    the cause a user fixes: the credentials, the CA, the bucket, the endpoint."""
+    import botocore.exceptions
+
+    where = f"S3 bucket {cfg.bucket} at {cfg.endpoint_url or f'AWS {cfg.region}'}"
+    try:
+        make_client(cfg).head_bucket(Bucket=cfg.bucket)
+    except botocore.exceptions.ClientError as exc:
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code") or "")
+        if code in DENIED:
+            return (
+                f"{where} refuses the credentials ({code}): check the access key and secret, "
+                "or the pod's cloud identity"
+            )
+        if code in ("404", "NoSuchBucket"):
+            return f"{where} does not exist: create it (KubeRefit never creates buckets)"
+        return f"{where}: {code} {error.get('Message') or ''}".rstrip()
+    except botocore.exceptions.SSLError:
+        return (
+            f"{where}: the endpoint's certificate is not trusted (a private CA needs its "
+            "bundle: s3.ca_bundle)"
+        )
+    except (botocore.exceptions.BotoCoreError, ValueError) as exc:
+        return f"{where}: {type(exc).__name__}: {str(exc)[:300]}"
+    return ""
+
+
 def attempt_prefix(cfg: S3Config, attempt: str) -> str:
     return f"{cfg.prefix.strip('/')}/{quote(attempt, safe='')}/"
 

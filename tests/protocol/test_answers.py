@@ -1,0 +1,45 @@
+"""An older client reads a newer peer's answer: the fields it does not know, at any depth, are
+dropped; what it knows is validated as strictly as ever."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from refit_protocol.kit.answers import read_answer
+from refit_protocol.producer_api import ProducerStatus
+
+
+def _newer_status(**extra: object) -> bytes:
+    status = ProducerStatus(
+        producer=1,
+        committed_version=4,
+        committed_baseline="g-4",
+        settings={"zstd_level": 3, "shuffle": False, "bucket_bytes": "auto"},  # type: ignore[arg-type]
+        fixed={"chunk_bytes": "auto", "baseline_storage": "file"},  # type: ignore[arg-type]
+    ).model_dump(mode="json")
+    status["added_in_a_later_release"] = {"anything": [1, 2]}
+    status["settings"]["a_later_codec_knob"] = 7
+    status["fixed"]["a_later_fixed_setting"] = "x"
+    return json.dumps(status | extra).encode()
+
+
+def test_fields_a_newer_sidecar_adds_are_ignored_at_every_depth() -> None:
+    raw = _newer_status()
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        ProducerStatus.model_validate_json(raw)  # what a strict read would do
+    status = read_answer(ProducerStatus, raw)
+    assert (status.producer, status.committed_version) == (1, 4)
+    assert status.settings is not None
+    assert status.settings.zstd_level == 3
+    assert status.fixed is not None
+    assert status.fixed.baseline_storage == "file"
+
+
+def test_known_fields_are_still_validated() -> None:
+    with pytest.raises(ValidationError, match="committed_version"):
+        read_answer(ProducerStatus, _newer_status(committed_version="four"))
+    with pytest.raises(ValidationError, match="producer"):
+        read_answer(ProducerStatus, json.dumps({"committed_version": 1}))
