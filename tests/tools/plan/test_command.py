@@ -87,12 +87,25 @@ def test_missing_or_doubled_inputs_are_usage_errors(tmp_path: Path) -> None:
     assert "total_size" in refused.output
 
 
-def test_s3_without_an_s3_calibration_is_refused_clearly() -> None:
-    result = run(*BASE, "--transport", "s3")
+def test_s3_without_an_s3_calibration_is_refused_clearly(tmp_path: Path) -> None:
+    without = tmp_path / "no-s3.json"
+    cal.write(cal.load().model_copy(update={"s3_upload": None, "s3_download": None}), without)
+    result = run(*BASE, "--transport", "s3", "--calibration", str(without))
     assert result.exit_code == 2
     assert "--transport" in result.output
     assert "s3 is not calibrated" in result.output
     assert "kuberefit bench transport" in result.output
+
+
+def test_the_shipped_calibration_projects_s3_from_a_measured_bench() -> None:
+    shipped = cal.load()
+    assert shipped.s3_upload is not None
+    assert shipped.s3_download is not None
+    assert shipped.s3_upload.kind == shipped.s3_download.kind == "measured"
+    assert shipped.s3_upload.sources[0].startswith("transport-")
+    result = run(*BASE, "--transport", "s3")
+    assert result.exit_code == 0, result.output
+    assert "s3 is not calibrated" not in result.output
 
 
 def test_json_has_the_breakdown_and_the_bounding_stage() -> None:
@@ -432,7 +445,8 @@ def test_a_relay_hop_that_bounds_fan_out_is_said(tmp_path: Path) -> None:
     assert measured["relay hop, MAC-only"]["value"] > measured["relay hop"]["value"]
     # Encrypted links inside the cluster: the encrypted hop bounds the fan-out, more slowly.
     encrypted = run(*BASE, "--intra-cluster", "encrypted")
-    assert HOP_NOTE.replace("0.758 GB/s MAC-only", "0.385 GB/s") in encrypted.output.splitlines()
+    hop = f"{cal.load().relay_hop.value / 1e9:.3g} GB/s"  # type: ignore[union-attr]
+    assert HOP_NOTE.replace("0.758 GB/s MAC-only", hop) in encrypted.output.splitlines()
     slower = _figures(*BASE, "--intra-cluster", "encrypted")
     assert "relay hop, MAC-only" not in slower
     assert slower["stage: fan-out"]["value"] > measured["stage: fan-out"]["value"]

@@ -496,6 +496,9 @@ def _summary(calibration: Any) -> str:
         "startup_fixed_s",
         "relay_hop",
         "relay_hop_payload_s",
+        "relay_hop_mac",
+        "s3_upload",
+        "s3_download",
     ):
         fig = getattr(calibration, field)
         lines.append(
