@@ -154,10 +154,13 @@ def test_demo_recovers_from_killed_nodes_bit_exactly(tmp_path: Path) -> None:
     _check_against_own_dense_load(summary, tmp_path, nodes=2)
 
 
-@pytest.mark.timeout(DEMO_TIMEOUT_S + COLD_START_TIMEOUT_S + 60)
+@pytest.mark.timeout(DEMO_TIMEOUT_S + 60)
 def test_demo_over_s3_in_async_mode(tmp_path: Path) -> None:
     """The same local deployment with payloads through a real SeaweedFS S3 server, async RL
-    (staged while the engines serve), and one node SIGKILLed mid-refit."""
+    (staged while the engines serve), and one node SIGKILLed mid-refit. The demo's own dense
+    comparison (`bit_mismatches`) is the check here: the test above holds that comparison to
+    this test's independent cold start, and S3 through the operator is checked against a dense
+    load by the Helm journey's S3 test."""
     out = subprocess.run(
         [
             sys.executable,
@@ -191,4 +194,3 @@ def test_demo_over_s3_in_async_mode(tmp_path: Path) -> None:
     assert summary["retries"] >= 1
     assert summary["manual_interventions"] == 0
     assert all(0 < r["wire_bytes"] < r["checkpoint_bytes"] / 10 for r in summary["transitions"])
-    _check_against_own_dense_load(summary, tmp_path, nodes=2)
