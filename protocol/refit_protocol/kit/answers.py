@@ -48,9 +48,7 @@ def _known(annotation: Any, value: Any) -> Any:
         _, inner = get_args(annotation) or (Any, Any)
         return {k: _known(inner, v) for k, v in value.items()}
     if origin in (Union, types.UnionType) and isinstance(value, dict):
-        models = [
-            a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)
-        ]
+        models = [a for a in get_args(annotation) if _is_model(a)]
         if len(models) == 1:  # `Model | None`; a union of models is left to validation
             return known_fields(models[0], value)
     return value
