@@ -17,6 +17,7 @@ from refit_protocol.errors import (
     ErrorBody,
     PeerAuthenticationError,
 )
+from refit_protocol.kit.answers import read_answer
 from refit_protocol.kit.auth import bearer_header
 from refit_protocol.kit.tokens import TokenRing, as_ring
 from refit_protocol.producer_api import (
@@ -74,7 +75,7 @@ class HttpProducerClient:
                     err = ErrorBody.parse(raw, resp.status).error
                     error = PeerAuthenticationError if resp.status in (401, 403) else EndpointError
                     raise error(f"producer {self.producer}{path}: HTTP {resp.status}: {err}")
-                return out.model_validate_json(raw)
+                return read_answer(out, raw)  # a newer sidecar's added fields are ignored
         except aiohttp.ClientError as exc:
             raise EndpointError(f"producer {self.producer}{path}: {exc}") from exc
 

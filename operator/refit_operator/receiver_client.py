@@ -13,6 +13,7 @@ import aiohttp
 from pydantic import BaseModel
 
 from refit_protocol.errors import EndpointError, ErrorBody, PeerAuthenticationError
+from refit_protocol.kit.answers import read_answer
 from refit_protocol.kit.auth import bearer_header
 from refit_protocol.kit.tokens import TokenRing, as_ring
 from refit_protocol.receiver_api import (
@@ -96,7 +97,7 @@ class ReceiverHttpClient:
                     parsed = ErrorBody.parse(raw, resp.status)
                     error = ReceiverAuthError if resp.status in (401, 403) else ReceiverHttpError
                     raise error(self.node, path, resp.status, parsed)
-                return out.model_validate_json(raw)
+                return read_answer(out, raw)  # a newer sidecar's added fields are ignored
         except aiohttp.ClientError as exc:
             raise EndpointError(f"{self.node}{path}: {type(exc).__name__}: {exc}") from exc
 

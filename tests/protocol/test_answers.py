@@ -43,3 +43,8 @@ def test_known_fields_are_still_validated() -> None:
         read_answer(ProducerStatus, _newer_status(committed_version="four"))
     with pytest.raises(ValidationError, match="producer"):
         read_answer(ProducerStatus, json.dumps({"committed_version": 1}))
+
+
+def test_what_is_not_json_is_refused_as_before() -> None:
+    with pytest.raises(ValidationError, match="Invalid JSON"):
+        read_answer(ProducerStatus, b"<html>502 Bad Gateway</html>")

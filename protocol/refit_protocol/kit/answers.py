@@ -1,7 +1,7 @@
 """Reading a newer peer's answers: fields this release does not know are dropped, not refused.
 
 The user's trainer image pins its own `kuberefit[trainer]`; the sidecar next to it comes with
-the chart and may be newer. Requests stay strict (a peer refuses what it does not know), but an
+the chart and may be newer (so may the sidecars an operator talks to after a chart rollback). Requests stay strict (a peer refuses what it does not know), but an
 answer from an authenticated peer that only adds fields must not break an older client, as a
 Kubernetes client ignores fields a newer API server adds.
 """
@@ -19,8 +19,13 @@ M = TypeVar("M", bound=BaseModel)
 
 def read_answer(model: type[M], raw: bytes | str) -> M:
     """`raw` (JSON) as `model`, unknown fields at any depth of its models dropped; everything
-    else is validated as strictly as `model` says."""
-    return model.model_validate(known_fields(model, json.loads(raw)))
+    else is validated as strictly as `model` says (what is not JSON raises pydantic's
+    ValidationError, as `model_validate_json` would)."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return model.model_validate_json(raw)  # raises, naming what is wrong
+    return model.model_validate(known_fields(model, data))
 
 
 def known_fields(model: type[BaseModel], data: Any) -> Any:
