@@ -68,12 +68,15 @@ class CaBundleRef(_Spec):
 
     config_map: str = ""
     secret: str = ""
-    key: str = Field("ca.crt", min_length=1)
+    #: A ConfigMap/Secret key (the API server's rule; not `.` or `..`, checked below).
+    key: str = Field("ca.crt", max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
 
     @model_validator(mode="after")
     def _one_source(self) -> CaBundleRef:
         if bool(self.config_map) == bool(self.secret):
             raise ValueError("spec.s3.caBundle names exactly one of configMap and secret")
+        if self.key in (".", ".."):
+            raise ValueError(f"spec.s3.caBundle.key {self.key!r} is not a key")
         return self
 
 
@@ -182,7 +185,10 @@ class PolicySpec(_Spec):
     @model_validator(mode="after")
     def _cross_field(self) -> PolicySpec:
         if self.transport == "s3" and (self.s3 is None or len(self.s3.bucket) < 3):
-            raise ValueError("spec.s3.bucket is required when spec.transport is s3")
+            raise ValueError(
+                "spec.s3.bucket is required when spec.transport is s3 (a bucket name of 3 to "
+                "63 characters)"
+            )
         template = self.restore.checkpoint_template
         if self.verify.every_versions and not template:
             raise ValueError(

@@ -644,6 +644,8 @@ def test_without_a_credentials_secret_the_pods_cloud_identity_reaches_the_sideca
             {"name": "AWS_ROLE_ARN", "value": "arn:aws:iam::1:role/refit"},
             {"name": "AWS_WEB_IDENTITY_TOKEN_FILE", "value": token},
             {"name": "HOME", "value": "/home/t"},
+            {"name": "AWS_PROFILE", "value": "dev"},  # names a file the sidecar lacks
+            {"name": "AWS_ENDPOINT_URL", "value": "https://elsewhere"},  # another store
         ],
         "volumeMounts": [
             {
@@ -657,13 +659,19 @@ def test_without_a_credentials_secret_the_pods_cloud_identity_reaches_the_sideca
     env = _expand_env(sidecar, FIELDS)
     assert env["AWS_ROLE_ARN"] == "arn:aws:iam::1:role/refit"
     assert env["AWS_WEB_IDENTITY_TOKEN_FILE"] == token
-    assert "HOME" not in env
-    assert "AWS_ACCESS_KEY_ID" not in env
+    assert set(env) & {"HOME", "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID"} == set()
     assert {
         "name": "aws-iam-token",
         "mountPath": "/var/run/secrets/eks.amazonaws.com/serviceaccount",
         "readOnly": True,
     } in sidecar["volumeMounts"]
+    # A token mounted where the sidecar keeps its own files is refused, naming the path.
+    clash = copy.deepcopy(trainer)
+    clash["env"][1]["value"] = "/tmp/token"
+    clash["volumeMounts"] = [{"name": "aws-iam-token", "mountPath": "/tmp"}]
+    refused = inject(_pod("trainer", [clash]), CFG, _s3_policy())
+    assert refused.denied is not None
+    assert "would mount both kuberefit-tmp and aws-iam-token at /tmp" in refused.denied
     # A token file the sidecar could not read is refused, with the fix.
     del trainer["volumeMounts"]
     result = inject(_pod("trainer", [trainer]), CFG, _s3_policy())

@@ -43,6 +43,8 @@ def test_defaults_map_to_the_coordinator() -> None:
         ({"s3": {"sseKmsKeyId": "k"}}, "spec.s3.sseKmsKeyId needs"),
         ({"s3": {"caBundle": {"key": "ca.pem"}}}, "spec.s3.caBundle names exactly one"),
         ({"s3": {"caBundle": {"secret": "a", "configMap": "b"}}}, "spec.s3.caBundle names"),
+        ({"s3": {"caBundle": {"secret": "a", "key": ".."}}}, "spec.s3.caBundle.key"),
+        ({"s3": {"caBundle": {"secret": "a", "key": "a/b"}}}, "spec.s3.caBundle.key"),
         ({"restore": {"checkpointTemplate": "/ckpt/latest"}}, "spec.restore.checkpointTemplate"),
         ({"maxAttempts": 0}, "spec.maxAttempts"),
         ({"encoding": {"zstdLevel": 40}}, "spec.encoding.zstdLevel"),

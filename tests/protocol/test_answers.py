@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from refit_protocol.kit.answers import read_answer
 from refit_protocol.producer_api import ProducerStatus
@@ -48,3 +48,28 @@ def test_known_fields_are_still_validated() -> None:
 def test_what_is_not_json_is_refused_as_before() -> None:
     with pytest.raises(ValidationError, match="Invalid JSON"):
         read_answer(ProducerStatus, b"<html>502 Bad Gateway</html>")
+
+
+def test_shapes_beyond_todays_answers_are_filtered_by_position_and_name() -> None:
+    class Inner(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        x: int
+
+    class Outer(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        pair: tuple[Inner, dict[str, int]]
+        many: list[Inner] | None = None
+        named: int = Field(0, validation_alias="vee")
+
+    raw = json.dumps(
+        {
+            "pair": [{"x": 1, "new": 2}, {"y": 6}],
+            "many": [{"x": 3, "new": 4}],
+            "vee": 3,
+            "new": True,
+        }
+    )
+    got = read_answer(Outer, raw)
+    assert got.pair == (Inner(x=1), {"y": 6})  # the dict is not filtered by Inner's fields
+    assert got.many == [Inner(x=3)]
+    assert got.named == 3

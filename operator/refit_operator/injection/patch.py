@@ -267,7 +267,7 @@ def _build(
     marks = {INJECTED: role, TRANSPORT: policy.transport}
     if policy.s3 is not None:
         sidecar["env"] += policy.s3.env(paired)
-        sidecar["volumeMounts"] += policy.s3.mounts(paired)
+        sidecar["volumeMounts"] = _unique_mounts(sidecar["volumeMounts"] + policy.s3.mounts(paired))
         marks[S3_SETTINGS] = policy.s3.digest()
     ops: list[Obj] = []
     ops += _merge_map(meta.annotations, "/metadata/annotations", marks)
@@ -483,6 +483,21 @@ def _reference_mounts(paired: Container, annotations: Mapping[str, str]) -> list
             f"{paired.name!r}"
         )
     return mounts
+
+
+def _unique_mounts(mounts: list[Obj]) -> list[Obj]:
+    """`mounts` with repeats of the same mount dropped; two different mounts at one path (the
+    API server would refuse the pod) are refused with the path."""
+    by_path: dict[str, Obj] = {}
+    for m in mounts:
+        held = by_path.setdefault(m["mountPath"], m)
+        if held != m:
+            raise InjectionRefusedError(
+                f"the sidecar would mount both {held['name']} and {m['name']} at "
+                f"{m['mountPath']} (the paired container's cloud-identity token mount clashes "
+                "with one of KubeRefit's): move the token, or set spec.s3.credentialsSecret"
+            )
+    return list(by_path.values())
 
 
 def _bundle_init(cfg: InjectionConfig) -> Obj:

@@ -5,10 +5,13 @@ receiver's as its `s3` section), never a secret in it:
 
 - credentials: from the Secret `spec.s3.credentialsSecret` (keys `AWS_ACCESS_KEY_ID` and
   `AWS_SECRET_ACCESS_KEY`) as environment variables, which boto3's default chain reads; with no
-  Secret named, the pod's own identity: the paired container's `AWS_*` variables (IRSA's
-  `AWS_ROLE_ARN` and `AWS_WEB_IDENTITY_TOKEN_FILE`, EKS Pod Identity's
-  `AWS_CONTAINER_CREDENTIALS_FULL_URI`) and the mounts holding their token files are copied to
-  the sidecar, and instance metadata needs nothing;
+  Secret named, the pod's own identity: the paired container's identity variables
+  (`IDENTITY_VARS`: IRSA's `AWS_ROLE_ARN` and `AWS_WEB_IDENTITY_TOKEN_FILE`, EKS Pod Identity's
+  `AWS_CONTAINER_CREDENTIALS_FULL_URI`, keys it sets itself) and the mounts holding their token
+  files are copied to the sidecar (not `AWS_PROFILE`, config files or endpoint overrides, which
+  would point the sidecar at files it lacks or at another store), and instance metadata needs
+  nothing. An identity webhook that runs after KubeRefit's (EKS's) sets its variables in every
+  container, the sidecar included;
 - a private CA: the ConfigMap or Secret key `spec.s3.caBundle` names, mounted read-only at
   `CA_DIR` and passed as `ca_bundle`.
 """
@@ -31,6 +34,21 @@ CA_VOLUME, CA_DIR = "kuberefit-s3-ca", "/etc/kuberefit/s3-ca"
 CREDENTIAL_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 #: Variables of the pod's own identity that point at a token file (its mount is copied too).
 TOKEN_FILE_VARS = ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE")
+#: The paired container's variables that make up its cloud identity, copied to the sidecar.
+IDENTITY_VARS = frozenset(
+    {
+        *CREDENTIAL_KEYS,
+        *TOKEN_FILE_VARS,
+        "AWS_SESSION_TOKEN",
+        "AWS_ROLE_ARN",
+        "AWS_ROLE_SESSION_NAME",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_STS_REGIONAL_ENDPOINTS",
+    }
+)
 
 
 class CaBundle(BaseModel):
@@ -66,8 +84,10 @@ class S3Settings(BaseModel):
 
     def digest(self) -> str:
         """A short digest of these settings: the pod's annotation, compared with the policy's
-        to report a pod that needs recreating to take a changed `spec.s3`."""
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        to report a pod that needs recreating to take a changed `spec.s3`. Fields at their
+        defaults are left out, so a field added later (with a default that keeps today's
+        behaviour) does not change every pod's digest."""
+        text = json.dumps(self.model_dump(mode="json", exclude_defaults=True), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def env(self, paired: Container) -> list[Obj]:
@@ -104,7 +124,7 @@ class S3Settings(BaseModel):
 
 
 def _identity_env(paired: Container) -> list[Any]:
-    return [e for e in paired.env or [] if e.name.startswith("AWS_")]
+    return [e for e in paired.env or [] if e.name in IDENTITY_VARS]
 
 
 def _identity_mounts(paired: Container) -> list[Obj]:
@@ -125,5 +145,7 @@ def _identity_mounts(paired: Container) -> list[Obj]:
                 "spec.s3.credentialsSecret, or mount the token)"
             )
         m = max(holding, key=lambda m: len(m.mount_path))
-        out[m.mount_path] = {"name": m.name, "mountPath": m.mount_path, "readOnly": True}
+        kept = {"subPath": m.sub_path, "subPathExpr": m.sub_path_expr}
+        mount: Obj = {"name": m.name, "mountPath": m.mount_path, "readOnly": True}
+        out[m.mount_path] = mount | {k: v for k, v in kept.items() if v}
     return list(out.values())

@@ -1,9 +1,10 @@
 """Reading a newer peer's answers: fields this release does not know are dropped, not refused.
 
 The user's trainer image pins its own `kuberefit[trainer]`; the sidecar next to it comes with
-the chart and may be newer (so may the sidecars an operator talks to after a chart rollback). Requests stay strict (a peer refuses what it does not know), but an
-answer from an authenticated peer that only adds fields must not break an older client, as a
-Kubernetes client ignores fields a newer API server adds.
+the chart and may be newer (so may the sidecars an operator talks to after a chart rollback).
+Requests stay strict (a peer refuses what it does not know), but an answer from an
+authenticated peer that only adds fields must not break an older client, as a Kubernetes
+client ignores the fields a newer API server adds.
 """
 
 from __future__ import annotations
@@ -29,33 +30,39 @@ def read_answer(model: type[M], raw: bytes | str) -> M:
 
 
 def known_fields(model: type[BaseModel], data: Any) -> Any:
-    """`data` with the keys `model` (and the models its fields hold) does not declare dropped."""
+    """`data` with the keys `model` (and the models its fields hold) does not declare dropped;
+    a key is kept under any name the model accepts (field name, alias, validation alias)."""
     if not isinstance(data, dict):
         return data
     out: dict[str, Any] = {}
     for name, field in model.model_fields.items():
-        key = field.alias or name
-        if key in data:
+        names = {name, field.alias, field.validation_alias}
+        for key in (k for k in names if isinstance(k, str) and k in data):
             out[key] = _known(field.annotation, data[key])
-        elif name in data:
-            out[name] = _known(field.annotation, data[name])
     return out
 
 
 def _known(annotation: Any, value: Any) -> Any:
-    origin = get_origin(annotation)
+    """`value` filtered by what `annotation` declares; left as is where that is not clear
+    (validation then decides)."""
+    origin, args = get_origin(annotation), get_args(annotation)
     if _is_model(annotation):
         return known_fields(annotation, value)
-    if origin in (list, tuple, set, frozenset) and isinstance(value, list):
-        (inner, *_) = get_args(annotation) or (Any,)
-        return [_known(inner, v) for v in value]
+    if origin in (Union, types.UnionType):
+        present = [a for a in args if a is not type(None)]
+        return _known(present[0], value) if len(present) == 1 else value
+    if not isinstance(value, (list, dict)) or not args:
+        return value
+    if origin in (list, set, frozenset) and isinstance(value, list):
+        return [_known(args[0], v) for v in value]
+    if origin is tuple and isinstance(value, list):
+        if len(args) == 2 and args[1] is Ellipsis:
+            return [_known(args[0], v) for v in value]
+        if len(args) == len(value):
+            return [_known(a, v) for a, v in zip(args, value, strict=True)]
+        return value
     if origin is dict and isinstance(value, dict):
-        _, inner = get_args(annotation) or (Any, Any)
-        return {k: _known(inner, v) for k, v in value.items()}
-    if origin in (Union, types.UnionType) and isinstance(value, dict):
-        models = [a for a in get_args(annotation) if _is_model(a)]
-        if len(models) == 1:  # `Model | None`; a union of models is left to validation
-            return known_fields(models[0], value)
+        return {k: _known(args[1], v) for k, v in value.items()}
     return value
 
 

@@ -81,7 +81,11 @@ def create_producer_app(
             metrics.http.labels(path, str(status)).inc()
 
     async def status(_: web.Request) -> web.Response:
-        return web.json_response(producer_status(service).model_dump())
+        answer = producer_status(service)
+        # Only when there is one: a trainer image's older publisher refuses fields it does not
+        # know (extra="forbid"), so a healthy sidecar answers as the previous release did.
+        quiet = set() if answer.transport_problem else {"transport_problem"}
+        return web.json_response(answer.model_dump(exclude=quiet))
 
     async def baseline_manifest(_: web.Request) -> web.Response:
         if not service.baseline_ready:

@@ -8,16 +8,20 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from pydantic import SecretStr
 
 from refit_operator.producer_client import HttpProducerClient, all_staged
 from refit_protocol.commit import CommitRecord
 from refit_protocol.errors import ConfigurationError, EndpointError
-from refit_protocol.producer_api import AttemptPlan
+from refit_protocol.producer_api import PRODUCER_PREFIX, AttemptPlan, ProducerStatus
 from refit_sidecar.baseline.chunks import chunk_export
 from refit_sidecar.baseline.config import BaselineConfig
 from refit_sidecar.baseline.source import SourceBaseline
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
+from refit_sidecar.transport.s3 import S3Config, S3TransportConfig
+from refit_sidecar.transport.selector import TransportSelector
+from refit_tools.local.procs import free_port
 from tests.harness.s3_payloads import S3Delivery
 from tests.harness.web import serve_app
 from tests.sidecar.producer.http_app import TOKEN
@@ -61,6 +65,35 @@ async def test_token_required(served, token: str | None) -> None:  # type: ignor
             await client.status()
         async with session.get(url + "/healthz") as resp:
             assert resp.status == 200
+
+
+async def test_status_adds_a_transport_problem_only_when_there_is_one(  # type: ignore[no-untyped-def]
+    served,
+) -> None:
+    """A healthy sidecar answers `/status` with the fields the previous release knew (a trainer
+    image's older publisher refuses unknown ones); a store it cannot reach is named there."""
+    url, service = served
+    previous = set(ProducerStatus.model_fields) - {"transport_problem"}
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{url}{PRODUCER_PREFIX}/status", headers=headers) as resp:
+            assert set(await resp.json()) <= previous
+        closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: the store is unreachable
+        store = S3Config(
+            bucket="gone",
+            endpoint_url=closed,
+            access_key_id=SecretStr("k"),
+            secret_access_key=SecretStr("s"),
+        )
+        medium = TransportSelector(S3TransportConfig(s3=store))
+        medium.check_now()
+        service.medium = medium
+        async with session.get(f"{url}{PRODUCER_PREFIX}/status", headers=headers) as resp:
+            problem = (await resp.json())["transport_problem"]
+    assert problem.startswith(f"S3 bucket gone at {closed}: EndpointConnectionError")
+    # Without any credentials the check says so before it connects.
+    bare = S3TransportConfig(s3=S3Config(bucket="gone", endpoint_url=closed))
+    assert "no credentials found" in TransportSelector(bare).check_now()
 
 
 async def test_committed_record_learned_only_without_a_baseline(  # type: ignore[no-untyped-def]

@@ -120,7 +120,9 @@ def make_client(cfg: S3Config) -> Any:
     if cfg.access_key_id is not None and cfg.secret_access_key is not None:
         kwargs["aws_access_key_id"] = cfg.access_key_id.get_secret_value()
         kwargs["aws_secret_access_key"] = cfg.secret_access_key.get_secret_value()
-    return boto3.client(
+    # A session of its own: boto3's default session is not thread-safe, and clients are made
+    # from several threads (transports, the store check, cleanup of leftovers).
+    return boto3.session.Session().client(
         "s3",
         endpoint_url=cfg.endpoint_url,
         region_name=cfg.region,
@@ -139,27 +141,39 @@ def make_client(cfg: S3Config) -> Any:
     )
 
 
-#: Error codes of a store that does not accept the credentials (HeadBucket answers bare 403).
+#: Error codes of a store that does not accept the credentials (a HEAD answers a bare 403).
 DENIED = frozenset(
     {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
 )
 
 
 def store_problem(cfg: S3Config) -> str:
-    """Why the bucket cannot be used with these settings ("" : HeadBucket succeeded). Names
-    the cause a user fixes: the credentials, the CA, the bucket, the endpoint."""
+    """Why the producer could not use the store ("" : it can list its prefix). Names the cause
+    a user fixes: the credentials, the CA, the bucket, the endpoint. Listing the prefix (one
+    key at most) is what the attempt cleanup needs anyway, and what a least-privilege policy
+    (ListBucket limited to the prefix, Put/Get/Delete on it) allows; a quick check: one try,
+    short timeouts."""
     import botocore.exceptions
 
+    quick = cfg.model_copy(
+        update={
+            "max_attempts": 1,
+            "connect_timeout_s": min(cfg.connect_timeout_s, 5.0),
+            "read_timeout_s": min(cfg.read_timeout_s, 15.0),
+        }
+    )
     where = f"S3 bucket {cfg.bucket} at {cfg.endpoint_url or f'AWS {cfg.region}'}"
     try:
-        make_client(cfg).head_bucket(Bucket=cfg.bucket)
+        make_client(quick).list_objects_v2(
+            Bucket=cfg.bucket, Prefix=cfg.prefix.strip("/") + "/", MaxKeys=1
+        )
     except botocore.exceptions.ClientError as exc:
         error = exc.response.get("Error", {})
         code = str(error.get("Code") or "")
         if code in DENIED:
             return (
-                f"{where} refuses the credentials ({code}): check the access key and secret, "
-                "or the pod's cloud identity"
+                f"{where} refuses the credentials ({code}): check the access key and secret "
+                f"(or the pod's cloud identity) and that they may list {cfg.prefix}/"
             )
         if code in ("404", "NoSuchBucket"):
             return f"{where} does not exist: create it (KubeRefit never creates buckets)"
@@ -168,6 +182,11 @@ def store_problem(cfg: S3Config) -> str:
         return (
             f"{where}: the endpoint's certificate is not trusted (a private CA needs its "
             "bundle: s3.ca_bundle)"
+        )
+    except botocore.exceptions.NoCredentialsError:
+        return (
+            f"{where}: no credentials found (static keys, AWS_ACCESS_KEY_ID/"
+            "AWS_SECRET_ACCESS_KEY, a web identity or instance metadata)"
         )
     except (botocore.exceptions.BotoCoreError, ValueError) as exc:
         return f"{where}: {type(exc).__name__}: {str(exc)[:300]}"
