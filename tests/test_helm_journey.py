@@ -12,7 +12,8 @@ its own loopback address.
 A third journey runs a policy with `transport: s3` against SeaweedFS over HTTPS with a private
 CA (issue 33): credentials from a Secret, the CA from a ConfigMap, both reaching the sidecars
 only through injection; wrong credentials named in the Ready condition; a rollout sidecar killed
-while an attempt streams; no object left in the bucket after five transitions.
+while an attempt it admitted is held (its vLLM worker stopped); no object left in the bucket after
+five transitions.
 
 A second journey installs the chart for a vLLM server that spans two pods of a LeaderWorkerSet
 group (issue 31): those pods run isolated (each its own network namespace with DNS names, each
@@ -1236,6 +1237,7 @@ def test_a_policy_over_s3_with_a_private_ca_through_the_operator(
             "credentialsSecret": "s3-keys",
             "caBundle": {"configMap": "store-ca"},
         },
+        "mode": "async",
     }
     j.apply(policy)  # first: injection writes the policy's transport into the sidecars
     release = j.ckpt / "release"
@@ -1292,24 +1294,31 @@ def test_a_policy_over_s3_with_a_private_ca_through_the_operator(
     wait_for("v1 committed", lambda: j.committed() >= 1, timeout=400)
     assert j.condition("Ready")["status"] == "True"
 
-    # -- v2: the store stalls (SIGSTOP) while the attempt streams, and a rollout sidecar is
-    # killed then (restarted in its pod, as a kubelet does): the attempt fails, the node is
-    # retired from this transition, and the overwrite retry commits on the other one once the
-    # store answers again. At v3 the victim is restored densely and rejoins.
-    def admitted() -> bool:
-        if _transition_status(j, 2).get("phase") != "Streaming":
-            return False
-        return str(_receiver_status(victim, j.token)["attempt"]).startswith("alpha-v2-")
+    # -- v2 (async RL: payloads are downloaded and staged while vLLM serves, the request gate
+    # closes after delivery): the victim's vLLM worker is stopped (SIGSTOP), so it cannot close
+    # its gate, and once the other node has closed its own for v2, the victim's sidecar is
+    # killed (restarted in its pod, as a kubelet does): the attempt fails, the node is retired
+    # from this transition, and the overwrite retry commits on the other node. At v3 the
+    # victim is restored densely and rejoins. (The store is never frozen here: a trainer
+    # sidecar whose store stops answering reports it and no transition starts, which is what
+    # `TransportUnavailable` is for.)
+    def gated() -> bool:
+        s = _receiver_status(rollouts[0], j.token)
+        return bool(s["gate_closed"]) and str(s["attempt"] or "").startswith("alpha-v2-")
 
-    weed = store.process.proc
-    assert weed is not None
-    weed.send_signal(signal.SIGSTOP)
+    engine = victim.processes["vllm"].proc
+    assert engine is not None
+    worker = next(
+        c for c in psutil.Process(engine.pid).children(recursive=True) if c.name() == "VLLM::Worker"
+    )
+    worker.send_signal(signal.SIGSTOP)
     try:
         (release / "2").touch()
-        wait_for("v2 streaming, admitted by the rollout node", admitted, timeout=120)
+        wait_for("alpha-rollout-0 gated for v2", gated, timeout=120)
+        assert _transition_status(j, 2).get("phase") == "Streaming"
         j.kubelet.restart(victim, "kuberefit-sidecar")
     finally:
-        weed.send_signal(signal.SIGCONT)
+        worker.send_signal(signal.SIGCONT)
     wait_for("v2 committed", lambda: j.committed() >= 2, timeout=400)
     status = _finished(j, 2)
     assert status["attempt"] >= 2, status
