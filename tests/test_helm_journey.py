@@ -1340,8 +1340,8 @@ def test_a_policy_over_s3_with_a_private_ca_through_the_operator(
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     refitted = [vllm_rpc(url, j.token, "refit_fingerprint") for url in urls]
     assert refitted[0] == refitted[1]
-    vllm_rpc(urls[0], j.token, "refit_dense_load", str(j.ckpt / f"v{S3_VERSIONS}"))
-    assert vllm_rpc(urls[0], j.token, "refit_fingerprint") == refitted[0]
+    # A cold start on v5 (a fresh vLLM from the user's image) holds the same bits.
+    assert _cold_start_fingerprint(j, j.ckpt / f"v{S3_VERSIONS}") == refitted[0]
 
     def objects() -> list[str]:
         listed = admin.list_objects_v2(Bucket="payloads")
