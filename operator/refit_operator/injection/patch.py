@@ -467,16 +467,7 @@ def _reference_mounts(paired: Container, annotations: Mapping[str, str]) -> list
     path = annotations.get(REFERENCE_CHECKPOINT) or ""
     if not path:
         return []
-    mounts = []
-    for m in paired.volume_mounts or []:
-        if path == m.mount_path or path.startswith(m.mount_path.rstrip("/") + "/"):
-            kept = {
-                "subPath": m.sub_path,
-                "subPathExpr": m.sub_path_expr,
-                "mountPropagation": m.mount_propagation,
-            }
-            mount: Obj = {"name": m.name, "mountPath": m.mount_path, "readOnly": True}
-            mounts.append(mount | {k: v for k, v in kept.items() if v})
+    mounts = [m.read_only_copy() for m in paired.volume_mounts or [] if m.holds(path)]
     if not mounts:
         raise InjectionRefusedError(
             f"{REFERENCE_CHECKPOINT}={path} is not under any volume mount of container "

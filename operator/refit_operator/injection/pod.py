@@ -55,6 +55,19 @@ class VolumeMount(ObjectPart):
     sub_path_expr: str | None = None
     mount_propagation: str | None = None
 
+    def holds(self, path: str) -> bool:
+        return path == self.mount_path or path.startswith(self.mount_path.rstrip("/") + "/")
+
+    def read_only_copy(self) -> dict[str, Any]:
+        """This mount for another container of the pod, read-only (what it mounts kept)."""
+        kept = {
+            "subPath": self.sub_path,
+            "subPathExpr": self.sub_path_expr,
+            "mountPropagation": self.mount_propagation,
+        }
+        mount = {"name": self.name, "mountPath": self.mount_path, "readOnly": True}
+        return mount | {k: v for k, v in kept.items() if v}
+
 
 class ContainerPort(ObjectPart):
     container_port: int

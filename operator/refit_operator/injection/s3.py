@@ -133,19 +133,13 @@ def _identity_mounts(paired: Container) -> list[Obj]:
     ]
     out: dict[str, Obj] = {}
     for path in files:
-        holding = [
-            m
-            for m in paired.volume_mounts or []
-            if path == m.mount_path or path.startswith(m.mount_path.rstrip("/") + "/")
-        ]
+        holding = [m for m in paired.volume_mounts or [] if m.holds(path)]
         if not holding:
             raise InjectionRefusedError(
                 f"container {paired.name!r} names the token file {path} of its cloud identity, "
                 "which is under none of its volume mounts: the sidecar could not read it (set "
                 "spec.s3.credentialsSecret, or mount the token)"
             )
-        m = max(holding, key=lambda m: len(m.mount_path))
-        kept = {"subPath": m.sub_path, "subPathExpr": m.sub_path_expr}
-        mount: Obj = {"name": m.name, "mountPath": m.mount_path, "readOnly": True}
-        out[m.mount_path] = mount | {k: v for k, v in kept.items() if v}
+        deepest = max(holding, key=lambda m: len(m.mount_path))
+        out[deepest.mount_path] = deepest.read_only_copy()
     return list(out.values())
