@@ -3,8 +3,9 @@
 Every aten op the loader runs passes through `__torch_dispatch__`. Ops that write into model
 parameter/buffer storage (found by storage identity, so views and offsets count) are either an
 `aten.copy_` — turned into an XOR or a masked overwrite, or (COMPARE, the audit) compared with
-what the copy would write and not performed — or fail the apply. Nothing else is touched:
-views, reads and writes to other tensors run unchanged.
+what the copy would write and not performed — or a fill that would change no bit there (vLLM
+zeroes the rows it pads a vocabulary with on every load), skipped, or fail the apply. Nothing
+else is touched: views, reads and writes to other tensors run unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from refit_sidecar.apply.storage import ModelStorages, storage_key
 from refit_sidecar.bits import int_dtype
 
 aten = torch.ops.aten
+#: Fills into model storage: taken only where they would change no bit (`_fill`).
+_FILLS = (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
 
 
 class Mode(enum.Enum):
@@ -47,6 +50,11 @@ COMPARE_BLOCK_BYTES = 16 << 20
 def _ints(t: torch.Tensor) -> torch.Tensor:
     """Same-shape integer view (works for strided views: element size is unchanged)."""
     return t.view(int_dtype(t))
+
+
+def _shown(value: Any) -> str:
+    """A fill value for a message (a 0-dim tensor shows as its number)."""
+    return repr(value.item() if isinstance(value, torch.Tensor) else value)
 
 
 @dataclass
@@ -153,9 +161,13 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return func(*args, **kwargs)
         if func is aten.copy_.default and len(written) == 1 and written[0] is args[0]:
             return self._copy(args[0], args[1])
+        if func in _FILLS and len(written) == 1 and written[0] is args[0]:
+            return self._fill(args[0], 0 if func is aten.zero_.default else args[1])
         names = sorted({n for t in written for n in (self._storages.names(t) or [])})
         raise UnsupportedWriteError(
-            self._name, f"loader wrote into {names} with {func}; only copy_ is supported"
+            self._name,
+            f"loader wrote into {names} with {func}; only copy_, and fills that change no bit, "
+            "are supported",
         )
 
     def _written_model_tensors(
@@ -200,6 +212,22 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
         else:
             self._overwrite(dest, src, names)
         return dest
+
+    # -- the intercepted fill ---------------------------------------------------------------------
+    def _fill(self, dest: torch.Tensor, value: Any) -> torch.Tensor:
+        """A fill whose region already holds the value is skipped in every mode: skipping it is
+        exactly the dense load (vLLM's padded vocabulary rows, zeroed by every load). A fill that
+        would change bits writes values no payload carries (and the audit cannot tell whether a
+        later copy covers them): every mode fails closed, writing nothing."""
+        want = torch.empty((), dtype=dest.dtype, device=dest.device)
+        want.fill_(value)  # the fill's own conversion of the value
+        if torch.equal(_ints(dest), _ints(want.expand(dest.shape))):
+            return dest
+        raise UnsupportedWriteError(
+            self._name,
+            f"loader fills {list(self._storages.names(dest) or ())} with {_shown(value)} where "
+            "they hold other bits: a dense load would write values no payload carries",
+        )
 
     def _compare(self, dest: torch.Tensor, src: torch.Tensor, names: tuple[str, ...]) -> None:
         """What `dest.copy_(src)` would write, compared bit for bit with what `dest` holds, in

