@@ -184,8 +184,11 @@ def test_deltas_equal_dense_load(
                 assert rank_stats["copies"] >= rank_stats["items"] - rank_stats["skipped"] > 0
             if k == 1:
                 assert xor_items > 0
-                # The same XOR payload again flips the bits back: why receivers dedup.
-                target.collective_rpc("refit_apply", args=(path,))
+                # The same XOR payload three times more, in one call (as a receiver applies a
+                # group), flips the bits back, forth and back: why receivers dedup.
+                (thrice, *_) = target.collective_rpc("refit_apply", args=([path] * 3,))
+                assert thrice["payload_ids"] == [k] * 3
+                assert thrice["values"] == 3 * changed
                 assert _digests(target) == initial
                 target.collective_rpc("refit_apply", args=(path,))
             reference.collective_rpc("refit_dense_load", args=(str(dirs[k]),))

@@ -6,9 +6,10 @@ refit_sidecar.vllm.control_path.RefitControlMiddleware` (loopback peer and the p
 never vLLM's development mode): `POST /kuberefit/v1/rpc` runs one of the worker extension's refit
 methods with JSON arguments (tensors cannot travel there): prewarm sends canonical metadata as
 lists; each payload, decoded once by the receiver, is written to a decoded payload file on the
-shared-memory volume (`codec.decoded_file`) and applied with `refit_apply(path, check_samples)`
-on every worker, which only reads it (each in its own pod: a server spanning several hosts
-has a receiver per host staging the same file at the same path, `vllm_host`). The request
+shared-memory volume (`codec.decoded_file`); each group of staged payloads is applied with one
+`refit_apply(paths, check_samples)` on every worker, which only reads them (each in its own
+pod: a server spanning several hosts has a receiver per host staging the same file at the same
+path, `vllm_host`). The request
 gate is the engine's own pause (`/kuberefit/v1/pause?mode=wait`: in-flight requests finish
 first) and resume.
 """
@@ -160,22 +161,25 @@ class VllmHttpApplier:
         return stage_file(self.shm_dir, decoded)
 
     def apply(self, batch: Sequence[StagedPayload], check_samples: int) -> ApplyReport:
+        """The whole group in one call (`refit_apply` takes the paths in application order):
+        the call path, not the apply, was half the time per payload."""
         t0 = time.perf_counter()
         report = ApplyReport()
-        for staged in batch:
-            assert staged.path is not None
-            results = self._rpc(
-                "refit_apply", str(staged.path), check_samples, self.config.stage_wait
-            )
-            report.payloads += 1
+        paths = [str(staged.path) for staged in batch if staged.path is not None]
+        if len(paths) != len(batch):
+            raise VllmRpcError("refit_apply: a payload of the group was not staged as a file")
+        if paths:
+            results = self._rpc("refit_apply", paths, check_samples, self.config.stage_wait)
             for r in results:
                 if not isinstance(r, dict):
                     raise VllmRpcError(f"refit_apply: a rank answered {r!r}")
                 report.per_rank.append(r)
             first = results[0] if results else {}
+            report.payloads += len(paths)
             report.items += int(first.get("items", 0))
             report.values += int(first.get("values", 0))
             report.checks += sum(int(r.get("checks", 0)) for r in results)
+        for staged in batch:
             self.discard(staged)
         report.seconds = time.perf_counter() - t0
         return report
