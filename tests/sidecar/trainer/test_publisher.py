@@ -468,4 +468,4 @@ async def test_a_sidecar_restart_during_the_wait_drops_the_candidate_and_says_so
             await asyncio.wait_for(waiting, 60)
     finally:
         proc.stop(grace=5)
-        shutil.rmtree(inbox, ignore_errors=True)
+        shutil.rmtree(inbox.parent, ignore_errors=True)  # the private shm_root() too
