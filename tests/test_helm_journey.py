@@ -62,6 +62,7 @@ from tests.harness.kube import KubeCluster
 from tests.harness.kubelet import LocalImage, LocalKubelet, LocalPod
 from tests.harness.operator_env import wait_for
 from tests.harness.pki import TestCA
+from tests.harness.procs import vllm_worker
 from tests.harness.s3 import S3Server, start_s3
 from tests.harness.service_proxy import ServiceProxy
 
@@ -1308,9 +1309,7 @@ def test_a_policy_over_s3_with_a_private_ca_through_the_operator(
 
     engine = victim.processes["vllm"].proc
     assert engine is not None
-    worker = next(
-        c for c in psutil.Process(engine.pid).children(recursive=True) if c.name() == "VLLM::Worker"
-    )
+    worker = vllm_worker(engine.pid)
     worker.send_signal(signal.SIGSTOP)
     try:
         (release / "2").touch()

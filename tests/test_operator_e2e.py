@@ -45,6 +45,7 @@ from refit_tools.tiny_models import write_tiny_model
 from tests.harness.failure_logs import tails
 from tests.harness.kube import KubeCluster
 from tests.harness.operator_env import OperatorEnv, log_events, wait_for
+from tests.harness.procs import vllm_worker
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -248,8 +249,7 @@ def _span(transition: dict[str, Any]) -> float:
 
 def _worker(node: LocalNode) -> psutil.Process:
     assert node.vllm is not None
-    procs = psutil.Process(node.vllm.pid).children(recursive=True)
-    return next(c for c in procs if c.name() == "VLLM::Worker")
+    return vllm_worker(node.vllm.pid)
 
 
 def _status(url: str, body: bytes, token: str | None) -> int:

@@ -108,7 +108,6 @@ async def serve_sidecars(
             s.service.baseline.close()
             s.service.close_staging()
         delivery.close()
-        shutil.rmtree(root, ignore_errors=True)  # nothing left on /dev/shm
         shutil.rmtree(root, ignore_errors=True)
 
 

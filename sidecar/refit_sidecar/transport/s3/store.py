@@ -164,16 +164,14 @@ def store_problem(cfg: S3Config) -> str:
     )
     where = f"S3 bucket {cfg.bucket} at {cfg.endpoint_url or f'AWS {cfg.region}'}"
     try:
-        make_client(quick).list_objects_v2(
-            Bucket=cfg.bucket, Prefix=cfg.prefix.strip("/") + "/", MaxKeys=1
-        )
+        make_client(quick).list_objects_v2(Bucket=cfg.bucket, Prefix=root_prefix(cfg), MaxKeys=1)
     except botocore.exceptions.ClientError as exc:
         error = exc.response.get("Error", {})
         code = str(error.get("Code") or "")
         if code in DENIED:
             return (
                 f"{where} refuses the credentials ({code}): check the access key and secret "
-                f"(or the pod's cloud identity) and that they may list {cfg.prefix}/"
+                f"(or the pod's cloud identity) and that they may list {root_prefix(cfg)}"
             )
         if code in ("404", "NoSuchBucket"):
             return f"{where} does not exist: create it (KubeRefit never creates buckets)"
@@ -193,8 +191,13 @@ def store_problem(cfg: S3Config) -> str:
     return ""
 
 
+def root_prefix(cfg: S3Config) -> str:
+    """Where every KubeRefit object of this store lies (the store check lists it)."""
+    return f"{cfg.prefix.strip('/')}/"
+
+
 def attempt_prefix(cfg: S3Config, attempt: str) -> str:
-    return f"{cfg.prefix.strip('/')}/{quote(attempt, safe='')}/"
+    return f"{root_prefix(cfg)}{quote(attempt, safe='')}/"
 
 
 def object_key(cfg: S3Config, attempt: str, producer: int, payload_id: int, digest: str) -> str:
