@@ -1,0 +1,313 @@
+"""❷ projection for Megatron Bridge: which conversion tasks are affine, their row maps, who
+owns each shard, and the residual tasks left to the bridge's own export.
+
+`MegatronProjection` takes the bridge's conversion tasks once (`get_conversion_tasks`: the
+bridge's own global names, with PP, VP and EP offsets resolved) and classifies each from its
+mapping class, its module and the model config, never from data. A task is *affine* when its
+export only moves whole rows of a BF16/FP16/FP32 parameter (column, row and replicated shards,
+the gate/up halves of a fused MLP, and, with `project_qkv`, fused Q/K/V); every other task is
+*residual* and named with the reason, and the bridge exports it as today
+(`export_hf_weights(conversion_tasks=residual)`). One `all_gather_object` at construction makes
+the decision the same on every rank (a rank that holds the parameter may see a reason the others
+cannot, and the residual export is a collective over the same task list on every rank).
+
+Which class does arithmetic or casts was read from Megatron Bridge 0.3.1
+(docs/research/direct-projection.md); the identity probe in
+tests/sidecar/trainer/megatron_project.py checks every row map against the bridge's own export
+of source ids. Megatron is never imported here: classes are recognised by module and name.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from refit_sidecar.codec.records import TensorMeta
+from refit_sidecar.trainer import projection
+from refit_sidecar.trainer.megatron import MegatronBridgeSource
+from refit_sidecar.trainer.projection import RowMap
+
+_MAPPINGS = "megatron.bridge.models.conversion.param_mapping"
+#: Mapping classes whose export is a pure row move (AutoMapping only without permute_dims).
+_AFFINE = {
+    "AutoMapping",
+    "ColumnParallelMapping",
+    "RowParallelMapping",
+    "ReplicatedMapping",
+    "DirectMapping",
+    "GatedMLPMapping",
+}
+_KIND = {
+    "ColumnParallelMapping": "column",
+    "RowParallelMapping": "row",
+    "ReplicatedMapping": "replicated",
+    "DirectMapping": "replicated",
+    "GatedMLPMapping": "gated",
+    "QKVMapping": "qkv",
+}
+_PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    """One conversion task: affine (`kind`) or residual (`reason`), with its canonical bytes."""
+
+    index: int
+    name: str
+    kind: str | None
+    reason: str | None
+    nbytes: int
+
+    @property
+    def affine(self) -> bool:
+        return self.kind is not None
+
+
+@dataclass(frozen=True)
+class OwnedShard:
+    """An affine shard this rank owns: the live parameter and where its rows land."""
+
+    task: TaskPlan
+    rowmap: RowMap
+    param: torch.Tensor
+
+    def snapshot(self) -> torch.Tensor:
+        """A CPU copy of the shard's current bits (a tracker entry, or a candidate)."""
+        return self.param.detach().to("cpu", copy=True).contiguous()
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How many canonical bytes each path takes (the paper's Appendix D table, per model)."""
+
+    affine_bytes: dict[str, int] = field(default_factory=dict)
+    residual_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.affine_bytes.values()) + sum(self.residual_bytes.values())
+
+    @property
+    def fraction(self) -> float:
+        return sum(self.affine_bytes.values()) / self.total if self.total else 0.0
+
+    def line(self) -> str:
+        """The start-up log line: affine share by bytes, then each path's share by reason."""
+        parts = [f"{k} {100 * b / self.total:.1f}%" for k, b in sorted(self.affine_bytes.items())]
+        rest = [f"{k} {100 * b / self.total:.1f}%" for k, b in sorted(self.residual_bytes.items())]
+        return (
+            f"projected {100 * self.fraction:.1f}% of {self.total} canonical bytes "
+            f"({', '.join(parts) or 'none'}); residual: {'; '.join(rest) or 'none'}"
+        )
+
+
+class MegatronProjection:
+    """The projection plan of one Megatron model under one bridge, fixed at construction.
+
+    Construction is a collective (the bridge's PP name exchange and one `all_gather_object`
+    over the default group): call it on every rank, in the same order as the other exports.
+    """
+
+    def __init__(
+        self,
+        bridge: Any,
+        model: Sequence[Any],
+        *,
+        project_qkv: bool = False,
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+    ) -> None:
+        """`bridge`: a Megatron Bridge `AutoBridge`; `model`: its Megatron model chunks;
+        `project_qkv`: project fused Q/K/V too (off by default, as in the paper: the row
+        permutation is proved by the identity probe, but it is the least common layout);
+        `dp_rank`/`dp_size`: this rank among the data-parallel replicas, one of which owns each
+        shard (default: Megatron's data-parallel group, context parallel included)."""
+        import torch.distributed as dist
+
+        if dp_rank is None or dp_size is None:
+            from megatron.core import parallel_state
+
+            dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+            dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
+        self._bridge = bridge
+        self._model = list(model)
+        self._tasks = list(bridge.get_conversion_tasks(self._model))
+        config = self._model[0].config
+        self._whole = _whole_model_reason(bridge, self._model)
+        tied = bool(getattr(self._model[0], "share_embeddings_and_output_weights", False))
+        local: dict[int, tuple[str | None, str | None, int]] = {}
+        self._rowmaps: dict[int, RowMap] = {}
+        for i, task in enumerate(self._tasks):
+            if task is None or task.param_weight is None:
+                continue
+            kind, reason, rowmap = _classify(task, config, project_qkv, tied, self._whole)
+            nbytes = _canonical_bytes(task)
+            local[i] = (kind, reason, nbytes)
+            if rowmap is not None:
+                self._rowmaps[i] = rowmap
+        gathered: list[dict[int, tuple[str | None, str | None, int]]] = [
+            {} for _ in range(dist.get_world_size())
+        ]
+        dist.all_gather_object(gathered, local)
+        self.plans = [_merge(i, task, gathered) for i, task in enumerate(self._tasks)]
+        self._dp = (dp_rank, dp_size)
+
+    @property
+    def residual_tasks(self) -> list[Any]:
+        """The bridge's tasks left to its export, in the bridge's order (same on every rank)."""
+        return [t for t, p in zip(self._tasks, self.plans, strict=True) if not p.affine]
+
+    def coverage(self) -> Coverage:
+        cov = Coverage()
+        for p in self.plans:
+            bucket, key = (cov.affine_bytes, p.kind) if p.affine else (cov.residual_bytes, p.reason)
+            assert key is not None
+            bucket[key] = bucket.get(key, 0) + p.nbytes
+        return cov
+
+    def held_shards(self) -> Iterator[OwnedShard]:
+        """Every affine shard held on this rank, owned or a replica."""
+        for i, rowmap in self._rowmaps.items():
+            if self.plans[i].affine:  # else another rank found a reason: residual everywhere
+                yield OwnedShard(self.plans[i], rowmap, self._tasks[i].param_weight)
+
+    def owned_shards(self) -> Iterator[OwnedShard]:
+        """The affine shards this rank owns: one owner per distinct shard (a stable hash of the
+        task name picks the data-parallel replica, and the TP rank of a replicated tensor)."""
+        dp_rank, dp_size = self._dp
+        for shard in self.held_shards():
+            mapping = self._tasks[shard.task.index].mapping
+            h = zlib.crc32(shard.task.name.encode())
+            if h % dp_size != dp_rank:
+                continue
+            if shard.task.kind == "replicated" and h % mapping.tp_size != mapping.tp_rank:
+                continue
+            yield shard
+
+    def residual_source(self) -> MegatronBridgeSource:
+        """Today's canonical source, limited to the residual tasks (a collective per pass)."""
+        return MegatronBridgeSource(
+            self._bridge, self._model, export_kwargs={"conversion_tasks": self.residual_tasks}
+        )
+
+
+def _whole_model_reason(bridge: Any, model: Sequence[Any]) -> str | None:
+    """A reason no task of this model may be projected (checked on every rank's modules)."""
+    model_bridge = getattr(bridge, "_model_bridge", None)
+    hook_owner = next(
+        (c for c in type(model_bridge).__mro__ if "maybe_modify_converted_hf_weight" in c.__dict__),
+        None,
+    )
+    if hook_owner is not None and hook_owner.__name__ != "MegatronModelBridge":
+        return f"{hook_owner.__name__} changes converted weights"
+    for chunk in model:
+        for name, _ in chunk.named_parameters():
+            if ".adapter." in name or "lora" in name.lower():
+                return "adapters are merged on export"
+    return None
+
+
+def _classify(
+    task: Any, config: Any, project_qkv: bool, tied: bool, whole: str | None
+) -> tuple[str | None, str | None, RowMap | None]:
+    """(kind, None, row map) for an affine task held here, else (None, reason, None)."""
+    mapping = task.mapping
+    cls = type(mapping)
+    param = task.param_weight
+    if whole is not None:
+        return None, whole, None
+    if cls.__module__ != _MAPPINGS or cls.__name__ not in _AFFINE | {"QKVMapping"}:
+        return None, f"{cls.__name__} (not a known row move)", None
+    if cls.__name__ == "QKVMapping" and not project_qkv:
+        return None, "fused Q/K/V (project_qkv off)", None
+    if getattr(mapping, "is_expert", False):
+        return None, "expert parameters (not verified on this bridge)", None
+    if tied and task.global_param_name.startswith(("embedding.", "output_layer.")):
+        return None, "tied embeddings (two canonical names)", None
+    if type(param.data) is not torch.Tensor or param.dtype not in _PLAIN_DTYPES:
+        return None, f"{param.dtype} {type(param.data).__name__} parameters", None
+    kind = _KIND.get(cls.__name__)
+    if cls.__name__ == "AutoMapping":
+        if getattr(mapping, "permute_dims", None) is not None:
+            return None, "permuted dimensions", None
+        try:
+            kind = _KIND[
+                {"column": "ColumnParallelMapping", "row": "RowParallelMapping"}.get(
+                    mapping._detect_parallelism_type(task.megatron_module), "ReplicatedMapping"
+                )
+            ]
+        except ValueError:
+            return None, "parallelism not detected", None
+    try:
+        rowmap = _rowmap(kind, mapping, param, config)
+    except ValueError as exc:
+        return None, f"layout not projected ({exc})", None
+    return kind, None, rowmap
+
+
+def _rowmap(kind: str | None, mapping: Any, param: torch.Tensor, config: Any) -> RowMap:
+    shape = tuple(int(d) for d in param.shape)
+    r, t = int(mapping.tp_rank), int(mapping.tp_size)
+    hf = mapping.hf_param
+    if kind == "replicated":
+        return projection.identity(TensorMeta(str(hf), shape, param.dtype))
+    if kind == "column":
+        return projection.column(TensorMeta(str(hf), (shape[0] * t, *shape[1:]), param.dtype), r, t)
+    if kind == "row":
+        if len(shape) == 1:  # a 1-D row-parallel bias is not split
+            return projection.identity(TensorMeta(str(hf), shape, param.dtype))
+        return projection.row(TensorMeta(str(hf), (shape[0], shape[1] * t), param.dtype), r, t)
+    if kind == "gated":
+        half = (shape[0] // 2 * t, *shape[1:])
+        return projection.gated(
+            TensorMeta(hf["gate"], half, param.dtype), TensorMeta(hf["up"], half, param.dtype), r, t
+        )
+    if kind == "qkv":
+        heads, groups = int(config.num_attention_heads), int(config.num_query_groups)
+        d = int(config.kv_channels)
+        rest = shape[1:]
+        return projection.qkv(
+            TensorMeta(hf["q"], (heads * d, *rest), param.dtype),
+            TensorMeta(hf["k"], (groups * d, *rest), param.dtype),
+            TensorMeta(hf["v"], (groups * d, *rest), param.dtype),
+            heads=heads,
+            groups=groups,
+            head_dim=d,
+            tp_rank=r,
+            tp_size=t,
+        )
+    raise ValueError(f"no row map for {kind}")
+
+
+def _canonical_bytes(task: Any) -> int:
+    """Bytes of the canonical tensors one task exports (a TP-split shard times TP)."""
+    p = task.param_weight
+    n = int(p.numel()) * int(p.element_size())
+    split = type(task.mapping).__name__ != "ReplicatedMapping" and getattr(
+        p, "tensor_model_parallel", False
+    )
+    return n * int(task.mapping.tp_size) if split else n
+
+
+def _merge(
+    index: int, task: Any, gathered: list[dict[int, tuple[str | None, str | None, int]]]
+) -> TaskPlan:
+    """One decision for a task from every rank that holds it: residual if any found a reason."""
+    name = task.global_param_name if task is not None else f"task {index}"
+    seen = [g[index] for g in gathered if index in g]
+    if task is None or not seen:
+        return TaskPlan(index, name, None, "no mapping for this parameter", 0)
+    nbytes = max(b for _, _, b in seen)
+    reasons = sorted({r for _, r, _ in seen if r is not None})
+    if reasons:
+        return TaskPlan(index, name, None, reasons[0], nbytes)
+    kinds = {k for k, _, _ in seen}
+    if len(kinds) != 1:
+        return TaskPlan(index, name, None, f"ranks disagree on the layout ({sorted(map(str, kinds))})", 0)
+    return TaskPlan(index, name, kinds.pop(), None, nbytes)
