@@ -186,6 +186,80 @@ def bench_apply(quick: bool, as_json: bool, checkpoint_mib: int | None) -> None:
         click.echo(json.dumps(result))
 
 
+@bench.command("construct", epilog=BENCH_EXIT_HELP)
+@click.option(
+    "--checkpoint-mib",
+    type=click.IntRange(8, None),
+    default=256,
+    show_default=True,
+    help="Qwen3-shaped random model size in MiB (whole layers, a multiple of PP).",
+)
+@click.option(
+    "--tp", type=click.IntRange(1, None), default=2, show_default=True, help="Tensor parallel."
+)
+@click.option(
+    "--pp", type=click.IntRange(1, None), default=2, show_default=True, help="Pipeline parallel."
+)
+@click.option(
+    "--rates",
+    default="1,3,5",
+    show_default=True,
+    help="Comma-separated change rates in percent of every parameter's elements.",
+)
+@click.option(
+    "--results-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where construct-<UTC time>.json goes (default: bench/results of this checkout).",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory for the checkpoint and rank outputs (default: the system temp directory).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def bench_construct(
+    checkpoint_mib: int,
+    tp: int,
+    pp: int,
+    rates: str,
+    results_dir: Path | None,
+    workdir: Path | None,
+    as_json: bool,
+) -> None:
+    """Delta construction per owner on real Megatron Bridge ranks (gloo, CPU; needs
+    .venv-megatron or $KUBEREFIT_MEGATRON_PYTHON): today's export path against direct
+    projection of affine shards, time and peak memory at each change rate, and the affine
+    coverage by bytes."""
+    import json
+    from datetime import datetime, timezone
+
+    from refit_tools.bench.construct import format_report, run_construct_bench
+    from refit_tools.bench.refit_report import default_results_dir
+
+    try:
+        fractions = tuple(float(r) / 100 for r in rates.split(","))
+    except ValueError as exc:
+        raise click.BadParameter(f"not a list of numbers: {rates!r}", param_hint="--rates") from exc
+    if not all(0 < f < 1 for f in fractions):
+        raise click.BadParameter("each rate must be in (0, 100)", param_hint="--rates")
+    result = run_construct_bench(
+        checkpoint_bytes=checkpoint_mib << 20,
+        tp=tp,
+        pp=pp,
+        rates=fractions,
+        workdir=workdir,
+        say=lambda msg: click.echo(msg, err=True),
+    )
+    directory = results_dir or default_results_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = directory / f"construct-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    result["files"] = [str(path)]
+    click.echo(json.dumps(result) if as_json else format_report(result) + f"\nwrote {path}")
+
+
 @bench.command("transport", epilog=BENCH_EXIT_HELP)
 @click.option(
     "--quick",

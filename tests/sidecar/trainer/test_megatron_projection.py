@@ -1,6 +1,9 @@
-"""Direct projection against the export path on real Megatron Bridge (gloo, CPU), TP=2 × PP=2.
+"""Direct projection against the export path on real Megatron Bridge (gloo, CPU), TP=2 × PP=2,
+for the tiny Qwen3 and Qwen3-MoE (experts: SequentialMLP, ETP=2, EP=1; see
+refit_tools.megatron_cpu for what the MoE needs on CPU).
 
-One run of tests/sidecar/trainer/megatron_project.py (four ranks) is shared by the tests: the
+One run of tests/sidecar/trainer/megatron_project.py (four ranks) per model is shared by the
+tests: the
 identity probe of every affine row map against the bridge's own export of source ids, the
 ownership of projected elements, and the records of one real AdamW step through projection plus
 the residual export, compared bit for bit with the records of the export path (the dense v0 and
@@ -30,10 +33,14 @@ SETTINGS = ("default", "qkv")
 QKV = ("q_proj", "k_proj", "v_proj")
 
 
-@pytest.fixture(scope="module")
-def run(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("projection")
-    args = [f"--hf-dir={tiny_models['qwen3']}", f"--out={out}", f"--tp={TP}", f"--pp={PP}"]
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def run(
+    request: pytest.FixtureRequest,
+    tiny_models: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Path:
+    out = tmp_path_factory.mktemp(f"projection-{request.param}")
+    args = [f"--hf-dir={tiny_models[request.param]}", f"--out={out}", f"--tp={TP}", f"--pp={PP}"]
     run_ranks(SCRIPT, args, world=WORLD, logs=out, timeout=600)
     return out
 
@@ -67,7 +74,7 @@ def test_the_identity_probe_finds_every_row_where_its_map_says(run: Path) -> Non
         for setting in SETTINGS:
             assert report[setting]["probe_failures"] == [], (setting, report[setting])
     default, qkv = reports[0]["default"], reports[0]["qkv"]
-    print(f"\n[projection] {default['coverage']}\n[projection] {qkv['coverage']}")
+    print(f"\n[projection] {run.name}: {default['coverage']}\n[projection] {qkv['coverage']}")
     assert default["residual"] == ["fused Q/K/V (project_qkv off)"], default
     assert 0.8 < default["coverage_fraction"] < 0.9, default
     assert qkv["residual"] == [], qkv

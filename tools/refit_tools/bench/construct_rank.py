@@ -1,0 +1,155 @@
+"""One Megatron rank of `kuberefit bench construct` (runs in .venv-megatron, gloo, CPU).
+
+For each change rate, the rank restores the loaded weights, takes the baseline of its path (not
+timed), flips the lowest stored bit of that fraction of every parameter's elements (the same
+elements on every TP replica of a replicated parameter, so replicas stay equal), then times the
+construction of its delta records:
+- `export`: today's path, `MegatronBridgeSource` through `plan_owned` (every rank runs the whole
+  export; the owner of each chunk diffs its tensors against its canonical baseline);
+- `project`: `MegatronProjection`: the owned affine shards diffed against their shard tracker and
+  projected, plus the residual tasks through the bridge's export as above.
+Construction time is the rank's wall time from a barrier; peak memory is the rank's resident
+set above what it held at the barrier (baselines included before). Writes `<out>/rank<r>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+CHUNK_BYTES = 64 << 20
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
+def _perturb(model: list[Any], rate: float, seed: int) -> None:
+    import torch
+
+    with torch.no_grad():
+        for chunk in model:
+            for name, p in chunk.named_parameters():
+                gen = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
+                bits = p.data.view(torch.int16).reshape(-1)
+                bits[torch.rand(bits.numel(), generator=gen) < rate] ^= 1
+
+
+def _export_path(bridge: Any, model: list[Any], rank: int, world: int) -> Any:
+    """(baseline, construct): today's canonical baseline, and the timed construction."""
+    from refit_sidecar.bitdiff import diff_bits
+    from refit_sidecar.bits import bits_numpy
+    from refit_sidecar.trainer import MegatronBridgeSource
+    from refit_sidecar.trainer.export import plan_owned
+
+    source = MegatronBridgeSource(bridge, model)
+
+    def owned() -> Any:
+        for planned in plan_owned(source.entries(), CHUNK_BYTES, rank, world):
+            if planned.chunk is not None:
+                yield from planned.chunk.tensors
+
+    def baseline() -> dict[str, Any]:
+        return dict(owned())
+
+    def construct(base: dict[str, Any]) -> int:
+        return sum(diff_bits(bits_numpy(base[n]), bits_numpy(t)).count for n, t in owned())
+
+    return baseline, construct
+
+
+def _project_path(proj: Any, rank: int, world: int) -> Any:
+    from refit_sidecar.bitdiff import diff_bits
+    from refit_sidecar.bits import bits_numpy
+    from refit_sidecar.codec.records import Op
+    from refit_sidecar.trainer.export import plan_owned
+    from refit_sidecar.trainer.projection import project_diff
+
+    def residual() -> Any:
+        for planned in plan_owned(proj.residual_source().entries(), CHUNK_BYTES, rank, world):
+            if planned.chunk is not None:
+                yield from planned.chunk.tensors
+
+    def baseline() -> tuple[dict[int, Any], dict[str, Any]]:
+        return {s.task.index: s.snapshot() for s in proj.owned_shards()}, dict(residual())
+
+    def construct(base: tuple[dict[int, Any], dict[str, Any]]) -> int:
+        tracker, canonical = base
+        changed = 0
+        for shard in proj.owned_shards():
+            diff = diff_bits(bits_numpy(tracker[shard.task.index]), bits_numpy(shard.snapshot()))
+            changed += sum(i.count for i in project_diff(shard.rowmap, diff, Op.XOR))
+        for n, t in residual():
+            changed += diff_bits(bits_numpy(canonical[n]), bits_numpy(t)).count
+        return changed
+
+    return baseline, construct
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf-dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--path", choices=("export", "project"), required=True)
+    ap.add_argument("--rates", default="0.01,0.03,0.05")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    from refit_sidecar.trainer.megatron_projection import MegatronProjection
+    from refit_tools.megatron_cpu import build_model, init_distributed
+    from refit_tools.peak_rss import PeakRss
+
+    rank, world = init_distributed(args.tp, args.pp)
+    bridge, model = build_model(args.hf_dir, args.tp, args.pp)
+    params = [p for chunk in model for p in chunk.parameters()]
+    loaded = [p.detach().clone() for p in params]
+    report: dict[str, Any] = {"rank": rank, "path": args.path, "rates": []}
+    if args.path == "project":
+        started = time.perf_counter()
+        proj = MegatronProjection(bridge, model)
+        report["plan_s"] = time.perf_counter() - started
+        report["coverage"] = proj.coverage().line()
+        report["coverage_fraction"] = proj.coverage().fraction
+        baseline, construct = _project_path(proj, rank, world)
+    else:
+        baseline, construct = _export_path(bridge, model, rank, world)
+    rates = [float(r) for r in args.rates.split(",")]
+    for k, rate in enumerate([rates[0], *rates]):  # the first round warms up, untimed
+        with torch.no_grad():
+            for p, w in zip(params, loaded, strict=True):
+                p.data.copy_(w)
+        base = baseline()
+        _perturb(model, rate, args.seed)
+        _LIBC.malloc_trim(0)  # freed heap back to the system: the peak counts this round only
+        dist.barrier()
+        with PeakRss(every_s=0.005) as rss:
+            started = time.perf_counter()
+            changed = construct(base)
+            seconds = time.perf_counter() - started
+        if k:
+            report["rates"].append(
+                {
+                    "rate": rate,
+                    "construct_s": seconds,
+                    "peak_extra_bytes": rss.extra,
+                    "changed": changed,
+                }
+            )
+        del base
+        dist.barrier()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
