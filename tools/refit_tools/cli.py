@@ -234,8 +234,13 @@ def bench_construct(
     import json
     from datetime import datetime, timezone
 
-    from refit_tools.bench.construct import format_report, run_construct_bench
+    from refit_tools.bench.construct import (
+        ConstructBenchError,
+        format_report,
+        run_construct_bench,
+    )
     from refit_tools.bench.refit_report import default_results_dir
+    from refit_tools.local.procs import ComponentError
 
     try:
         fractions = tuple(float(r) / 100 for r in rates.split(","))
@@ -243,14 +248,17 @@ def bench_construct(
         raise click.BadParameter(f"not a list of numbers: {rates!r}", param_hint="--rates") from exc
     if not all(0 < f < 1 for f in fractions):
         raise click.BadParameter("each rate must be in (0, 100)", param_hint="--rates")
-    result = run_construct_bench(
-        checkpoint_bytes=checkpoint_mib << 20,
-        tp=tp,
-        pp=pp,
-        rates=fractions,
-        workdir=workdir,
-        say=lambda msg: click.echo(msg, err=True),
-    )
+    try:
+        result = run_construct_bench(
+            checkpoint_bytes=checkpoint_mib << 20,
+            tp=tp,
+            pp=pp,
+            rates=fractions,
+            workdir=workdir,
+            say=lambda msg: click.echo(msg, err=True),
+        )
+    except (ComponentError, ConstructBenchError) as exc:
+        raise click.ClickException(f"bench construct failed: {exc}") from exc
     directory = results_dir or default_results_dir()
     directory.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import torch
 
 from refit_sidecar.codec.records import TensorMeta
@@ -49,7 +50,10 @@ _KIND = {
     "GatedMLPMapping": "gated",
     "QKVMapping": "qkv",
 }
+#: What `AutoMapping._detect_parallelism_type` answers, as row-map kinds.
+_DETECTED = {"column": "column", "row": "row", "replicated": "replicated"}
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+log = structlog.get_logger("kuberefit.projection")
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,8 @@ class TaskPlan:
 
 
 @dataclass(frozen=True)
-class OwnedShard:
-    """An affine shard this rank owns: the live parameter and where its rows land."""
+class Shard:
+    """An affine shard held on this rank: the live parameter and where its rows land."""
 
     task: TaskPlan
     rowmap: RowMap
@@ -157,6 +161,12 @@ class MegatronProjection:
         dist.all_gather_object(gathered, local)
         self.plans = [_merge(i, task, gathered) for i, task in enumerate(self._tasks)]
         self._dp = (dp_rank, dp_size)
+        log.info(
+            "projection plan",
+            coverage=self.coverage().line(),
+            tasks=len(self.plans),
+            residual_tasks=len(self.residual_tasks),
+        )
 
     @property
     def residual_tasks(self) -> list[Any]:
@@ -171,13 +181,13 @@ class MegatronProjection:
             bucket[key] = bucket.get(key, 0) + p.nbytes
         return cov
 
-    def held_shards(self) -> Iterator[OwnedShard]:
+    def held_shards(self) -> Iterator[Shard]:
         """Every affine shard held on this rank, owned or a replica."""
         for i, rowmap in self._rowmaps.items():
             if self.plans[i].affine:  # else another rank found a reason: residual everywhere
-                yield OwnedShard(self.plans[i], rowmap, self._tasks[i].param_weight)
+                yield Shard(self.plans[i], rowmap, self._tasks[i].param_weight)
 
-    def owned_shards(self) -> Iterator[OwnedShard]:
+    def owned_shards(self) -> Iterator[Shard]:
         """The affine shards this rank owns: one owner per distinct shard (a stable hash of the
         task name picks the data-parallel replica, and the TP rank of a replicated tensor)."""
         dp_rank, dp_size = self._dp
@@ -208,7 +218,7 @@ def _whole_model_reason(bridge: Any, model: Sequence[Any]) -> str | None:
         return f"{hook_owner.__name__} changes converted weights"
     for chunk in model:
         for name, _ in chunk.named_parameters():
-            if ".adapter." in name or "lora" in name.lower():
+            if ".adapter." in name or ".to_wrap." in name:  # Bridge's PEFT (LoRA) wrappers
                 return "adapters are merged on export"
     return None
 
@@ -237,13 +247,14 @@ def _classify(
         if getattr(mapping, "permute_dims", None) is not None:
             return None, "permuted dimensions", None
         try:
-            kind = _KIND[
-                {"column": "ColumnParallelMapping", "row": "RowParallelMapping"}.get(
-                    mapping._detect_parallelism_type(task.megatron_module), "ReplicatedMapping"
-                )
-            ]
+            detected = mapping._detect_parallelism_type(task.megatron_module)
         except ValueError:
             return None, "parallelism not detected", None
+        kind = _DETECTED.get(detected)
+        if kind is None:
+            return None, f"parallelism {detected!r} not known", None
+    if kind == "row" and param.dim() == 1:
+        kind = "replicated"  # a 1-D row-parallel bias is not split: every TP rank holds it all
     try:
         rowmap = _rowmap(kind, mapping, param, config)
     except ValueError as exc:
@@ -260,8 +271,6 @@ def _rowmap(kind: str | None, mapping: Any, param: torch.Tensor, config: Any) ->
     if kind == "column":
         return projection.column(TensorMeta(str(hf), (shape[0] * t, *shape[1:]), param.dtype), r, t)
     if kind == "row":
-        if len(shape) == 1:  # a 1-D row-parallel bias is not split
-            return projection.identity(TensorMeta(str(hf), shape, param.dtype))
         return projection.row(TensorMeta(str(hf), (shape[0], shape[1] * t), param.dtype), r, t)
     if kind == "gated":
         half = (shape[0] // 2 * t, *shape[1:])

@@ -52,6 +52,10 @@ class RowMap:
         if not 0 <= self.col0 <= self.row_width - width:
             raise ValueError(f"columns [{self.col0}, {self.col0 + width}) outside {self.row_width}")
         for d, meta in enumerate(self.dests):
+            if _rows_width(meta.shape)[1] != self.row_width:
+                raise ValueError(
+                    f"{meta.name}: rows of {list(meta.shape)} are not {self.row_width} wide"
+                )
             mine = self.dest_row[self.dest == d]
             if mine.size and (np.any(np.diff(mine) <= 0) or mine[0] < 0):
                 raise ValueError(f"{meta.name}: destination rows must increase")

@@ -1,9 +1,9 @@
-"""Direct projection against the export path on real Megatron Bridge (gloo, CPU), TP=2 × PP=2,
-for the tiny Qwen3 and Qwen3-MoE (experts: SequentialMLP, ETP=2, EP=1; see
-refit_tools.megatron_cpu for what the MoE needs on CPU).
+"""Direct projection against the export path on real Megatron Bridge (gloo, CPU), four ranks:
+TP=2 × PP=2 for the tiny Qwen3 and Qwen3-MoE (experts: SequentialMLP, ETP=2, EP=1; see
+refit_tools.megatron_cpu for what the MoE needs on CPU), and TP=2 × DP=2 for the tiny Qwen3
+(one data-parallel replica owns each shard).
 
-One run of tests/sidecar/trainer/megatron_project.py (four ranks) per model is shared by the
-tests: the
+One run of tests/sidecar/trainer/megatron_project.py per layout is shared by the tests: the
 identity probe of every affine row map against the bridge's own export of source ids, the
 ownership of projected elements, and the records of one real AdamW step through projection plus
 the residual export, compared bit for bit with the records of the export path (the dense v0 and
@@ -27,20 +27,22 @@ from refit_sidecar.codec.records import Op, diff_item
 from tests.harness.bridge import run_ranks
 
 SCRIPT = Path(__file__).with_name("megatron_project.py")
-TP, PP = 2, 2
-WORLD = TP * PP
+WORLD = 4
+#: (model, TP, PP); the data-parallel size is what is left of the four ranks.
+LAYOUTS = [("qwen3", 2, 2), ("qwen3_moe", 2, 2), ("qwen3", 2, 1)]
 SETTINGS = ("default", "qkv")
 QKV = ("q_proj", "k_proj", "v_proj")
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"{p[0]}-tp{p[1]}-pp{p[2]}")
 def run(
     request: pytest.FixtureRequest,
     tiny_models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Path:
-    out = tmp_path_factory.mktemp(f"projection-{request.param}")
-    args = [f"--hf-dir={tiny_models[request.param]}", f"--out={out}", f"--tp={TP}", f"--pp={PP}"]
+    model, tp, pp = request.param
+    out = tmp_path_factory.mktemp(f"projection-{model}-tp{tp}-pp{pp}")
+    args = [f"--hf-dir={tiny_models[model]}", f"--out={out}", f"--tp={tp}", f"--pp={pp}"]
     run_ranks(SCRIPT, args, world=WORLD, logs=out, timeout=600)
     return out
 

@@ -112,6 +112,8 @@ def test_bad_maps_and_shards_are_refused() -> None:
         RowMap((2, 6), (meta,), np.zeros(2, np.int16), np.array([1, 0]), 0, 6)
     with pytest.raises(ValueError, match="outside"):
         RowMap((2, 6), (meta,), np.zeros(2, np.int16), np.array([3, 4]), 0, 6)
+    with pytest.raises(ValueError, match="not 5 wide"):
+        RowMap((2, 5), (meta,), np.zeros(2, np.int16), np.array([0, 1]), 0, 5)
     with pytest.raises(ValueError, match="1-D and 2-D"):
         projection.identity(TensorMeta("x", (2, 2, 2), torch.bfloat16))
     rowmap = projection.column(meta, 0, 2)

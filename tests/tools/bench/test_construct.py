@@ -47,3 +47,11 @@ def test_bad_rates_are_refused() -> None:
     result = CliRunner().invoke(build(), ["bench", "construct", "--rates=0"])
     assert result.exit_code == 2
     assert "(0, 100)" in result.output
+
+
+def test_a_missing_megatron_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KUBEREFIT_MEGATRON_PYTHON", "/nonexistent/python")
+    result = CliRunner().invoke(build(), ["bench", "construct", "--checkpoint-mib=8"])
+    assert result.exit_code == 1
+    assert "Megatron environment not found at /nonexistent/python" in result.output
+    assert "make megatron-venv" in result.output

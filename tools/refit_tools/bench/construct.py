@@ -21,9 +21,15 @@ from typing import Any
 from safetensors.torch import save_file
 
 from refit_tools.bench.refit_workload import MIB, Workload
-from refit_tools.megatron_cpu import run_ranks
+from refit_tools.megatron_cpu import megatron_python, run_ranks
 
 RANK_SCRIPT = Path(__file__).with_name("construct_rank.py")
+
+
+class ConstructBenchError(RuntimeError):
+    """The two paths disagree on what changed: a measurement of nothing."""
+
+
 PATHS = ("export", "project")
 
 
@@ -52,6 +58,7 @@ def run_construct_bench(
     say: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Run both paths and return the report (see the module docstring)."""
+    megatron_python()  # refuse before writing a checkpoint
     with tempfile.TemporaryDirectory(prefix="kuberefit-construct-", dir=workdir) as tmp:
         root = Path(tmp)
         say(f"writing a Qwen3-shaped checkpoint of at least {checkpoint_bytes / MIB:.0f} MiB")
@@ -98,7 +105,7 @@ def _report(
             row[f"{path}_peak_mib"] = max(f["peak_extra_bytes"] for f in figures) / MIB
             row[f"{path}_changed"] = sum(f["changed"] for f in figures)
         if row["export_changed"] != row["project_changed"]:
-            raise RuntimeError(
+            raise ConstructBenchError(
                 f"at {rate:.0%} the export path found {row['export_changed']} changed elements "
                 f"and projection {row['project_changed']}: the paths disagree"
             )
