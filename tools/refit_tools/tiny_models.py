@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-Family = Literal["qwen3", "qwen3_moe"]
+Family = Literal["qwen3", "qwen3_moe", "qwen3_tied"]
 
 _COMMON = {
     "vocab_size": 512,
@@ -37,6 +37,8 @@ def write_tiny_model(directory: Path, family: Family = "qwen3", *, seed: int = 0
     model: Any
     if family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**_COMMON))
+    elif family == "qwen3_tied":  # embedding and output head shared, as in Qwen3-0.6B to 4B
+        model = Qwen3ForCausalLM(Qwen3Config(**{**_COMMON, "tie_word_embeddings": True}))
     elif family == "qwen3_moe":
         cfg = Qwen3MoeConfig(
             **_COMMON,

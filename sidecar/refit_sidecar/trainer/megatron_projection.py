@@ -33,15 +33,9 @@ from refit_sidecar.trainer.megatron import MegatronBridgeSource
 from refit_sidecar.trainer.projection import RowMap
 
 _MAPPINGS = "megatron.bridge.models.conversion.param_mapping"
-#: Mapping classes whose export is a pure row move (AutoMapping only without permute_dims).
-_AFFINE = {
-    "AutoMapping",
-    "ColumnParallelMapping",
-    "RowParallelMapping",
-    "ReplicatedMapping",
-    "DirectMapping",
-    "GatedMLPMapping",
-}
+#: Mapping classes whose export is a pure row move, and the row map of each (`AutoMapping`
+#: resolves to one of the first three at export time, from its module; QKV only with
+#: `project_qkv`).
 _KIND = {
     "ColumnParallelMapping": "column",
     "RowParallelMapping": "row",
@@ -49,9 +43,10 @@ _KIND = {
     "DirectMapping": "replicated",
     "GatedMLPMapping": "gated",
     "QKVMapping": "qkv",
+    "AutoMapping": None,
 }
-#: What `AutoMapping._detect_parallelism_type` answers, as row-map kinds.
-_DETECTED = {"column": "column", "row": "row", "replicated": "replicated"}
+#: What `AutoMapping._detect_parallelism_type` answers.
+_DETECTED = ("column", "row", "replicated")
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 log = structlog.get_logger("kuberefit.projection")
 
@@ -143,15 +138,27 @@ class MegatronProjection:
         self._model = list(model)
         self._tasks = list(bridge.get_conversion_tasks(self._model))
         config = self._model[0].config
-        self._whole = _whole_model_reason(bridge, self._model)
-        tied = bool(getattr(self._model[0], "share_embeddings_and_output_weights", False))
+        context = _Context(
+            config=config,
+            project_qkv=project_qkv,
+            tied=_tied(config, self._model),
+            tp_size=int(getattr(config, "tensor_model_parallel_size", 1) or 1),
+            whole=_whole_model_reason(bridge, self._model),
+        )
         local: dict[int, tuple[str | None, str | None, int]] = {}
         self._rowmaps: dict[int, RowMap] = {}
         for i, task in enumerate(self._tasks):
             if task is None or task.param_weight is None:
                 continue
-            kind, reason, rowmap = _classify(task, config, project_qkv, tied, self._whole)
-            nbytes = sum(d.nbytes for d in rowmap.dests) if rowmap else _residual_bytes(task)
+            # Every rank must reach the all_gather below: a surprise here makes a residual task.
+            try:
+                kind, reason, rowmap = _classify(task, context)
+            except Exception as exc:  # any surprise is a reason, not a hang
+                kind, reason, rowmap = None, f"not classified ({type(exc).__name__})", None
+            try:
+                nbytes = sum(d.nbytes for d in rowmap.dests) if rowmap else _residual_bytes(task)
+            except Exception:  # for the coverage line only
+                nbytes = int(task.param_weight.numel()) * int(task.param_weight.element_size())
             local[i] = (kind, reason, nbytes)
             if rowmap is not None:
                 self._rowmaps[i] = rowmap
@@ -196,7 +203,9 @@ class MegatronProjection:
             h = zlib.crc32(shard.task.name.encode())
             if h % dp_size != dp_rank:
                 continue
-            if shard.task.kind == "replicated" and h % mapping.tp_size != mapping.tp_rank:
+            # the quotient picks the TP rank: `h` modulo both would tie the two choices together
+            tp_choice = (h // dp_size) % mapping.tp_size
+            if shard.task.kind == "replicated" and tp_choice != mapping.tp_rank:
                 continue
             yield shard
 
@@ -223,42 +232,69 @@ def _whole_model_reason(bridge: Any, model: Sequence[Any]) -> str | None:
     return None
 
 
-def _classify(
-    task: Any, config: Any, project_qkv: bool, tied: bool, whole: str | None
-) -> tuple[str | None, str | None, RowMap | None]:
+@dataclass(frozen=True)
+class _Context:
+    """What classification needs beside the task, the same for every task of the model."""
+
+    config: Any
+    project_qkv: bool
+    tied: bool
+    tp_size: int
+    whole: str | None
+
+
+def _tied(config: Any, model: Sequence[Any]) -> bool:
+    """Whether the embedding is shared with the output layer, as the bridge decides it: the
+    config first, else the model under its wrappers (Float16Module, DDP)."""
+    value = getattr(config, "share_embeddings_and_output_weights", None)
+    if value is None:
+        inner = model[0]
+        while hasattr(inner, "module"):
+            inner = inner.module
+        value = getattr(inner, "share_embeddings_and_output_weights", False)
+    return bool(value)
+
+
+def _classify(task: Any, ctx: _Context) -> tuple[str | None, str | None, RowMap | None]:
     """(kind, None, row map) for an affine task held here, else (None, reason, None)."""
     mapping = task.mapping
     cls = type(mapping)
     param = task.param_weight
-    if whole is not None:
-        return None, whole, None
-    if cls.__module__ != _MAPPINGS or cls.__name__ not in _AFFINE | {"QKVMapping"}:
+    if ctx.whole is not None:
+        return None, ctx.whole, None
+    if cls.__module__ != _MAPPINGS or cls.__name__ not in _KIND:
         return None, f"{cls.__name__} (not a known row move)", None
-    if cls.__name__ == "QKVMapping" and not project_qkv:
+    if cls.__name__ == "QKVMapping" and not ctx.project_qkv:
         return None, "fused Q/K/V (project_qkv off)", None
-    if getattr(mapping, "is_expert", False) and int(mapping.ep_size) > 1:
-        return None, "expert parallelism > 1 (projection verified at EP=1 only)", None
-    if tied and task.global_param_name.startswith(("embedding.", "output_layer.")):
+    if cls.__name__ == "QKVMapping" and getattr(ctx.config, "attention_output_gate", False):
+        return None, "fused Q/K/V with an output gate", None
+    if getattr(mapping, "is_expert", False):
+        if int(mapping.ep_size) > 1:
+            return None, "expert parallelism > 1 (projection verified at EP=1 only)", None
+        if int(mapping.tp_size) != ctx.tp_size:
+            return None, "expert tensor parallelism unlike TP (not verified)", None
+    if ctx.tied and task.global_param_name.startswith(("embedding.", "output_layer.")):
         return None, "tied embeddings (two canonical names)", None
     if type(param.data) is not torch.Tensor or param.dtype not in _PLAIN_DTYPES:
         return None, f"{param.dtype} {type(param.data).__name__} parameters", None
-    kind = _KIND.get(cls.__name__)
-    if cls.__name__ == "AutoMapping":
+    kind = _KIND[cls.__name__]
+    if kind is None:  # AutoMapping
         if getattr(mapping, "permute_dims", None) is not None:
             return None, "permuted dimensions", None
         try:
-            detected = mapping._detect_parallelism_type(task.megatron_module)
+            kind = mapping._detect_parallelism_type(task.megatron_module)
         except ValueError:
             return None, "parallelism not detected", None
-        kind = _DETECTED.get(detected)
-        if kind is None:
-            return None, f"parallelism {detected!r} not known", None
+        if kind not in _DETECTED:
+            return None, f"parallelism {kind!r} not known", None
     if kind == "row" and param.dim() == 1:
         kind = "replicated"  # a 1-D row-parallel bias is not split: every TP rank holds it all
     try:
-        rowmap = _rowmap(kind, mapping, param, config)
+        rowmap = _rowmap(kind, mapping, param, ctx.config)
     except ValueError as exc:
         return None, f"layout not projected ({exc})", None
+    if rowmap.local_shape != tuple(param.shape):
+        return None, "layout not projected (the shard is not what the map expects)", None
     return kind, None, rowmap
 
 
@@ -299,17 +335,13 @@ def _residual_bytes(task: Any) -> int:
     class or module splits it over TP (for the coverage line only)."""
     p, mapping = task.param_weight, task.mapping
     n = int(p.numel()) * int(p.element_size())
-    cls = type(mapping).__name__
-    split = cls in {"QKVMapping", "GatedMLPMapping", "ColumnParallelMapping", "RowParallelMapping"}
-    if cls == "AutoMapping":
-        try:
-            split = mapping._detect_parallelism_type(task.megatron_module) != "replicated"
-        except ValueError:
-            split = False
-    elif cls not in _KIND:
+    kind = _KIND.get(type(mapping).__name__, "unknown")
+    if kind is None:  # AutoMapping
+        kind = mapping._detect_parallelism_type(task.megatron_module)
+    if kind == "unknown":
         split = bool(getattr(p, "tensor_model_parallel", False))
-    if split and len(p.shape) == 1 and cls == "RowParallelMapping":
-        split = False  # a 1-D row-parallel bias is not split
+    else:
+        split = kind != "replicated" and not (kind == "row" and p.dim() == 1)
     return n * int(mapping.tp_size) if split else n
 
 
@@ -317,10 +349,12 @@ def _merge(
     index: int, task: Any, gathered: list[dict[int, tuple[str | None, str | None, int]]]
 ) -> TaskPlan:
     """One decision for a task from every rank that holds it: residual if any found a reason."""
-    name = task.global_param_name if task is not None else f"task {index}"
+    if task is None:
+        return TaskPlan(index, f"task {index}", None, "no mapping for this parameter", 0)
+    name = task.global_param_name
     seen = [g[index] for g in gathered if index in g]
-    if task is None or not seen:
-        return TaskPlan(index, name, None, "no mapping for this parameter", 0)
+    if not seen:
+        return TaskPlan(index, name, None, "held by no rank", 0)
     nbytes = max(b for _, _, b in seen)
     reasons = sorted({r for _, r, _ in seen if r is not None})
     if reasons:

@@ -16,6 +16,7 @@ Megatron against plain `torch.cat`/`chunk` references.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -175,6 +176,8 @@ def project_diff(rowmap: RowMap, diff: BitDiff, op: Op) -> list[Item]:
     """The records of one shard's changes in canonical coordinates: one item per destination
     that changed (none when nothing did)."""
     values = diff.xor_bits if op is Op.XOR else diff.new_bits
+    if diff.count and not 0 <= int(diff.locations[-1]) < math.prod(rowmap.local_shape):
+        raise ValueError(f"{rowmap.dests[0].name}: changes outside {list(rowmap.local_shape)}")
     items = []
     positions = rowmap.positions(diff.locations)
     masks = [None] if len(rowmap.dests) == 1 else rowmap.split(diff.locations)

@@ -1,7 +1,9 @@
 """Direct projection against the export path on real Megatron Bridge (gloo, CPU), four ranks:
 TP=2 × PP=2 for the tiny Qwen3 and Qwen3-MoE (experts: SequentialMLP, ETP=2, EP=1; see
-refit_tools.megatron_cpu for what the MoE needs on CPU), and TP=2 × DP=2 for the tiny Qwen3
-(one data-parallel replica owns each shard).
+refit_tools.megatron_cpu for what the MoE needs on CPU), and TP=2 × DP=2 for a tiny Qwen3 with
+tied embeddings (one data-parallel replica owns each shard; the shared embedding is residual).
+Tied embeddings at PP > 1 need CUDA in Megatron-Core (the first and last stages all-reduce the
+copy on the device), hence DP for that model.
 
 One run of tests/sidecar/trainer/megatron_project.py per layout is shared by the tests: the
 identity probe of every affine row map against the bridge's own export of source ids, the
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -24,14 +27,28 @@ from safetensors.torch import load_file
 
 from refit_sidecar.bits import int_view
 from refit_sidecar.codec.records import Op, diff_item
+from refit_sidecar.trainer import megatron_projection as mp
+from refit_tools.tiny_models import write_tiny_model
 from tests.harness.bridge import run_ranks
 
 SCRIPT = Path(__file__).with_name("megatron_project.py")
 WORLD = 4
 #: (model, TP, PP); the data-parallel size is what is left of the four ranks.
-LAYOUTS = [("qwen3", 2, 2), ("qwen3_moe", 2, 2), ("qwen3", 2, 1)]
+LAYOUTS = [("qwen3", 2, 2), ("qwen3_moe", 2, 2), ("qwen3_tied", 2, 1)]
 SETTINGS = ("default", "qkv")
 QKV = ("q_proj", "k_proj", "v_proj")
+QKV_REASON = "fused Q/K/V (project_qkv off)"
+TIED_REASON = "tied embeddings (two canonical names)"
+
+
+def _tied(run: Path) -> bool:
+    return "qwen3_tied" in run.name
+
+
+def _residual_names(run: Path, names: set[str], setting: str) -> set[str]:
+    """What must take the residual path: Q/K/V with project_qkv off, a shared embedding."""
+    want = {n for n in names if any(q in n for q in QKV)} if setting == "default" else set()
+    return want | ({"model.embed_tokens.weight"} if _tied(run) else set())
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"{p[0]}-tp{p[1]}-pp{p[2]}")
@@ -42,7 +59,11 @@ def run(
 ) -> Path:
     model, tp, pp = request.param
     out = tmp_path_factory.mktemp(f"projection-{model}-tp{tp}-pp{pp}")
-    args = [f"--hf-dir={tiny_models[model]}", f"--out={out}", f"--tp={tp}", f"--pp={pp}"]
+    if model == "qwen3_tied":
+        hf_dir = write_tiny_model(tmp_path_factory.mktemp("tied"), "qwen3_tied", seed=1)
+    else:
+        hf_dir = tiny_models[model]
+    args = [f"--hf-dir={hf_dir}", f"--out={out}", f"--tp={tp}", f"--pp={pp}"]
     run_ranks(SCRIPT, args, world=WORLD, logs=out, timeout=600)
     return out
 
@@ -77,10 +98,11 @@ def test_the_identity_probe_finds_every_row_where_its_map_says(run: Path) -> Non
             assert report[setting]["probe_failures"] == [], (setting, report[setting])
     default, qkv = reports[0]["default"], reports[0]["qkv"]
     print(f"\n[projection] {run.name}: {default['coverage']}\n[projection] {qkv['coverage']}")
-    assert default["residual"] == ["fused Q/K/V (project_qkv off)"], default
-    assert 0.8 < default["coverage_fraction"] < 0.9, default
-    assert qkv["residual"] == [], qkv
-    assert qkv["coverage_fraction"] == 1.0, qkv
+    tied = [TIED_REASON] if _tied(run) else []
+    assert default["residual"] == sorted([QKV_REASON, *tied]), default
+    assert qkv["residual"] == tied, qkv
+    assert 0.6 < default["coverage_fraction"] < qkv["coverage_fraction"] <= 1.0
+    assert (qkv["coverage_fraction"] == 1.0) is not _tied(run), qkv
     assert all(r[s]["coverage"] == reports[0][s]["coverage"] for r in reports for s in SETTINGS)
 
 
@@ -94,9 +116,7 @@ def test_owned_shards_cover_each_projected_element_exactly_once(run: Path, setti
     for name, pieces in positions.items():
         got = torch.sort(torch.cat(pieces)).values
         assert torch.equal(got, torch.arange(v0[name].numel())), name
-    residual = set(v0) - set(positions)
-    want = {n for n in v0 if any(q in n for q in QKV)} if setting == "default" else set()
-    assert residual == want
+    assert set(v0) - set(positions) == _residual_names(run, set(v0), setting)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -121,9 +141,124 @@ def test_projected_and_residual_records_equal_the_export_paths(run: Path, settin
             assert np.array_equal(got[name][1], val), name
     if setting == "default":  # the residual path caught the changes of Q/K/V
         assert {n for n, _ in items if any(q in n for q in QKV)}
+    if _tied(run):  # and those of the shared embedding
+        assert ("model.embed_tokens.weight", "XOR") in items
     for name, tensor in v0.items():
         applied = int_view(tensor.clone())
         if (name, "XOR") in items:
             loc, val = items[(name, "XOR")]
             applied[torch.from_numpy(loc)] ^= torch.from_numpy(val)
         assert torch.equal(applied, int_view(v1[name])), name
+
+
+# The plan's rules, without Megatron: stand-in tasks (`fake_task`) reach the branches the tiny
+# models cannot (FP8 and integer parameters, permuted dimensions, an output gate, expert layouts
+# other than ETP = TP at EP = 1, classes the bridge does not ship).
+
+
+def fake_task(
+    cls_name: str,
+    *,
+    shape: tuple[int, ...] = (4, 6),
+    dtype: torch.dtype = torch.bfloat16,
+    module: str = mp._MAPPINGS,
+    detected: str = "column",
+    **attrs: Any,
+) -> Any:
+    """A conversion task whose mapping class is named `cls_name` in `module`."""
+    mapping_cls = type(cls_name, (), {"__module__": module})
+    mapping = mapping_cls()
+    mapping.tp_rank, mapping.tp_size, mapping.ep_size, mapping.is_expert = 0, 2, 1, False
+    mapping.hf_param = "w"
+    mapping.permute_dims = None
+    mapping._detect_parallelism_type = lambda module: detected
+    for k, v in attrs.items():
+        setattr(mapping, k, v)
+    param = torch.zeros(shape, dtype=dtype)
+    return SimpleNamespace(
+        mapping=mapping, param_weight=param, megatron_module=None, global_param_name="decoder.w"
+    )
+
+
+def _ctx(**changes: Any) -> Any:
+    config = SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=2)
+    base = {"config": config, "project_qkv": False, "tied": False, "tp_size": 2, "whole": None}
+    return mp._Context(**{**base, **changes})
+
+
+@pytest.mark.parametrize(
+    ("task", "ctx", "reason"),
+    [
+        (fake_task("AutoMapping", permute_dims=(1, 0)), {}, "permuted dimensions"),
+        (fake_task("AutoMapping", dtype=torch.int32), {}, "torch.int32 Tensor parameters"),
+        (fake_task("AutoMapping", detected="diagonal"), {}, "parallelism 'diagonal' not known"),
+        (fake_task("ColumnParallelMapping", module="my.bridge"), {}, "not a known row move"),
+        (fake_task("RMSNorm2ZeroCenteredRMSNormMapping"), {}, "not a known row move"),
+        (fake_task("QKVMapping"), {}, "fused Q/K/V (project_qkv off)"),
+        (fake_task("AutoMapping", is_expert=True, ep_size=2), {}, "expert parallelism > 1"),
+        (fake_task("AutoMapping", is_expert=True, tp_size=1), {}, "expert tensor parallelism"),
+        (fake_task("ColumnParallelMapping"), {"tied": True}, None),
+        (fake_task("ColumnParallelMapping"), {"whole": "adapters are merged"}, "adapters"),
+        (
+            fake_task("GatedMLPMapping", shape=(3, 6), hf_param={"gate": "g", "up": "u"}),
+            {},
+            "layout not projected",
+        ),
+    ],
+)
+def test_tasks_that_are_not_a_proven_row_move_are_residual(
+    task: Any, ctx: dict[str, Any], reason: str | None
+) -> None:
+    if reason is None:  # tied: the embedding's name decides
+        task.global_param_name = "embedding.word_embeddings.weight"
+        reason = "tied embeddings"
+    kind, got, rowmap = mp._classify(task, _ctx(**ctx))
+    assert kind is None
+    assert rowmap is None
+    assert got is not None
+    assert reason in got
+
+
+def test_qkv_with_an_output_gate_stays_residual_even_when_projected() -> None:
+    ctx = _ctx(project_qkv=True)
+    task = fake_task("QKVMapping", shape=(8, 6), hf_param={"q": "q", "k": "k", "v": "v"})
+    assert mp._classify(task, ctx)[0] == "qkv"
+    ctx.config.attention_output_gate = True
+    assert mp._classify(task, ctx)[1] == "fused Q/K/V with an output gate"
+
+
+def test_a_one_dimensional_row_bias_is_owned_like_a_replicated_tensor() -> None:
+    task = fake_task("AutoMapping", shape=(6,), detected="row")
+    kind, reason, rowmap = mp._classify(task, _ctx())
+    assert (kind, reason) == ("replicated", None)
+    assert rowmap is not None
+    assert rowmap.dests[0].shape == (6,)
+
+
+def test_the_plan_is_merged_across_ranks() -> None:
+    task = SimpleNamespace(global_param_name="decoder.w")
+    seen = [{0: ("column", None, 96)}, {0: ("column", None, 96)}, {}]
+    assert mp._merge(0, task, seen) == mp.TaskPlan(0, "decoder.w", "column", None, 96)
+    seen[2] = {0: (None, "permuted dimensions", 96)}
+    assert mp._merge(0, task, seen).reason == "permuted dimensions"
+    seen[2] = {0: ("row", None, 96)}
+    assert mp._merge(0, task, seen).reason == "ranks disagree on the layout (['column', 'row'])"
+    assert mp._merge(0, task, [{}, {}]).reason == "held by no rank"
+    assert mp._merge(3, None, seen).reason == "no mapping for this parameter"
+
+
+def test_tied_embeddings_are_read_from_the_config_then_the_unwrapped_model() -> None:
+    inner = SimpleNamespace(share_embeddings_and_output_weights=True)
+    wrapped = [SimpleNamespace(module=SimpleNamespace(module=inner))]
+    assert mp._tied(SimpleNamespace(share_embeddings_and_output_weights=None), wrapped)
+    assert not mp._tied(SimpleNamespace(share_embeddings_and_output_weights=False), wrapped)
+    assert not mp._tied(SimpleNamespace(), [SimpleNamespace()])
+
+
+def test_the_coverage_line() -> None:
+    cov = mp.Coverage({"column": 600, "row": 150}, {"fused Q/K/V (project_qkv off)": 250})
+    assert cov.fraction == 0.75
+    assert cov.line() == (
+        "projected 75.0% of 1000 canonical bytes (column 60.0%, row 15.0%); "
+        "residual: fused Q/K/V (project_qkv off) 25.0%"
+    )

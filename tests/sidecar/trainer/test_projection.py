@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from refit_sidecar.bitdiff import BitDiff
 from refit_sidecar.bits import int_view
 from refit_sidecar.codec.records import Op, TensorMeta, apply_item_
 from refit_sidecar.trainer import projection
@@ -120,5 +121,8 @@ def test_bad_maps_and_shards_are_refused() -> None:
     shard = torch.zeros(2, 6, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="row map for"):
         projection.project_shard(rowmap, shard, torch.zeros(3, 6, dtype=torch.bfloat16), Op.XOR)
+    outside = BitDiff(np.array([12]), np.zeros(1, np.int16), np.zeros(1, np.int16))
+    with pytest.raises(ValueError, match="changes outside"):
+        projection.project_diff(rowmap, outside, Op.XOR)
     with pytest.raises(ValueError, match="not canonical"):
         projection.project_shard(rowmap, shard.float(), shard.float(), Op.XOR)

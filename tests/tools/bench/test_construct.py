@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from refit_protocol.kit.cli import build
 from refit_tools.bench.construct import write_checkpoint
+from refit_tools.bench.construct_rank import fold
 
 
 def test_the_checkpoint_has_layers_pp_divides(tmp_path: Path) -> None:
@@ -55,3 +57,14 @@ def test_a_missing_megatron_environment_is_named(monkeypatch: pytest.MonkeyPatch
     assert result.exit_code == 1
     assert "Megatron environment not found at /nonexistent/python" in result.output
     assert "make megatron-venv" in result.output
+
+
+def test_the_digest_adds_up_over_parts_and_sees_every_element() -> None:
+    where = np.array([3, 7, 8, 100], np.int64)
+    bits = np.array([1, -2, 3, 4], np.int16)
+    whole = fold("w", where, bits)
+    assert (fold("w", where[:2], bits[:2]) + fold("w", where[2:], bits[2:])) % (1 << 64) == whole
+    assert fold("w", where[::-1], bits[::-1]) == whole
+    assert fold("v", where, bits) != whole
+    assert fold("w", where + np.array([0, 0, 0, 1]), bits) != whole
+    assert fold("w", where, bits ^ np.array([0, 0, 1, 0], np.int16)) != whole

@@ -5,8 +5,8 @@ A Qwen3-shaped random checkpoint (the `bench refit --engine vllm` workload) is l
 ranks in .venv-megatron, twice: once per path, so each path's peak memory is its own. Each rank
 runs `construct_rank.py`; this driver writes the checkpoint, launches the ranks and reports, per
 change rate, the slowest rank's construction time and the largest per-rank memory peak of each
-path, their ratios, and the affine coverage by bytes. Both paths must find the same number of
-changed elements, or the run fails.
+path, their ratios, and the affine coverage by bytes. Both paths must find the same changed
+elements (count, and a digest of names, positions and new bits), or the run fails.
 """
 
 from __future__ import annotations
@@ -99,15 +99,18 @@ def _report(
     rows = []
     for k, rate in enumerate(rates):
         row: dict[str, Any] = {"rate": rate}
+        digests: dict[str, int] = {}
         for path, ranks in per_path.items():
             figures = [r["rates"][k] for r in ranks]
             row[f"{path}_s"] = max(f["construct_s"] for f in figures)
             row[f"{path}_peak_mib"] = max(f["peak_extra_bytes"] for f in figures) / MIB
             row[f"{path}_changed"] = sum(f["changed"] for f in figures)
-        if row["export_changed"] != row["project_changed"]:
+            digests[path] = sum(f["digest"] for f in figures) % (1 << 64)
+        if row["export_changed"] != row["project_changed"] or len(set(digests.values())) != 1:
             raise ConstructBenchError(
                 f"at {rate:.0%} the export path found {row['export_changed']} changed elements "
-                f"and projection {row['project_changed']}: the paths disagree"
+                f"and projection {row['project_changed']}, digests {digests}: the paths disagree "
+                "on what changed"
             )
         row["speedup"] = row["export_s"] / row["project_s"]
         row["peak_ratio"] = row["project_peak_mib"] / max(row["export_peak_mib"], 1e-9)
@@ -121,7 +124,8 @@ def _report(
         "plan_s": max(r["plan_s"] for r in per_path["project"]),
         "rates": rows,
         "definitions": {
-            "*_s": "construction time of the slowest rank (from a barrier to its last record)",
+            "*_s": "construction time of the slowest rank (from a barrier to its last record; "
+            "the check digest is computed in a second, untimed pass)",
             "*_peak_mib": "largest per-rank resident memory above what the rank held before",
             "speedup": "export_s / project_s",
             "peak_ratio": "project_peak_mib / export_peak_mib",

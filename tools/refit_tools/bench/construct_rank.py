@@ -9,7 +9,11 @@ construction of its delta records:
 - `project`: `MegatronProjection`: the owned affine shards diffed against their shard tracker and
   projected, plus the residual tasks through the bridge's export as above.
 Construction time is the rank's wall time from a barrier; peak memory is the rank's resident
-set above what it held at the barrier (baselines included before). Writes `<out>/rank<r>.json`.
+set above what it held at the barrier (baselines included before). Each rank also folds what it
+found (name, position, new bits of every changed element) into an order-free digest, so the
+driver can check that both paths found the same elements: in a second, untimed pass over the
+same weights, so the timed one does exactly what construction does. Writes
+`<out>/rank<r>.json`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,23 @@ from typing import Any
 
 CHUNK_BYTES = 64 << 20
 _LIBC = ctypes.CDLL("libc.so.6")
+
+
+def fold(name: str, positions: Any, new_bits: Any) -> int:
+    """An order-free digest of changed elements (name, flat position, new stored bits): a sum
+    modulo 2**64 of a mixed 64-bit hash per element, so records split over ranks and items add
+    up to the same value as one tensor's diff."""
+    import numpy as np
+
+    lanes = new_bits.view(f"<u{new_bits.dtype.itemsize}").astype(np.uint64)
+    with np.errstate(over="ignore"):
+        h = positions.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        h += np.uint64(zlib.crc32(name.encode())) * np.uint64(0xC2B2AE3D27D4EB4F)
+        h ^= lanes * np.uint64(0x165667B19E3779F9)
+        h ^= h >> np.uint64(31)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(29)
+    return int(h.sum(dtype=np.uint64))
 
 
 def _perturb(model: list[Any], rate: float, seed: int) -> None:
@@ -54,13 +75,21 @@ def _export_path(bridge: Any, model: list[Any], rank: int, world: int) -> Any:
     def baseline() -> dict[str, Any]:
         return dict(owned())
 
-    def construct(base: dict[str, Any]) -> int:
-        return sum(diff_bits(bits_numpy(base[n]), bits_numpy(t)).count for n, t in owned())
+    def construct(base: dict[str, Any], check: bool) -> tuple[int, int]:
+        changed = digest = 0
+        for n, t in owned():
+            diff = diff_bits(bits_numpy(base[n]), bits_numpy(t))
+            changed += diff.count
+            if check:
+                digest += fold(n, diff.locations, diff.new_bits)
+        return changed, digest
 
     return baseline, construct
 
 
 def _project_path(proj: Any, rank: int, world: int) -> Any:
+    import numpy as np
+
     from refit_sidecar.bitdiff import diff_bits
     from refit_sidecar.bits import bits_numpy
     from refit_sidecar.codec.records import Op
@@ -75,15 +104,23 @@ def _project_path(proj: Any, rank: int, world: int) -> Any:
     def baseline() -> tuple[dict[int, Any], dict[str, Any]]:
         return {s.task.index: s.snapshot() for s in proj.owned_shards()}, dict(residual())
 
-    def construct(base: tuple[dict[int, Any], dict[str, Any]]) -> int:
+    def construct(base: tuple[dict[int, Any], dict[str, Any]], check: bool) -> tuple[int, int]:
         tracker, canonical = base
-        changed = 0
+        changed = digest = 0
         for shard in proj.owned_shards():
             diff = diff_bits(bits_numpy(tracker[shard.task.index]), bits_numpy(shard.snapshot()))
-            changed += sum(i.count for i in project_diff(shard.rowmap, diff, Op.XOR))
+            for item in project_diff(shard.rowmap, diff, Op.OVERWRITE):  # values: new bits
+                changed += item.count
+                if check:
+                    idx = item.index()
+                    where = np.arange(idx.start, idx.stop) if isinstance(idx, slice) else idx
+                    digest += fold(item.meta.name, np.asarray(where), item.values.numpy())
         for n, t in residual():
-            changed += diff_bits(bits_numpy(canonical[n]), bits_numpy(t)).count
-        return changed
+            diff = diff_bits(bits_numpy(canonical[n]), bits_numpy(t))
+            changed += diff.count
+            if check:
+                digest += fold(n, diff.locations, diff.new_bits)
+        return changed, digest
 
     return baseline, construct
 
@@ -131,8 +168,12 @@ def main() -> None:
         dist.barrier()
         with PeakRss(every_s=0.005) as rss:
             started = time.perf_counter()
-            changed = construct(base)
+            changed, _ = construct(base, False)
             seconds = time.perf_counter() - started
+        dist.barrier()
+        checked, digest = construct(base, True)  # the check pass, untimed
+        if checked != changed:
+            raise RuntimeError(f"{checked} changes in the check pass, {changed} in the timed one")
         if k:
             report["rates"].append(
                 {
@@ -140,6 +181,7 @@ def main() -> None:
                     "construct_s": seconds,
                     "peak_extra_bytes": rss.extra,
                     "changed": changed,
+                    "digest": digest % (1 << 64),
                 }
             )
         del base
