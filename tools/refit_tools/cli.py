@@ -188,11 +188,16 @@ def bench_apply(quick: bool, as_json: bool, checkpoint_mib: int | None) -> None:
 
 @bench.command("construct", epilog=BENCH_EXIT_HELP)
 @click.option(
+    "--quick",
+    is_flag=True,
+    help="A 32 MiB model at one rate (3%) instead of 256 MiB at 1, 3 and 5%.",
+)
+@click.option(
     "--checkpoint-mib",
     type=click.IntRange(8, None),
-    default=256,
-    show_default=True,
-    help="Qwen3-shaped random model size in MiB (whole layers, a multiple of PP).",
+    default=None,
+    help="Qwen3-shaped random model size in MiB (whole layers, a multiple of PP). "
+    "Default 256, or 32 with --quick.",
 )
 @click.option(
     "--tp", type=click.IntRange(1, None), default=2, show_default=True, help="Tensor parallel."
@@ -202,9 +207,9 @@ def bench_apply(quick: bool, as_json: bool, checkpoint_mib: int | None) -> None:
 )
 @click.option(
     "--rates",
-    default="1,3,5",
-    show_default=True,
-    help="Comma-separated change rates in percent of every parameter's elements.",
+    default=None,
+    help="Comma-separated change rates in percent of every parameter's elements. "
+    "Default 1,3,5, or 3 with --quick.",
 )
 @click.option(
     "--results-dir",
@@ -219,10 +224,11 @@ def bench_apply(quick: bool, as_json: bool, checkpoint_mib: int | None) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def bench_construct(
-    checkpoint_mib: int,
+    quick: bool,
+    checkpoint_mib: int | None,
     tp: int,
     pp: int,
-    rates: str,
+    rates: str | None,
     results_dir: Path | None,
     workdir: Path | None,
     as_json: bool,
@@ -242,6 +248,8 @@ def bench_construct(
     from refit_tools.bench.refit_report import default_results_dir
     from refit_tools.local.procs import ComponentError
 
+    checkpoint_mib = checkpoint_mib or (32 if quick else 256)
+    rates = rates or ("3" if quick else "1,3,5")
     try:
         fractions = tuple(float(r) / 100 for r in rates.split(","))
     except ValueError as exc:

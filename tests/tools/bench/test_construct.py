@@ -25,7 +25,7 @@ def test_the_checkpoint_has_layers_pp_divides(tmp_path: Path) -> None:
 
 
 def test_bench_construct_compares_both_paths(tmp_path: Path) -> None:
-    args = ["bench", "construct", "--checkpoint-mib=8", "--tp=2", "--pp=1", "--rates=3"]
+    args = ["bench", "construct", "--quick", "--checkpoint-mib=8", "--tp=2", "--pp=1"]
     args += [f"--results-dir={tmp_path / 'results'}", f"--workdir={tmp_path}", "--json"]
     result = CliRunner().invoke(build(), args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
