@@ -9,7 +9,6 @@ the export order to `<out>/rank<r>.json`. Other harness scripts
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -18,17 +17,14 @@ from refit_tools.megatron_cpu import (
     _transformer_engine_stand_in,
     build_model,
     init_distributed,
+    rank_arguments,
 )
 
 __all__ = ["_transformer_engine_stand_in", "build_model", "init_distributed", "main"]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hf-dir", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
+    ap = rank_arguments()
     args = ap.parse_args()
 
     import torch.distributed as dist

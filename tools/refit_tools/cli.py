@@ -238,7 +238,6 @@ def bench_construct(
     projection of affine shards, time and peak memory at each change rate, and the affine
     coverage by bytes."""
     import json
-    from datetime import datetime, timezone
 
     from refit_tools.bench.construct import (
         ConstructBenchError,
@@ -246,6 +245,7 @@ def bench_construct(
         run_construct_bench,
     )
     from refit_tools.bench.refit_report import default_results_dir
+    from refit_tools.bench.transport import write_result
     from refit_tools.local.procs import ComponentError
 
     checkpoint_mib = checkpoint_mib or (32 if quick else 256)
@@ -267,11 +267,7 @@ def bench_construct(
         )
     except (ComponentError, ConstructBenchError) as exc:
         raise click.ClickException(f"bench construct failed: {exc}") from exc
-    directory = results_dir or default_results_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = directory / f"construct-{stamp}.json"
-    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    path = write_result(result, results_dir or default_results_dir(), kind="construct")
     result["files"] = [str(path)]
     click.echo(json.dumps(result) if as_json else format_report(result) + f"\nwrote {path}")
 

@@ -24,6 +24,7 @@ CPU-only adjustments, all kept here and none in product code:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
 import os
@@ -117,6 +118,17 @@ def _sequential_expert_numbers(mapping_cls: Any) -> None:
 
     gather_from_ep_ranks._kuberefit_sequential = True  # type: ignore[attr-defined]
     mapping_cls.gather_from_ep_ranks = gather_from_ep_ranks
+
+
+def rank_arguments(*, tp: int = 1, pp: int = 1) -> argparse.ArgumentParser:
+    """The arguments every rank script takes: the HF checkpoint, its output directory and the
+    TP × PP layout (the data-parallel size is what is left of the world)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf-dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=tp)
+    ap.add_argument("--pp", type=int, default=pp)
+    return ap
 
 
 def init_distributed(tp: int, pp: int) -> tuple[int, int]:

@@ -277,25 +277,37 @@ def _classify(task: Any, ctx: _Context) -> tuple[str | None, str | None, RowMap 
         return None, "tied embeddings (two canonical names)", None
     if type(param.data) is not torch.Tensor or param.dtype not in _PLAIN_DTYPES:
         return None, f"{param.dtype} {type(param.data).__name__} parameters", None
-    kind = _KIND[cls.__name__]
-    if kind is None:  # AutoMapping
-        if getattr(mapping, "permute_dims", None) is not None:
-            return None, "permuted dimensions", None
-        try:
-            kind = mapping._detect_parallelism_type(task.megatron_module)
-        except ValueError:
-            return None, "parallelism not detected", None
-        if kind not in _DETECTED:
-            return None, f"parallelism {kind!r} not known", None
-    if kind == "row" and param.dim() == 1:
-        kind = "replicated"  # a 1-D row-parallel bias is not split: every TP rank holds it all
+    if getattr(mapping, "permute_dims", None) is not None:
+        return None, "permuted dimensions", None
     try:
+        kind = _resolved_kind(task)
         rowmap = _rowmap(kind, mapping, param, ctx.config)
+    except _UnresolvedError as exc:
+        return None, str(exc), None
     except ValueError as exc:
         return None, f"layout not projected ({exc})", None
     if rowmap.local_shape != tuple(param.shape):
         return None, "layout not projected (the shard is not what the map expects)", None
     return kind, None, rowmap
+
+
+class _UnresolvedError(ValueError):
+    """The parallelism of a known mapping class could not be resolved."""
+
+
+def _resolved_kind(task: Any) -> str:
+    """The row-map kind of a task of a known mapping class: `AutoMapping` resolved from its
+    module as the bridge does at export time, and a 1-D row-parallel bias, which is not split
+    (every TP rank holds all of it), as replicated."""
+    kind = _KIND[type(task.mapping).__name__]
+    if kind is None:  # AutoMapping
+        try:
+            kind = task.mapping._detect_parallelism_type(task.megatron_module)
+        except ValueError as exc:
+            raise _UnresolvedError("parallelism not detected") from exc
+        if kind not in _DETECTED:
+            raise _UnresolvedError(f"parallelism {kind!r} not known")
+    return "replicated" if kind == "row" and task.param_weight.dim() == 1 else kind
 
 
 def _rowmap(kind: str | None, mapping: Any, param: torch.Tensor, config: Any) -> RowMap:
@@ -333,16 +345,13 @@ def _rowmap(kind: str | None, mapping: Any, param: torch.Tensor, config: Any) ->
 def _residual_bytes(task: Any) -> int:
     """Bytes of the canonical tensors a residual task exports: its shard times TP when its
     class or module splits it over TP (for the coverage line only)."""
-    p, mapping = task.param_weight, task.mapping
+    p = task.param_weight
     n = int(p.numel()) * int(p.element_size())
-    kind = _KIND.get(type(mapping).__name__, "unknown")
-    if kind is None:  # AutoMapping
-        kind = mapping._detect_parallelism_type(task.megatron_module)
-    if kind == "unknown":
-        split = bool(getattr(p, "tensor_model_parallel", False))
+    if type(task.mapping).__name__ in _KIND:
+        split = _resolved_kind(task) != "replicated"
     else:
-        split = kind != "replicated" and not (kind == "row" and p.dim() == 1)
-    return n * int(mapping.tp_size) if split else n
+        split = bool(getattr(p, "tensor_model_parallel", False))
+    return n * int(task.mapping.tp_size) if split else n
 
 
 def _merge(

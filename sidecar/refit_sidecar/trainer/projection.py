@@ -67,20 +67,18 @@ class RowMap:
     def width(self) -> int:
         return _rows_width(self.local_shape)[1]
 
-    def positions(self, local: npt.NDArray[np.int64]) -> list[npt.NDArray[np.int64]]:
-        """Canonical flat positions of sorted local flat positions, one sorted array per
-        destination (in local order, so values split with `split` line up)."""
+    def route(
+        self, local: npt.NDArray[np.int64]
+    ) -> list[tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_] | None]]:
+        """For each destination: the canonical flat positions of the sorted local positions
+        that land in it (sorted), and which of `local` they are (None: all of them)."""
         row, col = np.divmod(local, self.width)
         flat = self.dest_row[row] * self.row_width + self.col0 + col
         if len(self.dests) == 1:
-            return [flat]
+            return [(flat, None)]
         which = self.dest[row]
-        return [flat[which == d] for d in range(len(self.dests))]
-
-    def split(self, local: npt.NDArray[np.int64]) -> list[npt.NDArray[np.bool_]]:
-        """For each destination, which of the sorted local positions land in it."""
-        which = self.dest[local // self.width]
-        return [which == d for d in range(len(self.dests))]
+        masks = [which == d for d in range(len(self.dests))]
+        return [(flat[mask], mask) for mask in masks]
 
 
 def _rows_width(shape: Sequence[int]) -> tuple[int, int]:
@@ -179,9 +177,7 @@ def project_diff(rowmap: RowMap, diff: BitDiff, op: Op) -> list[Item]:
     if diff.count and not 0 <= int(diff.locations[-1]) < math.prod(rowmap.local_shape):
         raise ValueError(f"{rowmap.dests[0].name}: changes outside {list(rowmap.local_shape)}")
     items = []
-    positions = rowmap.positions(diff.locations)
-    masks = [None] if len(rowmap.dests) == 1 else rowmap.split(diff.locations)
-    for meta, where, mask in zip(rowmap.dests, positions, masks, strict=True):
+    for meta, (where, mask) in zip(rowmap.dests, rowmap.route(diff.locations), strict=True):
         item = item_from_positions(meta, op, where, values if mask is None else values[mask])
         if item is not None:
             items.append(item)

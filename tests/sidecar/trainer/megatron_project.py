@@ -19,11 +19,12 @@ Writes `<out>/rank<r>.json` (coverage, probe failures, residual reasons) and
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
 from typing import Any
+
+from refit_tools.megatron_cpu import rank_arguments
 
 CHUNK_BYTES = 16 << 10
 SETTINGS = {"default": False, "qkv": True}
@@ -57,18 +58,17 @@ def probe(bridge: Any, model: list[Any], proj: Any, rank: int) -> tuple[list[str
         i, rowmap = shard.task.index, shard.rowmap
         local = np.arange(ids[i].numel(), dtype=np.int64)
         flat_ids = ids[i].reshape(-1).numpy()
-        for meta, where, mask in zip(
-            rowmap.dests, rowmap.positions(local), rowmap.split(local), strict=True
-        ):
+        for meta, (where, mask) in zip(rowmap.dests, rowmap.route(local), strict=True):
             got = exported[meta.name].numpy()
+            mine = flat_ids if mask is None else flat_ids[mask]
             if got.size != meta.numel:
                 failures.append(f"{meta.name}: exported {got.size} elements, map says {meta.numel}")
-            elif not np.array_equal(got[where], flat_ids[mask] * 4 + 1):
+            elif not np.array_equal(got[where], mine * 4 + 1):
                 failures.append(f"{meta.name}: rows of task {proj.plans[i].name} land elsewhere")
     owned = {}
     for n, shard in enumerate(proj.owned_shards()):
         local = np.arange(shard.param.numel(), dtype=np.int64)
-        for meta, where in zip(shard.rowmap.dests, shard.rowmap.positions(local), strict=True):
+        for meta, (where, _) in zip(shard.rowmap.dests, shard.rowmap.route(local), strict=True):
             owned[f"{meta.name}|pos{n}"] = torch.from_numpy(where.copy())
     return failures, owned
 
@@ -85,11 +85,7 @@ def residual_owned(proj: Any, rank: int, world: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hf-dir", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
+    ap = rank_arguments()
     ap.add_argument("--lr", type=float, default=1e-6)
     args = ap.parse_args()
 

@@ -23,13 +23,14 @@ dense-load reference.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from refit_tools.megatron_cpu import rank_arguments
 
 SEQ, BATCH = 32, 2
 CHECK_CHUNK_BYTES = 16 << 10  # many chunks for the tiny Qwen3: both producers own several
@@ -193,11 +194,7 @@ def train_step(model: list[Any], lr: float, hidden: int) -> tuple[int, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hf-dir", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
+    ap = rank_arguments()
     ap.add_argument("--urls", required=True, help="comma-separated sidecar URLs, one per rank")
     ap.add_argument("--inboxes", required=True, help="comma-separated inbox dirs, one per rank")
     ap.add_argument("--token", required=True)

@@ -18,8 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
-
+from refit_tools.bench.refit_engines import write_version
 from refit_tools.bench.refit_workload import MIB, Workload
 from refit_tools.megatron_cpu import megatron_python, run_ranks
 
@@ -41,9 +40,7 @@ def write_checkpoint(
     workload = Workload(checkpoint_bytes=checkpoint_bytes, seed=seed, family="qwen3")
     while workload.hf_config()["num_hidden_layers"] % layers_multiple:
         workload = Workload(checkpoint_bytes=workload.nbytes + 1, seed=seed, family="qwen3")
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(workload.hf_config()))
-    save_file(dict(workload.tensors()), str(directory / "model.safetensors"))
+    write_version(workload, list(workload.tensors()), directory)
     return workload
 
 

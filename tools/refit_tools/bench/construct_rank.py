@@ -18,13 +18,14 @@ same weights, so the timed one does exactly what construction does. Writes
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import time
 import zlib
 from pathlib import Path
 from typing import Any
+
+from refit_tools.megatron_cpu import rank_arguments
 
 CHUNK_BYTES = 64 << 20
 _LIBC = ctypes.CDLL("libc.so.6")
@@ -58,51 +59,57 @@ def _perturb(model: list[Any], rate: float, seed: int) -> None:
                 bits[torch.rand(bits.numel(), generator=gen) < rate] ^= 1
 
 
-def _export_path(bridge: Any, model: list[Any], rank: int, world: int) -> Any:
-    """(baseline, construct): today's canonical baseline, and the timed construction."""
+def _owned_tensors(source: Any, rank: int, world: int) -> Any:
+    """The tensors of `source` this rank owns, chunked as the publisher plans them (every rank
+    runs the whole export: its collectives need them all)."""
+    from refit_sidecar.trainer.export import plan_owned
+
+    for planned in plan_owned(source.entries(), CHUNK_BYTES, rank, world):
+        if planned.chunk is not None:
+            yield from planned.chunk.tensors
+
+
+def _diff_canonical(base: dict[str, Any], tensors: Any, check: bool) -> tuple[int, int]:
+    """(changed elements, digest if `check`) of canonical tensors against their baseline."""
     from refit_sidecar.bitdiff import diff_bits
     from refit_sidecar.bits import bits_numpy
+
+    changed = digest = 0
+    for n, t in tensors:
+        diff = diff_bits(bits_numpy(base[n]), bits_numpy(t))
+        changed += diff.count
+        if check:
+            digest += fold(n, diff.locations, diff.new_bits)
+    return changed, digest
+
+
+def _export_path(bridge: Any, model: list[Any], rank: int, world: int) -> Any:
+    """(baseline, construct): today's canonical baseline, and the timed construction."""
     from refit_sidecar.trainer import MegatronBridgeSource
-    from refit_sidecar.trainer.export import plan_owned
 
     source = MegatronBridgeSource(bridge, model)
 
-    def owned() -> Any:
-        for planned in plan_owned(source.entries(), CHUNK_BYTES, rank, world):
-            if planned.chunk is not None:
-                yield from planned.chunk.tensors
-
     def baseline() -> dict[str, Any]:
-        return dict(owned())
+        return dict(_owned_tensors(source, rank, world))
 
     def construct(base: dict[str, Any], check: bool) -> tuple[int, int]:
-        changed = digest = 0
-        for n, t in owned():
-            diff = diff_bits(bits_numpy(base[n]), bits_numpy(t))
-            changed += diff.count
-            if check:
-                digest += fold(n, diff.locations, diff.new_bits)
-        return changed, digest
+        return _diff_canonical(base, _owned_tensors(source, rank, world), check)
 
     return baseline, construct
 
 
 def _project_path(proj: Any, rank: int, world: int) -> Any:
+    """(baseline, construct): shard trackers plus the residual tensors' canonical baseline."""
     import numpy as np
 
     from refit_sidecar.bitdiff import diff_bits
     from refit_sidecar.bits import bits_numpy
     from refit_sidecar.codec.records import Op
-    from refit_sidecar.trainer.export import plan_owned
     from refit_sidecar.trainer.projection import project_diff
 
-    def residual() -> Any:
-        for planned in plan_owned(proj.residual_source().entries(), CHUNK_BYTES, rank, world):
-            if planned.chunk is not None:
-                yield from planned.chunk.tensors
-
     def baseline() -> tuple[dict[int, Any], dict[str, Any]]:
-        return {s.task.index: s.snapshot() for s in proj.owned_shards()}, dict(residual())
+        residual = _owned_tensors(proj.residual_source(), rank, world)
+        return {s.task.index: s.snapshot() for s in proj.owned_shards()}, dict(residual)
 
     def construct(base: tuple[dict[int, Any], dict[str, Any]], check: bool) -> tuple[int, int]:
         tracker, canonical = base
@@ -115,22 +122,15 @@ def _project_path(proj: Any, rank: int, world: int) -> Any:
                     idx = item.index()
                     where = np.arange(idx.start, idx.stop) if isinstance(idx, slice) else idx
                     digest += fold(item.meta.name, np.asarray(where), item.values.numpy())
-        for n, t in residual():
-            diff = diff_bits(bits_numpy(canonical[n]), bits_numpy(t))
-            changed += diff.count
-            if check:
-                digest += fold(n, diff.locations, diff.new_bits)
-        return changed, digest
+        residual = _owned_tensors(proj.residual_source(), rank, world)
+        more, more_digest = _diff_canonical(canonical, residual, check)
+        return changed + more, digest + more_digest
 
     return baseline, construct
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hf-dir", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--pp", type=int, default=2)
+    ap = rank_arguments(tp=2, pp=2)
     ap.add_argument("--path", choices=("export", "project"), required=True)
     ap.add_argument("--rates", default="0.01,0.03,0.05")
     ap.add_argument("--seed", type=int, default=0)

@@ -256,11 +256,12 @@ DEFINITIONS = {
 }
 
 
-def write_result(result: Mapping[str, Any], directory: Path) -> Path:
-    """`transport-<UTC time>.json` under `directory` (what `kuberefit plan --calibrate` reads)."""
+def write_result(result: Mapping[str, Any], directory: Path, *, kind: str = "transport") -> Path:
+    """`<kind>-<UTC time>.json` under `directory` (`kuberefit plan --calibrate` reads the
+    transport results)."""
     directory.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = directory / f"transport-{stamp}.json"
+    path = directory / f"{kind}-{stamp}.json"
     path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     return path
 
