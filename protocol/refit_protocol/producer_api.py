@@ -143,6 +143,12 @@ class CandidateChunkRequest(_Msg):
     index: int = Field(ge=0)
     file: str = Field(min_length=1, max_length=255)
     names: list[str] = Field(min_length=1, description="The chunk's tensors, in export order.")
+    changed: list[str] = Field(
+        default_factory=list,
+        description="Those of `names` the file gives as changes against the committed "
+        "baseline (direct projection): `<name>@positions` (sorted int64 flat indices) and "
+        "`<name>@values` (their new values), not the whole tensor. Only for `next`.",
+    )
 
 
 class CandidateChunkAck(_Msg):

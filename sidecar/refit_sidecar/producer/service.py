@@ -387,7 +387,17 @@ class ProducerService:
                 f"chunk {req.index}: the baseline's export has only {len(plan)} chunks"
             )
         expected = plan[req.index] if plan is not None else None
-        staged = staging.accept(req.version, req.index, req.file, req.names, expected, known)
+        staged = staging.accept(
+            req.version,
+            req.index,
+            req.file,
+            req.names,
+            expected,
+            known,
+            changed=req.changed,
+            # changes apply to the committed baseline; the first export sends whole tensors
+            committed=self.baseline.stored_bits if req.purpose == "next" else None,
+        )
         return CandidateChunkAck(index=req.index, nbytes=staged.nbytes)
 
     def close_staging(self) -> None:

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from refit_protocol.kit.config_files import ConfigPath, ensure_directory
 from refit_sidecar.baseline.chunks import ExportChunk
 from refit_sidecar.codec.records import TensorMeta
+from refit_sidecar.producer.changes import CommittedBits, chunk_metas, rebuild
 from refit_sidecar.trainer.chunk_files import load_tensors, read_header, safe_path
 from refit_sidecar.trainer.errors import CandidateMismatchError, ChunkFileError
 from refit_sidecar.trainer.manifest import describe_difference
@@ -94,9 +95,13 @@ class CandidateStaging:
         names: Sequence[str],
         expected: tuple[TensorMeta, ...] | None,
         known: Mapping[str, TensorMeta] | None = None,
+        changed: Sequence[str] = (),
+        committed: CommittedBits | None = None,
     ) -> StagedChunk:
         """Validate `file` in the inbox against `names` and the chunk `expected` at `index`
-        (`known`: every baseline tensor, to name the tensor that changed) and take it over."""
+        (`known`: every baseline tensor, to name the tensor that changed) and take it over.
+        `changed` of the names are given as changes against `committed` (the baseline's
+        stored bits): the staged file holds them whole (`producer.changes`)."""
         src = safe_path(self.config.inbox, file)
         directory = self._root / f"v{version}"
         directory.mkdir(exist_ok=True)
@@ -107,14 +112,17 @@ class CandidateStaging:
             # mapping) or swap in a link between the check and the use.
             _take_copy(src, dest)
             header = read_header(dest)
-            if len(set(names)) != len(names) or set(header) != set(names):
+            if len(set(names)) != len(names):
+                raise ChunkFileError(f"chunk {index}: the request names a tensor twice")
+            if changed and committed is None:
                 raise ChunkFileError(
-                    f"chunk {index}: {file} holds {sorted(header)[:5]}..., the request names "
-                    f"{list(names)[:5]}..."
+                    f"chunk {index}: the first export sends whole tensors, not changes"
                 )
-            metas = tuple(header[n] for n in names)
+            metas = chunk_metas(index, header, names, changed, expected)
             if expected is not None:
                 _require_expected(index, metas, expected, known or {})
+            if changed and committed is not None:
+                rebuild(dest, metas, changed, committed)
         except BaseException:
             with contextlib.suppress(OSError):
                 src.unlink()  # a refused file must not keep shared memory

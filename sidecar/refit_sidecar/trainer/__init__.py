@@ -17,7 +17,15 @@ from refit_sidecar.trainer.errors import (
     TransitionTimeoutError,
     VersionMismatchError,
 )
-from refit_sidecar.trainer.export import CanonicalSource, ExportEntry, PlannedChunk, plan_owned
+from refit_sidecar.trainer.export import (
+    CanonicalSource,
+    Change,
+    ExportEntry,
+    PlannedChunk,
+    PlanningSource,
+    StageIntent,
+    plan_owned,
+)
 from refit_sidecar.trainer.megatron import MegatronBridgeSource
 from refit_sidecar.trainer.publisher import Publisher, PublisherConfig, PublishResult
 from refit_sidecar.trainer.state_dict import StateDictSource
@@ -26,15 +34,18 @@ __all__ = [
     "CandidateDroppedError",
     "CandidateMismatchError",
     "CanonicalSource",
+    "Change",
     "ChunkFileError",
     "ExportEntry",
     "FingerprintMismatchError",
     "MegatronBridgeSource",
     "PlannedChunk",
+    "PlanningSource",
     "PublishResult",
     "Publisher",
     "PublisherConfig",
     "SidecarUnreachableError",
+    "StageIntent",
     "StagingError",
     "StagingStateError",
     "StateDictSource",

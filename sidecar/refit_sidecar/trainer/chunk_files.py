@@ -39,6 +39,23 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+#: A tensor given as changes (direct projection) travels as two entries of the chunk file: its
+#: sorted int64 flat positions and their new values, under the tensor's name plus these.
+POSITIONS_SUFFIX = "@positions"
+VALUES_SUFFIX = "@values"
+
+
+def change_keys(name: str) -> tuple[str, str]:
+    """The two file entries of a tensor given as changes."""
+    return name + POSITIONS_SUFFIX, name + VALUES_SUFFIX
+
+
+def file_keys(names: Sequence[str], changed: Sequence[str]) -> set[str]:
+    """Every entry a chunk file of `names` holds when `changed` of them are given as changes."""
+    given = set(changed)
+    return {n for n in names if n not in given} | {k for n in given for k in change_keys(n)}
+
+
 def chunk_file_name(version: int, producer: int, index: int) -> str:
     """A fresh, unique name for chunk `index` of `version` (a retry never reuses a name)."""
     return f"v{version}-p{producer}-c{index:06d}-{secrets.token_hex(6)}{SUFFIX}"

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from refit_protocol.producer_api import StagePurpose
 from refit_sidecar.baseline.chunks import ExportChunk, owner_of
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.trainer.errors import CandidateMismatchError
@@ -47,12 +48,51 @@ class CanonicalSource(Protocol):
 
 
 @dataclass(frozen=True)
+class StageIntent:
+    """What a producer rank is about to stage, as its sidecar says: all a planning source needs
+    to cut the export into the baseline's chunks and give each producer its own."""
+
+    version: int
+    purpose: StagePurpose
+    producer: int
+    producers: int
+    limit_bytes: int
+    committed: int
+    layout: list[TensorMeta] | None
+
+
+@runtime_checkable
+class PlanningSource(Protocol):
+    """A source that plans the owned chunks itself (`trainer.projected`): the publisher hands it
+    the intent of this rank (None on a rank without a sidecar) and sends what it yields."""
+
+    def plan(self, intent: StageIntent | None) -> Iterator[PlannedChunk]:
+        """This rank's part of one publish; a collective: every rank iterates it to the end."""
+        ...
+
+
+@dataclass(frozen=True)
+class Change:
+    """A canonical tensor given as its changed elements against the committed baseline: sorted
+    flat positions (int64) and their new values (the tensor's dtype), both 1-D."""
+
+    name: str
+    positions: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
 class PlannedChunk:
-    """One chunk of the plan: every rank sees its metadata, only the owner its tensors."""
+    """One chunk of the plan: every rank sees its metadata, only the owner its tensors.
+
+    `chunk` holds the tensors sent whole; `changes` those sent as changes (a projecting source's
+    `next` versions), so together they cover `metas`.
+    """
 
     index: int
     metas: tuple[TensorMeta, ...]
     chunk: ExportChunk | None
+    changes: tuple[Change, ...] = ()
 
     @property
     def owned(self) -> bool:
@@ -88,7 +128,7 @@ def plan_owned(
         owned = producer is not None and owner_of(index, producers) == producer
         tensor = entry.fetch(owned)
         if owned:
-            tensors.append((entry.name, _checked(entry.meta, tensor)))
+            tensors.append((entry.name, checked_tensor(entry.meta, tensor)))
         metas.append(entry.meta)
         size += nbytes
     if metas:
@@ -107,7 +147,7 @@ def _planned(
     return PlannedChunk(index, tuple(metas), chunk)
 
 
-def _checked(meta: TensorMeta, tensor: torch.Tensor | None) -> torch.Tensor:
+def checked_tensor(meta: TensorMeta, tensor: torch.Tensor | None) -> torch.Tensor:
     """The fetched tensor must be what the entry announced, on CPU and contiguous."""
     if tensor is None:
         raise CandidateMismatchError(f"{meta.name}: the source returned no tensor for its owner")

@@ -51,6 +51,20 @@ _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 log = structlog.get_logger("kuberefit.projection")
 
 
+#: Residual reasons of known mapping classes whose canonical outputs are a function of the
+#: task's own parameter alone (split, cloned, gathered or permuted), so an unchanged parameter
+#: on every rank that holds it means unchanged outputs: the residual export may skip the task.
+#: Any other residual task (unknown classes, FP8 scales, a bridge hook) is exported every time.
+_PARAM_ONLY_REASONS = (
+    "fused Q/K/V",
+    "tied embeddings",
+    "expert parallelism > 1",
+    "expert tensor parallelism",
+    "permuted dimensions",
+    "layout not projected",
+)
+
+
 @dataclass(frozen=True)
 class TaskPlan:
     """One conversion task: affine (`kind`) or residual (`reason`), with its canonical bytes."""
@@ -64,6 +78,12 @@ class TaskPlan:
     @property
     def affine(self) -> bool:
         return self.kind is not None
+
+    @property
+    def param_only(self) -> bool:
+        """A residual task whose outputs change only when its parameter does (a change flag
+        decides whether it is exported)."""
+        return self.reason is not None and self.reason.startswith(_PARAM_ONLY_REASONS)
 
 
 @dataclass(frozen=True)
@@ -180,6 +200,15 @@ class MegatronProjection:
         """The bridge's tasks left to its export, in the bridge's order (same on every rank)."""
         return [t for t, p in zip(self._tasks, self.plans, strict=True) if not p.affine]
 
+    def flagged_residuals(self) -> list[tuple[TaskPlan, Any]]:
+        """The residual tasks a change flag may skip (`TaskPlan.param_only`), in the bridge's
+        order, with the parameter of each when this rank holds it (else None)."""
+        return [
+            (p, None if t is None else t.param_weight)
+            for t, p in zip(self._tasks, self.plans, strict=True)
+            if p.param_only and t is not None
+        ]
+
     def coverage(self) -> Coverage:
         cov = Coverage()
         for p in self.plans:
@@ -209,11 +238,30 @@ class MegatronProjection:
                 continue
             yield shard
 
-    def residual_source(self) -> MegatronBridgeSource:
-        """Today's canonical source, limited to the residual tasks (a collective per pass)."""
+    def residual_source(self, skip: Sequence[int] = ()) -> MegatronBridgeSource:
+        """Today's canonical source, limited to the residual tasks, less the tasks whose plan
+        index is in `skip` (a collective per pass: give every rank the same `skip`)."""
+        skipped = set(skip)
+        tasks = [
+            t
+            for t, p in zip(self._tasks, self.plans, strict=True)
+            if not p.affine and p.index not in skipped
+        ]
         return MegatronBridgeSource(
-            self._bridge, self._model, export_kwargs={"conversion_tasks": self.residual_tasks}
+            self._bridge, self._model, export_kwargs={"conversion_tasks": tasks}
         )
+
+    def task_outputs(self, index: int) -> list[str]:
+        """The canonical names the bridge exports for task `index` (a collective: every rank,
+        the same task)."""
+        source = MegatronBridgeSource(
+            self._bridge, self._model, export_kwargs={"conversion_tasks": [self._tasks[index]]}
+        )
+        names = []
+        for entry in source.entries():
+            entry.fetch(False)
+            names.append(entry.name)
+        return names
 
 
 def _whole_model_reason(bridge: Any, model: Sequence[Any]) -> str | None:
@@ -264,6 +312,9 @@ def _classify(task: Any, ctx: _Context) -> tuple[str | None, str | None, RowMap 
         return None, ctx.whole, None
     if cls.__module__ != _MAPPINGS or cls.__name__ not in _KIND:
         return None, f"{cls.__name__} (not a known row move)", None
+    # before the reasons a change flag may skip (`_PARAM_ONLY_REASONS`): those need plain bits
+    if type(param.data) is not torch.Tensor or param.dtype not in _PLAIN_DTYPES:
+        return None, f"{param.dtype} {type(param.data).__name__} parameters", None
     if cls.__name__ == "QKVMapping" and not ctx.project_qkv:
         return None, "fused Q/K/V (project_qkv off)", None
     if cls.__name__ == "QKVMapping" and getattr(ctx.config, "attention_output_gate", False):
@@ -275,8 +326,6 @@ def _classify(task: Any, ctx: _Context) -> tuple[str | None, str | None, RowMap 
             return None, "expert tensor parallelism unlike TP (not verified)", None
     if ctx.tied and task.global_param_name.startswith(("embedding.", "output_layer.")):
         return None, "tied embeddings (two canonical names)", None
-    if type(param.data) is not torch.Tensor or param.dtype not in _PLAIN_DTYPES:
-        return None, f"{param.dtype} {type(param.data).__name__} parameters", None
     if getattr(mapping, "permute_dims", None) is not None:
         return None, "permuted dimensions", None
     try:

@@ -8,6 +8,8 @@ candidate of `version`. With `wait=True` (synchronous RL) it returns once the co
 transition committed `version`; with `wait=False` (asynchronous RL) right after staging: the
 trainer may step again, because every retry of the transition works from what is staged.
 `initialize(source)` publishes the first export, which becomes the baseline (no dense sync).
+A `PlanningSource` (`trainer.projected`: direct projection) plans the owned chunks itself from
+what the sidecar expects, and may give tensors as changes against the committed baseline.
 
 Memory bound. At most `max_in_flight` owned chunks are held by the publisher at a time, each as
 tensors in the trainer process and, while being handed over, as one file in the inbox; a chunk
@@ -49,9 +51,8 @@ from refit_protocol.producer_api import (
     ProducerStatus,
     StagePurpose,
 )
-from refit_sidecar.baseline.chunks import ExportChunk
 from refit_sidecar.codec.records import TensorMeta
-from refit_sidecar.trainer.chunk_files import chunk_file_name, write_chunk_file
+from refit_sidecar.trainer.chunk_files import change_keys, chunk_file_name, write_chunk_file
 from refit_sidecar.trainer.errors import (
     CandidateDroppedError,
     SidecarUnreachableError,
@@ -61,7 +62,13 @@ from refit_sidecar.trainer.errors import (
     VersionMismatchError,
     error_for,
 )
-from refit_sidecar.trainer.export import CanonicalSource, plan_owned
+from refit_sidecar.trainer.export import (
+    CanonicalSource,
+    PlannedChunk,
+    PlanningSource,
+    StageIntent,
+    plan_owned,
+)
 from refit_sidecar.trainer.liveness import TrainerPresence
 from refit_sidecar.trainer.manifest import from_wire, require_same_layout, to_wire
 
@@ -147,6 +154,9 @@ class PublishResult:
     committed: bool
     wall_s: float
     fingerprint: str | None = None
+    #: Tensors sent as changes (a projecting source), and the bytes of the chunk files written.
+    changed_tensors: int = 0
+    file_bytes: int = 0
 
 
 class Publisher:
@@ -176,26 +186,40 @@ class Publisher:
     def status(self) -> ProducerStatus:
         return self._call("GET", "/status", None, ProducerStatus)
 
-    def initialize(self, source: CanonicalSource, *, version: int = 0) -> PublishResult:
+    def initialize(
+        self, source: CanonicalSource | PlanningSource, *, version: int = 0
+    ) -> PublishResult:
         """Publish the first export: it becomes the baseline (fresh start), or is checked
         against the baseline a surviving sidecar holds (trainer restart). `version` is the
         committed version both sides hold (0 on a fresh start)."""
         return self._publish(version, "initial", source, wait=False)
 
-    def publish(self, version: int, source: CanonicalSource, *, wait: bool = True) -> PublishResult:
+    def publish(
+        self, version: int, source: CanonicalSource | PlanningSource, *, wait: bool = True
+    ) -> PublishResult:
         """Stage `version` (the next one) and, with `wait`, return when its transition committed."""
         return self._publish(version, "next", source, wait=wait)
 
     @staticmethod
-    def participate(source: CanonicalSource) -> None:
+    def participate(source: CanonicalSource | PlanningSource) -> None:
         """Run an export without a sidecar (a rank whose output nobody owns): collectives need
         every rank of the trainer to iterate the source to the end."""
-        for _ in plan_owned(source.entries(), 1 << 62, None, 1):
+        chunks = (
+            source.plan(None)
+            if isinstance(source, PlanningSource)
+            else plan_owned(source.entries(), 1 << 62, None, 1)
+        )
+        for _ in chunks:
             pass
 
     # ------------------------------------------------------------------------------- machinery
     def _publish(
-        self, version: int, purpose: StagePurpose, source: CanonicalSource, *, wait: bool
+        self,
+        version: int,
+        purpose: StagePurpose,
+        source: CanonicalSource | PlanningSource,
+        *,
+        wait: bool,
     ) -> PublishResult:
         t0 = time.monotonic()
         status = self._ready_for(version, purpose)
@@ -211,15 +235,28 @@ class Publisher:
         sender = _ChunkSender(self, version, purpose, status.producer, self.config.max_in_flight)
         manifest: list[TensorMeta] = []
         total = 0
+        if isinstance(source, PlanningSource):
+            intent = StageIntent(
+                version,
+                purpose,
+                status.producer,
+                producers,
+                limit,
+                status.committed_version,
+                expected,
+            )
+            chunks = source.plan(intent)
+        else:
+            chunks = plan_owned(source.entries(), limit, status.producer, producers)
         try:
-            for planned in plan_owned(source.entries(), limit, status.producer, producers):
+            for planned in chunks:
                 total += 1
                 start = len(manifest)
                 manifest.extend(planned.metas)
                 if expected is not None and list(planned.metas) != expected[start : len(manifest)]:
                     sender.halt()  # the layout changed: send nothing more, finish the export
-                if planned.chunk is not None:
-                    sender.send(planned.chunk)  # after a failure or halt: drops it
+                if planned.owned:
+                    sender.send(planned)  # after a failure or halt: drops it
             if expected is not None:
                 require_same_layout(manifest, expected, "the baseline's export")
             sender.finish()
@@ -243,6 +280,8 @@ class Publisher:
             producer=status.producer,
             chunks=len(sender.sent),
             nbytes=sender.bytes_sent,
+            changed_tensors=sender.changed_tensors,
+            file_bytes=sender.file_bytes,
             staged_s=round(staged_s, 3),
         )
         committed = False
@@ -262,6 +301,8 @@ class Publisher:
             committed=committed,
             wall_s=time.monotonic() - t0,
             fingerprint=staged.fingerprint,
+            changed_tensors=sender.changed_tensors,
+            file_bytes=sender.file_bytes,
         )
 
     def _ready_for(self, version: int, purpose: StagePurpose) -> ProducerStatus:
@@ -416,6 +457,8 @@ class _ChunkSender:
         self.max_seen = 0
         self.sent: list[int] = []
         self.bytes_sent = 0
+        self.changed_tensors = 0
+        self.file_bytes = 0
         self._error: BaseException | None = None
         self._halted = False
 
@@ -423,10 +466,10 @@ class _ChunkSender:
         """Send no further chunks (the caller raises a better error once the export ends)."""
         self._halted = True
 
-    def send(self, chunk: ExportChunk) -> None:
-        """Hand one chunk to a worker; blocks while `limit` chunks are held. After a failure
-        the chunk is dropped: the caller keeps iterating so the other ranks are not stuck in a
-        collective, and `finish` raises the first error."""
+    def send(self, chunk: PlannedChunk) -> None:
+        """Hand one owned chunk to a worker; blocks while `limit` chunks are held. After a
+        failure the chunk is dropped: the caller keeps iterating so the other ranks are not
+        stuck in a collective, and `finish` raises the first error."""
         if self._error is not None or self._halted:
             return
         self._slots.acquire()
@@ -444,10 +487,13 @@ class _ChunkSender:
                 self._error = fut.exception()
         self._slots.release()
 
-    def _hand_over(self, chunk: ExportChunk) -> int:
+    def _hand_over(self, chunk: PlannedChunk) -> int:
         inbox = self._publisher.config.inbox
         name = chunk_file_name(self._version, self._producer, chunk.index)
-        path, _ = write_chunk_file(inbox, name, chunk.tensors)
+        entries = list(chunk.chunk.tensors if chunk.chunk is not None else ())
+        for change in chunk.changes:
+            entries += zip(change_keys(change.name), (change.positions, change.values), strict=True)
+        path, size = write_chunk_file(inbox, name, entries)
         try:
             ack = self._publisher._call(
                 "POST",
@@ -457,7 +503,8 @@ class _ChunkSender:
                     purpose=self._purpose,
                     index=chunk.index,
                     file=name,
-                    names=[n for n, _ in chunk.tensors],
+                    names=[m.name for m in chunk.metas],
+                    changed=[c.name for c in chunk.changes],
                 ),
                 CandidateChunkAck,
             )
@@ -466,6 +513,8 @@ class _ChunkSender:
         with self._lock:
             self.sent.append(chunk.index)
             self.bytes_sent += ack.nbytes
+            self.changed_tensors += len(chunk.changes)
+            self.file_bytes += size
         return ack.nbytes
 
     def finish(self) -> None:

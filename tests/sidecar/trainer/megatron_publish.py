@@ -19,6 +19,12 @@ sidecar).
 Writes `<out>/rank<r>.json` (publish results, elements changed on this rank, the facts of
 `bridge_checks`) and, on rank 0, `<out>/v1/model.safetensors`: a full dense export of v1 for the
 dense-load reference.
+
+With `--projected` the rank publishes through `ProjectedSource` instead (direct projection):
+v0 whole, then v1 and v2 after two AdamW steps, each waited for (the test commits them); before
+v2 the fused Q/K/V of each pipeline stage's first layer is put back to its v1 bits, so the
+change flags skip those two residual tasks. Rank 0 writes the dense export of v1 and v2. The
+bridge checks are left to the export-path runs.
 """
 
 from __future__ import annotations
@@ -193,12 +199,79 @@ def train_step(model: list[Any], lr: float, hidden: int) -> tuple[int, int]:
     return changed, total
 
 
+def dense_export(bridge: Any, model: list[Any]) -> dict[str, Any]:
+    return {
+        name: t.detach().to("cpu").contiguous().clone()
+        for name, t in bridge.export_hf_weights(model, cpu=True, show_progress=False)
+    }
+
+
+def projected(args: Any, rank: int, bridge: Any, model: list[Any]) -> None:
+    """Publish v0 (the whole export) and, after each of two AdamW steps, v1 and v2 through
+    `ProjectedSource`; rank 0 writes the dense export of each version."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from refit_sidecar.trainer import Publisher, PublisherConfig
+    from refit_sidecar.trainer.projected import ProjectedSource
+
+    source = ProjectedSource.megatron(bridge, model)
+    publisher = Publisher(
+        PublisherConfig(
+            url=args.urls.split(",")[rank],
+            inbox=Path(args.inboxes.split(",")[rank]),
+            token=args.token,
+            commit_timeout_s=300,
+        )
+    )
+    result: dict[str, Any] = {
+        "rank": rank,
+        "coverage": source.coverage().line(),
+        "initialize": dataclasses.asdict(publisher.initialize(source)),
+        "publish": [],
+    }
+    out = Path(args.out)
+    # The fused Q/K/V of each stage's first layer is put back after the second step: that
+    # residual task is unchanged in v2, so its change flag skips it (two tasks in all).
+    qkv = [
+        p
+        for chunk in model
+        for n, p in chunk.named_parameters()
+        if n.endswith("layers.0.self_attention.linear_qkv.weight")
+    ]
+    for version in (1, 2):
+        before = [p.detach().clone() for p in qkv]
+        changed, _ = train_step(model, args.lr, model[0].config.hidden_size)
+        if version == 2:
+            with torch.no_grad():
+                for p, b in zip(qkv, before, strict=True):
+                    p.copy_(b)
+        published = publisher.publish(version, source, wait=True)  # the test commits it
+        result["publish"].append(
+            dataclasses.asdict(published)
+            | {"changed": changed, "skipped_residuals": source.skipped_residuals}
+        )
+        dense = dense_export(bridge, model)  # a collective: every rank
+        if rank == 0:
+            (out / f"v{version}").mkdir(parents=True, exist_ok=True)
+            save_file(dense, str(out / f"v{version}" / "model.safetensors"))
+    (out / f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = rank_arguments()
     ap.add_argument("--urls", required=True, help="comma-separated sidecar URLs, one per rank")
     ap.add_argument("--inboxes", required=True, help="comma-separated inbox dirs, one per rank")
     ap.add_argument("--token", required=True)
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument(
+        "--projected",
+        action="store_true",
+        help="publish through ProjectedSource, two AdamW steps (v1, v2), no bridge checks",
+    )
     args = ap.parse_args()
 
     import torch.distributed as dist
@@ -209,6 +282,9 @@ def main() -> None:
 
     rank, _world = init_distributed(args.tp, args.pp)
     bridge, model = build_model(args.hf_dir, args.tp, args.pp)
+    if args.projected:
+        projected(args, rank, bridge, model)
+        return
     # The product's own constructor (megatron.bridge is already imported, so the harness's
     # transformer-engine stand-in is not needed again); `bridge` is the harness's own.
     source = MegatronBridgeSource.from_hf_pretrained(args.hf_dir, model)
@@ -224,10 +300,7 @@ def main() -> None:
     changed, total = train_step(model, args.lr, model[0].config.hidden_size)
     second = publisher.publish(1, source, wait=True)  # the test runs the transition meanwhile
 
-    dense = {
-        name: t.detach().to("cpu").contiguous().clone()
-        for name, t in bridge.export_hf_weights(model, cpu=True, show_progress=False)
-    }
+    dense = dense_export(bridge, model)
     out = Path(args.out)
     if rank == 0:
         (out / "v1").mkdir(parents=True, exist_ok=True)

@@ -7,22 +7,27 @@ from __future__ import annotations
 import asyncio
 import shutil
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from aiohttp import web
 
 from refit_protocol.commit import CommitRecord
 from refit_protocol.producer_api import AttemptPlan, SentReport
+from refit_sidecar.baseline.chunks import ExportChunk, owner_of, plan_chunks
 from refit_sidecar.baseline.config import BaselineConfig
 from refit_sidecar.baseline.source import SourceBaseline
+from refit_sidecar.bits import int_view
 from refit_sidecar.codec import EncodedPayload
 from refit_sidecar.producer.http import create_producer_app
 from refit_sidecar.producer.service import ProducerService
 from refit_sidecar.producer.staging import StagingConfig
+from refit_sidecar.trainer.export import Change, PlannedChunk, StageIntent, plan_owned
 from refit_sidecar.trainer.publisher import PublisherConfig
+from refit_sidecar.trainer.state_dict import StateDictSource
 from tests.harness.s3 import S3Server
 from tests.harness.s3_payloads import S3Delivery
 from tests.harness.web import serve_app
@@ -141,3 +146,35 @@ async def run_transition(
     for s in sidecars:
         await s.service.update_baseline(attempt, CommitRecord(version, f"g{version}"))
     return attempt, reports
+
+
+class ChangesOf:
+    """The simplest real `PlanningSource`: `old` whole for the first export, then every tensor of
+    `new` except the 1-D ones as its changes against `old` (the 1-D ones whole, so chunks mix
+    both kinds), cut into the baseline's chunks as the sidecar's layout says."""
+
+    def __init__(self, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+        self.old, self.new = old, new
+
+    def plan(self, intent: StageIntent | None) -> Iterator[PlannedChunk]:
+        assert intent is not None, "every rank of these tests publishes"
+        if intent.purpose == "initial":
+            source = StateDictSource(self.old)
+            yield from plan_owned(
+                source.entries(), intent.limit_bytes, intent.producer, intent.producers
+            )
+            return
+        assert intent.layout is not None
+        for i, metas in enumerate(plan_chunks(intent.layout, intent.limit_bytes)):
+            if owner_of(i, intent.producers) != intent.producer:
+                yield PlannedChunk(i, metas, None)
+                continue
+            whole = tuple((m.name, self.new[m.name]) for m in metas if len(m.shape) == 1)
+            changes = []
+            for m in metas:
+                if len(m.shape) == 1:
+                    continue
+                new = self.new[m.name].reshape(-1)
+                where = torch.nonzero(int_view(self.old[m.name]) != int_view(new)).reshape(-1)
+                changes.append(Change(m.name, where, new[where]))
+            yield PlannedChunk(i, metas, ExportChunk(i, whole), tuple(changes))

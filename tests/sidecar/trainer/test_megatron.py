@@ -9,6 +9,10 @@ complete, disjoint, bit-exact copies of its own chunks while every rank (and
 main copies, lr 1e-6) yields a delta that, applied to vLLM through its native loaders, gives
 exactly the bits of a dense load of the new export. The element change rate is printed and
 written to `<artifacts>/megatron_change_rate.json`.
+
+Direct projection (`ProjectedSource`) at TP=2 × PP=2, two AdamW steps: for the tiny Qwen3 the
+two deltas applied to vLLM equal a dense load, for the tiny Qwen3-MoE the sidecars' baselines
+equal the dense exports after each commit.
 """
 
 from __future__ import annotations
@@ -207,3 +211,121 @@ async def test_adamw_step_delta_equals_dense_load(
     assert applied != before
     for got, want in zip(applied, dense, strict=True):
         assert got == want, sorted(n for n in want if got.get(n) != want[n])
+
+
+async def _publish_projected(
+    hf_dir: Path,
+    payload_s3: S3Server,
+    tmp_path: Path,
+    shm: Path,
+    incompatible: frozenset[str] = frozenset(),
+) -> tuple[list[dict[str, Any]], list[Path]]:
+    """TP=2 × PP=2 ranks publish v0 whole, then v1 and v2 (two AdamW steps) through
+    `ProjectedSource` to four real sidecars, while a stand-in coordinator commits each. Checks
+    that the projected tensors travelled as changes, that the change flags skipped exactly the
+    residual tasks left unchanged (megatron_publish.projected), and that after each commit
+    every sidecar's baseline is bit for bit the dense export of that version; returns the rank
+    reports and the decoded payloads of both transitions, in order, written under `shm`."""
+    world = 4
+    out = tmp_path / "projected"
+    committed: dict[int, list[dict[str, torch.Tensor]]] = {}
+    decoded: list[Path] = []  # what a receiver hands its workers, in order
+    async with serve_sidecars(
+        tmp_path, world, payload_s3, chunk_bytes=CHUNK_BYTES, reference=hf_dir
+    ) as sidecars:
+
+        async def transitions() -> None:
+            for version in (1, 2):
+                attempt, _ = await run_transition(
+                    sidecars, version, xor_incompatible=incompatible, timeout=600
+                )
+                committed[version] = [_owned_bits(s) for s in sidecars]
+                for s in sidecars:
+                    for k, payload in enumerate(s.payloads(attempt)):
+                        decoded.append(shm / f"v{version}-p{s.service.producer}-{k}.krd")
+                        write_decoded(decode_payload(payload.body), decoded[-1])
+
+        coordinator = asyncio.create_task(transitions())
+        args = [
+            f"--hf-dir={hf_dir}",
+            f"--out={out}",
+            "--tp=2",
+            "--pp=2",
+            f"--urls={','.join(s.url for s in sidecars)}",
+            f"--inboxes={','.join(str(s.inbox) for s in sidecars)}",
+            f"--token={TOKEN}",
+            "--lr=1e-6",
+            "--projected",
+        ]
+        try:
+            await asyncio.to_thread(run_ranks, SCRIPT, args, world=world, logs=out, timeout=600)
+        except BaseException:
+            coordinator.cancel()
+            raise
+        await coordinator
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    tensors = len(load_file(str(hf_dir / "model.safetensors")))
+    for step in range(2):
+        published = [r["publish"][step] for r in results]
+        assert all(p["committed"] for p in published)
+        # Projected tensors travel as changes: far fewer bytes than the canonical chunks.
+        assert sum(p["changed_tensors"] for p in published) > tensors // 2
+        assert sum(p["file_bytes"] for p in published) < sum(p["bytes_sent"] for p in published)
+        # Change flags: every residual task changed in v1; in v2 the two fused Q/K/V put back
+        # to their v1 bits were skipped by the residual export, on every rank alike.
+        assert [p["skipped_residuals"] for p in published] == [2 * step] * world
+    for version in (1, 2):
+        dense = load_file(str(out / f"v{version}" / "model.safetensors"))
+        owned = committed[version]
+        assert set().union(*(set(o) for o in owned)) == set(dense)
+        for part in owned:
+            for n, t in part.items():
+                assert torch.equal(int_view(t), int_view(dense[n])), (version, n)
+    return results, decoded
+
+
+async def test_projected_publishing_of_two_adamw_steps_equals_a_dense_load(
+    tiny_models: dict[str, Path],
+    engine: Any,
+    payload_s3: S3Server,
+    tmp_path: Path,
+) -> None:
+    """The tiny Qwen3 through `ProjectedSource` (`_publish_projected`; the fused Q/K/V
+    residual): both deltas applied to vLLM give exactly the bits of a dense load of v2."""
+    hf_dir = tiny_models["qwen3"]
+    reference = load_file(str(hf_dir / "model.safetensors"))
+    metas = [TensorMeta.of(n, t) for n, t in sorted(reference.items())]
+    await asyncio.to_thread(engine.collective_rpc, "refit_dense_load", args=(str(hf_dir),))
+    reports = engine.collective_rpc("refit_prewarm", args=(metas_to_wire(metas),))
+    incompatible = frozenset(n for r in reports for n in r["xor_incompatible"])
+    shm = Path("/dev/shm") / f"kuberefit-payloads-{os.getpid()}-projected"
+    shm.mkdir()
+    try:
+        results, decoded = await _publish_projected(hf_dir, payload_s3, tmp_path, shm, incompatible)
+        assert "residual: fused Q/K/V (project_qkv off)" in results[0]["coverage"]
+        for path in decoded:
+            await asyncio.to_thread(engine.collective_rpc, "refit_apply", args=(str(path),))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    applied = _digests(engine)
+    v2 = tmp_path / "projected" / "v2"
+    for f in hf_dir.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, v2 / f.name)
+    await asyncio.to_thread(engine.collective_rpc, "refit_dense_load", args=(str(v2),))
+    for got, want in zip(applied, _digests(engine), strict=True):
+        assert got == want, sorted(n for n in want if got.get(n) != want[n])
+
+
+async def test_projected_publishing_of_a_moe_model_equals_its_dense_exports(
+    tiny_models: dict[str, Path], payload_s3: S3Server, tmp_path: Path
+) -> None:
+    """The tiny Qwen3-MoE through `ProjectedSource` (experts projected at EP=1, expert TP=2):
+    every sidecar's baseline is the dense export after each of two AdamW steps."""
+    shm = Path("/dev/shm") / f"kuberefit-payloads-{os.getpid()}-projected-moe"
+    shm.mkdir()
+    try:
+        results, _ = await _publish_projected(tiny_models["qwen3_moe"], payload_s3, tmp_path, shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert "expert" not in results[0]["coverage"], results[0]["coverage"]  # no expert residual

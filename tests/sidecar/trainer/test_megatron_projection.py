@@ -262,3 +262,22 @@ def test_the_coverage_line() -> None:
         "projected 75.0% of 1000 canonical bytes (column 60.0%, row 15.0%); "
         "residual: fused Q/K/V (project_qkv off) 25.0%"
     )
+
+
+@pytest.mark.parametrize(
+    ("task", "ctx", "flagged"),
+    [
+        (fake_task("QKVMapping"), {}, True),  # split into q, k, v: its parameter alone
+        (fake_task("AutoMapping", permute_dims=(1, 0)), {}, True),
+        (fake_task("AutoMapping", is_expert=True, ep_size=2), {}, True),  # gathered over EP
+        (fake_task("QKVMapping", dtype=torch.int8), {}, False),  # scales live elsewhere
+        (fake_task("RMSNorm2ZeroCenteredRMSNormMapping"), {}, False),  # unknown arithmetic
+        (fake_task("QKVMapping"), {"whole": "MyBridge changes converted weights"}, False),
+    ],
+)
+def test_change_flags_may_skip_only_tasks_whose_outputs_follow_their_parameter(
+    task: Any, ctx: dict[str, Any], flagged: bool
+) -> None:
+    _, reason, _ = mp._classify(task, _ctx(**ctx))
+    assert mp.TaskPlan(0, "decoder.w", None, reason, 48).param_only is flagged
+    assert not mp.TaskPlan(0, "decoder.w", "column", None, 48).param_only

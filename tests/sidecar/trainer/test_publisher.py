@@ -45,6 +45,7 @@ from tests.harness.procs import ManagedProcess, free_port, http_ok
 from tests.harness.s3 import S3Server
 from tests.sidecar.trainer.sidecars import (
     TOKEN,
+    ChangesOf,
     Sidecar,
     run_transition,
     serve_sidecars,
@@ -138,6 +139,30 @@ async def test_first_export_then_sync_publish(tmp_path: Path, payload_s3: S3Serv
         statuses = await asyncio.gather(*(asyncio.to_thread(p.status) for p in pubs))
         assert [st.committed_version for st in statuses] == [1, 1]
         assert all(inbox_files(s) == [] for s in sidecars)
+
+
+async def test_a_planning_source_sends_changes_the_sidecar_applies_to_its_baseline(
+    tmp_path: Path, payload_s3: S3Server
+) -> None:
+    """What a projecting trainer sends (the 2-D tensors as changes, the 1-D whole) is staged as
+    whole tensors: the delta replayed on v0 is v1, twice in a row (the baseline advanced)."""
+    trainer = SyntheticTrainer(weights(), relative_step=1e-3, seed=5)
+    v0 = weights()
+    v1, v2 = trainer.step(), trainer.step()
+    async with serve_sidecars(tmp_path, 2, payload_s3, chunk_bytes=CHUNK) as sidecars:
+        pubs = [Publisher(s.publisher_config()) for s in sidecars]
+        await asyncio.gather(*(asyncio.to_thread(p.initialize, ChangesOf(v0, v0)) for p in pubs))
+        old = v0
+        for version, new in ((1, v1), (2, v2)):
+            coordinator = asyncio.create_task(run_transition(sidecars, version))
+            results = await asyncio.gather(
+                *(asyncio.to_thread(p.publish, version, ChangesOf(old, new)) for p in pubs)
+            )
+            attempt, _ = await coordinator
+            assert_bits_equal(replay(old, sidecars, attempt), new)
+            assert sum(r.changed_tensors for r in results) == 10  # the 64x64 matrices
+            assert all(inbox_files(s) == [] for s in sidecars)
+            old = new
 
 
 async def test_async_publish_returns_once_staged(tmp_path: Path, payload_s3: S3Server) -> None:

@@ -1,7 +1,7 @@
 """The trainer client in a user's trainer image: `.venv-trainer` holds only the image's torch and
-`pip install kuberefit[trainer]` (the Makefile's trainer-venv). The publisher imports there
-without what the sidecars need, and its own import cost is reported (torch loaded first, as a
-trainer has it)."""
+`pip install kuberefit[trainer]` (the Makefile's trainer-venv). The publisher and the projecting
+source import there without what the sidecars need, and the client's own import cost is
+reported (torch loaded first, as a trainer has it)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def test_the_trainer_client_imports_without_the_sidecars_dependencies() -> None:
         "import sys, torch\n"
         "import refit_sidecar.trainer as t\n"
         "from refit_sidecar.trainer import Publisher, PublisherConfig, StateDictSource\n"
+        "from refit_sidecar.trainer.projected import ProjectedSource\n"
         "print(t.__file__)\n"
         "print(sorted({m.split('.')[0] for m in sys.modules}))\n"
     )

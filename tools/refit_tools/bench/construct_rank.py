@@ -6,8 +6,9 @@ elements on every TP replica of a replicated parameter, so replicas stay equal),
 construction of its delta records:
 - `export`: today's path, `MegatronBridgeSource` through `plan_owned` (every rank runs the whole
   export; the owner of each chunk diffs its tensors against its canonical baseline);
-- `project`: `MegatronProjection`: the owned affine shards diffed against their shard tracker and
-  projected, plus the residual tasks through the bridge's export as above.
+- `project`: the publisher's `ProjectedSource`: the owned affine shards diffed against the shard
+  baseline, projected and routed to the rank that owns their chunk (`all_to_all_single`), plus
+  the residual tasks through the bridge's export, diffed by their chunk's owner as above.
 Construction time is the rank's wall time from a barrier; peak memory is the rank's resident
 set above what it held at the barrier (baselines included before). Each rank also folds what it
 found (name, position, new bits of every changed element) into an order-free digest, so the
@@ -98,33 +99,40 @@ def _export_path(bridge: Any, model: list[Any], rank: int, world: int) -> Any:
     return baseline, construct
 
 
-def _project_path(proj: Any, rank: int, world: int) -> Any:
-    """(baseline, construct): shard trackers plus the residual tensors' canonical baseline."""
-    import numpy as np
-
-    from refit_sidecar.bitdiff import diff_bits
+def _project_path(source: Any, rank: int, world: int) -> Any:
+    """(baseline, construct) of the publisher's projecting source, every rank a producer: the
+    first publish (the whole export, then the shard baseline) and the next one's chunks, whose
+    projected tensors come as changes (routed to their chunk's owner) and residual ones whole,
+    diffed here against the owner's canonical baseline as the sidecar would."""
     from refit_sidecar.bits import bits_numpy
-    from refit_sidecar.codec.records import Op
-    from refit_sidecar.trainer.projection import project_diff
+    from refit_sidecar.trainer.export import StageIntent
 
-    def baseline() -> tuple[dict[int, Any], dict[str, Any]]:
-        residual = _owned_tensors(proj.residual_source(), rank, world)
-        return {s.task.index: s.snapshot() for s in proj.owned_shards()}, dict(residual)
+    first = StageIntent(0, "initial", rank, world, CHUNK_BYTES, 0, None)
 
-    def construct(base: tuple[dict[int, Any], dict[str, Any]], check: bool) -> tuple[int, int]:
-        tracker, canonical = base
+    def baseline() -> tuple[list[Any], dict[str, Any]]:
+        layout: list[Any] = []
+        residual: dict[str, Any] = {}
+        for planned in source.plan(first):
+            layout.extend(planned.metas)
+            if planned.chunk is not None:
+                residual.update(
+                    (n, t) for n, t in planned.chunk.tensors if n not in source.projected_names
+                )
+        return layout, residual
+
+    def construct(base: tuple[list[Any], dict[str, Any]], check: bool) -> tuple[int, int]:
+        layout, canonical = base
         changed = digest = 0
-        for shard in proj.owned_shards():
-            diff = diff_bits(bits_numpy(tracker[shard.task.index]), bits_numpy(shard.snapshot()))
-            for item in project_diff(shard.rowmap, diff, Op.OVERWRITE):  # values: new bits
-                changed += item.count
+        for planned in source.plan(StageIntent(1, "next", rank, world, CHUNK_BYTES, 0, layout)):
+            for change in planned.changes:
+                changed += change.positions.numel()
                 if check:
-                    idx = item.index()
-                    where = np.arange(idx.start, idx.stop) if isinstance(idx, slice) else idx
-                    digest += fold(item.meta.name, np.asarray(where), item.values.numpy())
-        residual = _owned_tensors(proj.residual_source(), rank, world)
-        more, more_digest = _diff_canonical(canonical, residual, check)
-        return changed + more, digest + more_digest
+                    new_bits = bits_numpy(change.values)
+                    digest += fold(change.name, change.positions.numpy(), new_bits)
+            if planned.chunk is not None:
+                more, more_digest = _diff_canonical(canonical, planned.chunk.tensors, check)
+                changed, digest = changed + more, digest + more_digest
+        return changed, digest
 
     return baseline, construct
 
@@ -139,7 +147,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from refit_sidecar.trainer.megatron_projection import MegatronProjection
+    from refit_sidecar.trainer.projected import ProjectedSource
     from refit_tools.megatron_cpu import build_model, init_distributed
     from refit_tools.peak_rss import PeakRss
 
@@ -150,11 +158,11 @@ def main() -> None:
     report: dict[str, Any] = {"rank": rank, "path": args.path, "rates": []}
     if args.path == "project":
         started = time.perf_counter()
-        proj = MegatronProjection(bridge, model)
+        source = ProjectedSource.megatron(bridge, model)
         report["plan_s"] = time.perf_counter() - started
-        report["coverage"] = proj.coverage().line()
-        report["coverage_fraction"] = proj.coverage().fraction
-        baseline, construct = _project_path(proj, rank, world)
+        report["coverage"] = source.coverage().line()
+        report["coverage_fraction"] = source.coverage().fraction
+        baseline, construct = _project_path(source, rank, world)
     else:
         baseline, construct = _export_path(bridge, model, rank, world)
     rates = [float(r) for r in args.rates.split(",")]
