@@ -14,9 +14,12 @@ One publish is a fixed sequence of collectives on the default group, the same on
 1. `all_gather_object` of each rank's intent: which producer it publishes, the version, the
    committed version and (once) the baseline's layout. Every rank checks the same facts, so a
    refusal is raised everywhere alike instead of leaving ranks in a collective.
-2. `initial`: the full export through `plan_owned`, then each rank copies its owned shards as
-   the shard baseline. `next`: the projected changes, exchanged with `all_to_all_single`, then
-   the residual export.
+2. `initial`: the full export through `plan_owned`, one export of each flagged residual task
+   alone (to learn its outputs), then each rank copies its owned shards and the flagged residual
+   parameters it holds as the shard baseline. `next`: the projected changes, exchanged with
+   `all_to_all_single`; the residual change flags, made global with one `all_reduce`; the
+   residual export of the tasks that changed (`MegatronProjection.flagged_residuals` says which
+   tasks a flag may skip: those whose outputs follow from their own parameter alone).
 The shard baseline advances only with the commit: the changes of a staged version are kept
 aside and folded in when a later publish finds that version committed; a version that did not
 commit (a failed or dropped transition) is compared again from the same baseline.
@@ -383,7 +386,7 @@ def _exchange(
         bits = data[v : v + count * width].view(lanes)
         received[meta.name].append((where[p : p + count], bits))
         p, v = p + count, v + count * width
-    if p != where.size or v != data.size or world != len(got):
+    if p != where.size or v != data.size:
         raise CandidateMismatchError("the projected changes received do not add up")
     return received
 

@@ -208,7 +208,8 @@ def dense_export(bridge: Any, model: list[Any]) -> dict[str, Any]:
 
 def projected(args: Any, rank: int, bridge: Any, model: list[Any]) -> None:
     """Publish v0 (the whole export) and, after each of two AdamW steps, v1 and v2 through
-    `ProjectedSource`; rank 0 writes the dense export of each version."""
+    `ProjectedSource`; rank 0 writes the dense export of each version. Ranks beyond the given
+    sidecars have none: they take part through `Publisher.participate`."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -217,18 +218,29 @@ def projected(args: Any, rank: int, bridge: Any, model: list[Any]) -> None:
     from refit_sidecar.trainer.projected import ProjectedSource
 
     source = ProjectedSource.megatron(bridge, model)
-    publisher = Publisher(
-        PublisherConfig(
-            url=args.urls.split(",")[rank],
+    urls = args.urls.split(",")
+    publisher = None
+    if rank < len(urls):
+        config = PublisherConfig(
+            url=urls[rank],
             inbox=Path(args.inboxes.split(",")[rank]),
             token=args.token,
             commit_timeout_s=300,
         )
-    )
+        publisher = Publisher(config)
+
+    def publish(version: int) -> dict[str, Any] | None:
+        if publisher is None:
+            Publisher.participate(source)
+            return None
+        if version == 0:
+            return dataclasses.asdict(publisher.initialize(source))
+        return dataclasses.asdict(publisher.publish(version, source, wait=True))
+
     result: dict[str, Any] = {
         "rank": rank,
         "coverage": source.coverage().line(),
-        "initialize": dataclasses.asdict(publisher.initialize(source)),
+        "initialize": publish(0),
         "publish": [],
     }
     out = Path(args.out)
@@ -247,10 +259,9 @@ def projected(args: Any, rank: int, bridge: Any, model: list[Any]) -> None:
             with torch.no_grad():
                 for p, b in zip(qkv, before, strict=True):
                     p.copy_(b)
-        published = publisher.publish(version, source, wait=True)  # the test commits it
+        published = publish(version)  # the test commits it
         result["publish"].append(
-            dataclasses.asdict(published)
-            | {"changed": changed, "skipped_residuals": source.skipped_residuals}
+            (published or {}) | {"changed": changed, "skipped_residuals": source.skipped_residuals}
         )
         dense = dense_export(bridge, model)  # a collective: every rank
         if rank == 0:
