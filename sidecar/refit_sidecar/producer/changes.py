@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from refit_sidecar.bits import int_view
 from refit_sidecar.codec.records import TensorMeta
-from refit_sidecar.trainer.chunk_files import change_keys, file_keys, load_tensors
+from refit_sidecar.trainer.chunk_files import change_keys, file_keys
 from refit_sidecar.trainer.errors import ChunkFileError
 
 #: A tensor's committed stored bits (flat, read-only): the producer baseline's `stored_bits`.
@@ -87,29 +88,36 @@ def rebuild(
     given = set(changed)
     if not given:
         return
-    whole = dict(load_tensors(path, [m.name for m in metas if m.name not in given]))
     out: dict[str, torch.Tensor] = {}
-    for meta in metas:
-        if meta.name not in given:
-            out[meta.name] = whole.pop(meta.name)
-            continue
-        positions, values = (t for _, t in load_tensors(path, change_keys(meta.name)))
-        _check_positions(meta, positions)
-        try:
-            bits = np.array(committed(meta.name), copy=True)  # never the store itself
-        except KeyError as exc:
-            raise ChunkFileError(f"{meta.name} is not in this producer's baseline") from exc
-        if bits.size != meta.numel:
-            raise ChunkFileError(f"{meta.name}: the baseline holds {bits.size} elements")
-        tensor = torch.from_numpy(bits)
-        tensor[positions] = int_view(values)
-        out[meta.name] = tensor.view(meta.dtype).reshape(meta.shape)
+    with safe_open(str(path), framework="pt") as fh:  # one header parse for the whole chunk
+        for meta in metas:
+            if meta.name not in given:
+                out[meta.name] = fh.get_tensor(meta.name)
+                continue
+            positions, values = (fh.get_tensor(k) for k in change_keys(meta.name))
+            _check_positions(meta, positions)
+            out[meta.name] = _overwritten(meta, committed, positions, int_view(values))
     tmp = path.with_name(f".{path.name}.whole")
     try:
         save_file(out, str(tmp))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _overwritten(
+    meta: TensorMeta, committed: CommittedBits, positions: torch.Tensor, lanes: torch.Tensor
+) -> torch.Tensor:
+    """A copy of the tensor's committed bits with `lanes` written at `positions`."""
+    try:
+        bits = np.array(committed(meta.name), copy=True)  # never the store itself
+    except KeyError as exc:
+        raise ChunkFileError(f"{meta.name} is not in this producer's baseline") from exc
+    if bits.size != meta.numel or bits.dtype.itemsize != lanes.element_size():
+        raise ChunkFileError(f"{meta.name}: the baseline holds {bits.size} {bits.dtype} lanes")
+    tensor = torch.from_numpy(bits)
+    tensor[positions] = lanes.to(tensor.dtype)  # same width: the conversion keeps the bits
+    return tensor.view(meta.dtype).reshape(meta.shape)
 
 
 def _check_positions(meta: TensorMeta, positions: torch.Tensor) -> None:

@@ -50,7 +50,9 @@ class CanonicalSource(Protocol):
 @dataclass(frozen=True)
 class StageIntent:
     """What a producer rank is about to stage, as its sidecar says: all a planning source needs
-    to cut the export into the baseline's chunks and give each producer its own."""
+    to cut the export into the baseline's chunks and give each producer its own. `refusal`: the
+    rank cannot publish (its sidecar refused, or is unreachable) and says why, so that a
+    planning source refuses on every rank instead of leaving the others in a collective."""
 
     version: int
     purpose: StagePurpose
@@ -59,6 +61,11 @@ class StageIntent:
     limit_bytes: int
     committed: int
     layout: list[TensorMeta] | None
+    refusal: str | None = None
+
+    @classmethod
+    def refusing(cls, version: int, purpose: StagePurpose, why: str) -> StageIntent:
+        return cls(version, purpose, -1, 0, 0, -1, None, refusal=why)
 
 
 @runtime_checkable

@@ -202,9 +202,10 @@ class MegatronProjection:
 
     def flagged_residuals(self) -> list[tuple[TaskPlan, Any]]:
         """The residual tasks a change flag may skip (`TaskPlan.param_only`), in the bridge's
-        order, with the parameter of each when this rank holds it (else None)."""
+        order (the same list on every rank), with the parameter of each when this rank holds
+        it (else None)."""
         return [
-            (p, None if t is None else t.param_weight)
+            (p, t.param_weight)
             for t, p in zip(self._tasks, self.plans, strict=True)
             if p.param_only and t is not None
         ]
@@ -414,7 +415,11 @@ def _merge(
     if not seen:
         return TaskPlan(index, name, None, "held by no rank", 0)
     nbytes = max(b for _, _, b in seen)
-    reasons = sorted({r for _, r, _ in seen if r is not None})
+    # a reason a change flag may not skip comes first: one such holder decides for the task
+    reasons = sorted(
+        {r for _, r, _ in seen if r is not None},
+        key=lambda r: (r.startswith(_PARAM_ONLY_REASONS), r),
+    )
     if reasons:
         return TaskPlan(index, name, None, reasons[0], nbytes)
     kinds = {k for k, _, _ in seen}

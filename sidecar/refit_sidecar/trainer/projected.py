@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -111,17 +112,28 @@ class ShardBaseline:
 class ProjectedSource:
     """Publish through direct projection (a `PlanningSource`); construction is a collective."""
 
-    def __init__(self, projection: MegatronProjection, full: CanonicalSource) -> None:
+    def __init__(
+        self,
+        projection: MegatronProjection,
+        full: CanonicalSource,
+        *,
+        timeout_s: float = 7200.0,
+    ) -> None:
         """`projection`: the plan of the trainer's model; `full`: the whole export (first
-        publish, whose result both sides start from)."""
+        publish, whose result both sides start from); `timeout_s`: how long a rank waits for
+        the others in this source's collectives (a publishing rank may first wait for the
+        previous version's commit: keep it above `PublisherConfig.commit_timeout_s`)."""
         import torch.distributed as dist
 
         self._projection = projection
         self._full = full
+        # This source's own collectives carry host tensors and small objects: a gloo group over
+        # every rank, which works whatever backend the trainer's default group has (NCCL).
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._shards = {s.task.index: s for s in projection.owned_shards()}
         held = sorted({m.name for s in projection.held_shards() for m in s.rowmap.dests})
         gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, held)
+        dist.all_gather_object(gathered, held, group=self._group)
         #: Canonical tensors some rank projects; all others must come from the residual export.
         self.projected_names = frozenset(n for names in gathered for n in names)
         #: Residual tasks a change flag may skip, with their outputs (learned at the first
@@ -137,10 +149,13 @@ class ProjectedSource:
         return self._projection.coverage()
 
     @classmethod
-    def megatron(cls, bridge: Any, model: Sequence[Any], **kwargs: Any) -> ProjectedSource:
+    def megatron(
+        cls, bridge: Any, model: Sequence[Any], *, timeout_s: float = 7200.0, **kwargs: Any
+    ) -> ProjectedSource:
         """The projecting source of a Megatron model under a Megatron Bridge `AutoBridge`;
         `kwargs` go to `MegatronProjection` (`project_qkv`, `dp_rank`, `dp_size`)."""
-        return cls(MegatronProjection(bridge, model, **kwargs), MegatronBridgeSource(bridge, model))
+        projection = MegatronProjection(bridge, model, **kwargs)
+        return cls(projection, MegatronBridgeSource(bridge, model), timeout_s=timeout_s)
 
     # --------------------------------------------------------------------------- PlanningSource
     def plan(self, intent: StageIntent | None) -> Iterator[PlannedChunk]:
@@ -162,40 +177,63 @@ class ProjectedSource:
 
     # ------------------------------------------------------------------------------- machinery
     def _agree(self, intent: StageIntent | None) -> _Agreed:
+        """Gather every publishing rank's intent (or refusal) and check the same facts on
+        every rank. The layout comes from producer 0: once, and again on every first export
+        (a trainer restart may meet other sidecars)."""
         import torch.distributed as dist
 
-        mine = None
-        if intent is not None:
-            layout = intent.layout if self._layout is None and intent.producer == 0 else None
-            mine = (
-                intent.version,
-                intent.purpose,
-                intent.producer,
-                intent.producers,
-                intent.limit_bytes,
-                intent.committed,
-                layout,
-            )
+        mine: dict[str, Any] | None = None
+        if intent is not None and intent.refusal is not None:
+            mine = {"refusal": intent.refusal}
+        elif intent is not None:
+            fresh = intent.purpose == "initial" or self._layout is None
+            mine = {
+                "facts": (
+                    intent.version,
+                    intent.purpose,
+                    intent.producers,
+                    intent.limit_bytes,
+                    intent.committed,
+                ),
+                "producer": intent.producer,
+                "layout": intent.layout if fresh and intent.producer == 0 else None,
+            }
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=self._group)
+        refused = [(r, g["refusal"]) for r, g in enumerate(gathered) if g and "refusal" in g]
+        if refused:
+            rank, why = refused[0]
+            raise StagingStateError(f"rank {rank} refused to publish: {why}")
         ranks = [(r, g) for r, g in enumerate(gathered) if g is not None]
         if not ranks:
             raise StagingStateError("no rank publishes: give one rank per producer a Publisher")
-        facts = {g[:2] + g[3:6] for _, g in ranks}
+        facts = {g["facts"] for _, g in ranks}
         if len(facts) != 1:
             raise StagingStateError(f"the publishing ranks disagree: {sorted(facts)}")
         version, purpose, producers, limit, committed = facts.pop()
-        rank_of = {g[2]: r for r, g in ranks}
+        rank_of = {g["producer"]: r for r, g in ranks}
         if sorted(rank_of) != list(range(producers)) or len(ranks) != producers:
             raise StagingStateError(
                 f"{producers} producers need one publishing rank each; ranks publish producers "
-                f"{sorted(g[2] for _, g in ranks)}"
+                f"{sorted(g['producer'] for _, g in ranks)}"
             )
-        for _, g in ranks:
-            if g[6] is not None:
-                self._layout = list(g[6])
+        layout = gathered[rank_of[0]]["layout"]
+        if purpose == "initial" or layout is not None:
+            self._layout = None if layout is None else list(layout)
         mine_producer = None if intent is None else intent.producer
         return _Agreed(version, purpose, producers, limit, committed, rank_of, mine_producer)
+
+    def _raise_everywhere(self, problem: str | None) -> None:
+        """One `all_reduce` (MAX) of a refusal flag: a problem found on one rank is raised on
+        every rank, none is left waiting in the next collective."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([problem is not None], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if problem is not None:
+            raise CandidateMismatchError(problem)
+        if int(flag[0]):
+            raise CandidateMismatchError("another rank refused its projection (see its log)")
 
     def _next(self, agreed: _Agreed) -> Iterator[PlannedChunk]:
         base = self._base.settle(agreed.committed)
@@ -206,9 +244,11 @@ class ProjectedSource:
         chunk_of = {m.name: i for i, metas in enumerate(plan) for m in metas}
         number = {m.name: k for k, m in enumerate(layout)}
         pending, outgoing, problem = self._project(base, agreed, chunk_of, layout, number)
-        received = _exchange(outgoing, layout, problem)
+        received, problem = _exchange(outgoing, layout, problem, self._group)
+        self._raise_everywhere(problem)
         skip, unchanged = self._unchanged_residuals(base, pending)
         residual = self._residual_tensors(agreed, layout, number, chunk_of, skip)
+        self._raise_everywhere(residual.problem)
         missing = set(number) - self.projected_names - residual.names - unchanged
         both = (self.projected_names | unchanged) & residual.names
         if missing or both or unchanged & self.projected_names:
@@ -227,6 +267,9 @@ class ProjectedSource:
                 _merged(m, received.pop(m.name, [])) for m in metas if m.name not in residual.names
             )
             yield PlannedChunk(i, metas, ExportChunk(i, tuple(whole)), changes)
+        if received or residual.kept:
+            left = sorted(received)[:3] + sorted(residual.kept)[:3]
+            raise CandidateMismatchError(f"changes or tensors outside this rank's chunks: {left}")
 
     def _project(
         self,
@@ -283,7 +326,7 @@ class ProjectedSource:
             if diff.count:
                 pending[plan.index] = (diff.locations, diff.new_bits)
                 flags[k] = 1
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         changed = flags.tolist()
         skip = [p.index for (p, _), c in zip(self._flagged, changed, strict=True) if not c]
         self.skipped_residuals = len(skip)
@@ -312,7 +355,10 @@ class ProjectedSource:
             tensor = entry.fetch(owned)
             out.names.add(entry.name)
             if owned:
-                out.kept[entry.name] = checked_tensor(entry.meta, tensor)
+                try:
+                    out.kept[entry.name] = checked_tensor(entry.meta, tensor)
+                except CandidateMismatchError as exc:  # finish the export: it is a collective
+                    out.problem = out.problem or str(exc)
         return out
 
 
@@ -328,16 +374,19 @@ class _Residual:
 
     names: set[str] = field(default_factory=set)
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
+    problem: str | None = None
 
 
 def _exchange(
     outgoing: list[list[tuple[int, Bits, Bits]]],
     layout: Sequence[TensorMeta],
     problem: str | None,
-) -> dict[str, list[tuple[Bits, Bits]]]:
+    group: Any,
+) -> tuple[dict[str, list[tuple[Bits, Bits]]], str | None]:
     """Send each rank its (tensor number, positions, new bits) pieces and receive this rank's:
     four `all_to_all_single` calls (sizes and a problem flag, then piece headers, positions
-    and value bytes). A problem on any rank is raised on every rank after the first call.
+    and value bytes) on `group`. A problem on any rank is raised on every rank after the
+    first call; one found in what arrived is returned, for the caller to raise everywhere.
     Empties `outgoing` as it packs it, so each change is held packed or unpacked, not both."""
     import torch.distributed as dist
 
@@ -357,7 +406,7 @@ def _exchange(
         dtype=torch.int64,
     )
     got = torch.empty_like(sizes)
-    dist.all_to_all_single(got, sizes)
+    dist.all_to_all_single(got, sizes, group=group)
     if problem is not None:
         raise CandidateMismatchError(problem)
     failed = [r for r in range(world) if int(got[r, 3])]
@@ -371,6 +420,7 @@ def _exchange(
             torch.from_numpy(np.concatenate(parts)),
             got[:, column].tolist(),
             sizes[:, column].tolist(),
+            group=group,
         )
         return out
 
@@ -381,14 +431,16 @@ def _exchange(
     p = v = 0
     for number, count in head.tolist():
         meta = layout[number]
-        width = meta.nbytes // max(meta.numel, 1)
         lanes = bits_numpy(torch.empty(0, dtype=meta.dtype)).dtype
-        bits = data[v : v + count * width].view(lanes)
+        piece = data[v : v + count * lanes.itemsize]
+        # pieces of several widths are packed back to back: copy one that starts unaligned
+        aligned = v % lanes.itemsize == 0
+        bits = piece.view(lanes) if aligned else np.frombuffer(piece.tobytes(), lanes)
         received[meta.name].append((where[p : p + count], bits))
-        p, v = p + count, v + count * width
+        p, v = p + count, v + count * lanes.itemsize
     if p != where.size or v != data.size:
-        raise CandidateMismatchError("the projected changes received do not add up")
-    return received
+        return received, "the projected changes received do not add up"
+    return received, None
 
 
 def _merged(meta: TensorMeta, pieces: list[tuple[Bits, Bits]]) -> Change:
@@ -402,6 +454,6 @@ def _merged(meta: TensorMeta, pieces: list[tuple[Bits, Bits]]) -> Change:
             order = np.argsort(where, kind="stable")
             where, bits = where[order], bits[order]
     if where.size > 1 and not np.all(where[1:] > where[:-1]):
-        raise CandidateMismatchError(f"{meta.name}: two ranks projected the same element")
+        raise CandidateMismatchError(f"{meta.name}: two shards projected the same element")
     values = torch.from_numpy(np.ascontiguousarray(bits)).view(meta.dtype)
     return Change(meta.name, torch.from_numpy(np.ascontiguousarray(where)), values)

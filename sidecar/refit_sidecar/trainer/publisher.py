@@ -222,16 +222,13 @@ class Publisher:
         wait: bool,
     ) -> PublishResult:
         t0 = time.monotonic()
-        status = self._ready_for(version, purpose)
-        producers, limit = status.producers, status.export_chunk_bytes
-        if producers is None or limit is None:
-            raise StagingStateError("the sidecar does not support candidate staging (too old)")
-        if not self.config.inbox.is_dir():
-            raise StagingStateError(
-                f"the inbox {self.config.inbox} is not a directory: mount the shared-memory "
-                "volume the sidecar reads (its StagingConfig.inbox) there"
-            )
-        expected = self._baseline_layout() if status.baseline_ready else None
+        try:
+            status, producers, limit = self._stageable(version, purpose)
+            expected = self._baseline_layout() if status.baseline_ready else None
+        except StagingError as exc:
+            if isinstance(source, PlanningSource):  # the other ranks wait in its collective
+                _refuse(source, StageIntent.refusing(version, purpose, str(exc)))
+            raise
         sender = _ChunkSender(self, version, purpose, status.producer, self.config.max_in_flight)
         manifest: list[TensorMeta] = []
         total = 0
@@ -304,6 +301,20 @@ class Publisher:
             changed_tensors=sender.changed_tensors,
             file_bytes=sender.file_bytes,
         )
+
+    def _stageable(self, version: int, purpose: StagePurpose) -> tuple[ProducerStatus, int, int]:
+        """The sidecar's status once `version` can be staged, its producer count and chunk
+        limit; refuses a sidecar too old to stage and an inbox that is not mounted."""
+        status = self._ready_for(version, purpose)
+        producers, limit = status.producers, status.export_chunk_bytes
+        if producers is None or limit is None:
+            raise StagingStateError("the sidecar does not support candidate staging (too old)")
+        if not self.config.inbox.is_dir():
+            raise StagingStateError(
+                f"the inbox {self.config.inbox} is not a directory: mount the shared-memory "
+                "volume the sidecar reads (its StagingConfig.inbox) there"
+            )
+        return status, producers, limit
 
     def _ready_for(self, version: int, purpose: StagePurpose) -> ProducerStatus:
         """The sidecar's status once `version` can be staged (waits for v-1 in async RL)."""
@@ -405,8 +416,18 @@ class Publisher:
         except StagingError as exc:
             log.warning("publisher.abort_failed", version=version, error=str(exc))
 
-    def _call(self, method: str, path: str, body: BaseModel | None, out: type[M] | None) -> M:
-        data = body.model_dump_json().encode() if body is not None else None
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None,
+        out: type[M] | None,
+        *,
+        compact: bool = False,
+    ) -> M:
+        """One request; `compact` leaves fields at their defaults out of the body, so a sidecar
+        that predates a field still accepts the requests that do not use it."""
+        data = None if body is None else body.model_dump_json(exclude_defaults=compact).encode()
         url = self._base + path
         headers = {"Content-Type": "application/json", **bearer_header(self._tokens.newest())}
         req = urllib.request.Request(url, data=data, headers=headers, method=method)  # noqa: S310
@@ -425,6 +446,15 @@ class Publisher:
         if out is None:
             return None  # type: ignore[return-value]
         return read_answer(out, raw)  # a newer sidecar's added fields are ignored
+
+
+def _refuse(source: PlanningSource, intent: StageIntent) -> None:
+    """Take part in the source's first collective with a refusal, so every rank raises."""
+    try:
+        for _ in source.plan(intent):
+            pass
+    except StagingError:
+        pass  # the source's word for this rank's own refusal: the caller raises the original
 
 
 def _refusal(url: str, exc: urllib.error.HTTPError) -> StagingError:
@@ -507,6 +537,7 @@ class _ChunkSender:
                     changed=[c.name for c in chunk.changes],
                 ),
                 CandidateChunkAck,
+                compact=True,  # `changed` is newer than the export path's sidecars
             )
         finally:
             path.unlink(missing_ok=True)  # taken over (moved) by the sidecar, or refused

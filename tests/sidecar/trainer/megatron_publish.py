@@ -23,8 +23,9 @@ dense-load reference.
 With `--projected` the rank publishes through `ProjectedSource` instead (direct projection):
 v0 whole, then v1 and v2 after two AdamW steps, each waited for (the test commits them); before
 v2 the fused Q/K/V of each pipeline stage's first layer is put back to its v1 bits, so the
-change flags skip those two residual tasks. Rank 0 writes the dense export of v1 and v2. The
-bridge checks are left to the export-path runs.
+change flags skip those two residual tasks. Rank 0 writes the dense export of v1 and v2. Last,
+rank 0 asks for a version its sidecar refuses while the others publish v3: every rank must
+raise. The bridge checks are left to the export-path runs.
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ def projected(args: Any, rank: int, bridge: Any, model: list[Any]) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from refit_sidecar.trainer import Publisher, PublisherConfig
+    from refit_sidecar.trainer import Publisher, PublisherConfig, StagingError
     from refit_sidecar.trainer.projected import ProjectedSource
 
     source = ProjectedSource.megatron(bridge, model)
@@ -267,6 +268,15 @@ def projected(args: Any, rank: int, bridge: Any, model: list[Any]) -> None:
         if rank == 0:
             (out / f"v{version}").mkdir(parents=True, exist_ok=True)
             save_file(dense, str(out / f"v{version}" / "model.safetensors"))
+    # A refusal on one rank reaches every rank: rank 0 asks for a version its sidecar refuses,
+    # the other publishing ranks for the right one, the rank without a sidecar takes part.
+    try:
+        if publisher is None:
+            Publisher.participate(source)
+        else:
+            publisher.publish(5 if rank == 0 else 3, source)
+    except StagingError as exc:
+        result["refused"] = f"{type(exc).__name__}: {exc}"
     (out / f"rank{rank}.json").write_text(json.dumps(result, default=str))
     dist.barrier()
     dist.destroy_process_group()

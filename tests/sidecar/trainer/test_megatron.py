@@ -226,7 +226,8 @@ async def _publish_projected(
     that the projected tensors travelled as changes, that the change flags skipped exactly the
     residual tasks left unchanged (megatron_publish.projected), and that after each commit
     every sidecar's baseline is bit for bit the dense export of that version; returns the rank
-    reports and the decoded payloads of both transitions, in order, written under `shm`. With
+    reports and the decoded payloads of both transitions, in order, written under `shm`, and
+    that a refusal on rank 0 is raised on every rank. With
     fewer `producers` than ranks, the last ranks have no sidecar and only take part."""
     world = 4
     out = tmp_path / "projected"
@@ -266,6 +267,10 @@ async def _publish_projected(
             raise
         await coordinator
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    # One rank's refusal (v5 after v2) is raised on every rank, none left in a collective.
+    assert results[0]["refused"].startswith("VersionMismatchError: v5 is not the next"), results[0]
+    for r in results[1:]:
+        assert r["refused"].startswith("StagingStateError: rank 0 refused to publish: v5"), r
     tensors = len(load_file(str(hf_dir / "model.safetensors")))
     for step in range(2):
         # residual change flags are global: every rank skipped the same tasks

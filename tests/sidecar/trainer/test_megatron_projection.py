@@ -244,6 +244,10 @@ def test_the_plan_is_merged_across_ranks() -> None:
     seen[2] = {0: ("row", None, 96)}
     assert mp._merge(0, task, seen).reason == "ranks disagree on the layout (['column', 'row'])"
     assert mp._merge(0, task, [{}, {}]).reason == "held by no rank"
+    # a reason a change flag may not skip wins over one it may (it sorts first otherwise)
+    seen = [{0: (None, "fused Q/K/V (project_qkv off)", 96)}, {0: (None, "not classified", 96)}]
+    assert mp._merge(0, task, seen).reason == "not classified"
+    assert not mp._merge(0, task, seen).param_only
     assert mp._merge(3, None, seen).reason == "no mapping for this parameter"
 
 

@@ -57,5 +57,5 @@ def test_pieces_from_several_shards_merge_sorted_in_the_tensors_dtype() -> None:
     assert change.values.dtype == torch.bfloat16
     assert torch.equal(int_view(change.values), int_view(new[[0, 2, 5, 7]]))
     assert _merged(meta, []).positions.numel() == 0
-    with pytest.raises(CandidateMismatchError, match="two ranks projected the same element"):
+    with pytest.raises(CandidateMismatchError, match="two shards projected the same element"):
         _merged(meta, [(left, lanes[left]), (left, lanes[left])])
