@@ -198,7 +198,14 @@ class MegatronProjection:
     @property
     def residual_tasks(self) -> list[Any]:
         """The bridge's tasks left to its export, in the bridge's order (same on every rank)."""
-        return [t for t, p in zip(self._tasks, self.plans, strict=True) if not p.affine]
+        return self._residual(set())
+
+    def _residual(self, skip: set[int]) -> list[Any]:
+        return [
+            t
+            for t, p in zip(self._tasks, self.plans, strict=True)
+            if not p.affine and p.index not in skip
+        ]
 
     def flagged_residuals(self) -> list[tuple[TaskPlan, Any]]:
         """The residual tasks a change flag may skip (`TaskPlan.param_only`), in the bridge's
@@ -242,12 +249,7 @@ class MegatronProjection:
     def residual_source(self, skip: Sequence[int] = ()) -> MegatronBridgeSource:
         """Today's canonical source, limited to the residual tasks, less the tasks whose plan
         index is in `skip` (a collective per pass: give every rank the same `skip`)."""
-        skipped = set(skip)
-        tasks = [
-            t
-            for t, p in zip(self._tasks, self.plans, strict=True)
-            if not p.affine and p.index not in skipped
-        ]
+        tasks = self._residual(set(skip))
         return MegatronBridgeSource(
             self._bridge, self._model, export_kwargs={"conversion_tasks": tasks}
         )

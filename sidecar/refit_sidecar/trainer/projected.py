@@ -38,9 +38,11 @@ import numpy.typing as npt
 import structlog
 import torch
 
+from refit_protocol.producer_api import StagePurpose
 from refit_sidecar.baseline.chunks import ExportChunk, owner_of, plan_chunks
 from refit_sidecar.bitdiff import diff_bits
-from refit_sidecar.bits import bits_numpy
+from refit_sidecar.bits import NP_INT_VIEW, bits_numpy
+from refit_sidecar.codec import dtypes
 from refit_sidecar.codec.records import TensorMeta
 from refit_sidecar.trainer.errors import CandidateMismatchError, StagingStateError
 from refit_sidecar.trainer.export import (
@@ -63,12 +65,38 @@ class _Agreed:
     """The facts of one publish every rank agrees on (from the producers' intents)."""
 
     version: int
-    purpose: str
+    purpose: StagePurpose
     producers: int
     limit_bytes: int
     committed: int
     rank_of: dict[int, int]  # producer -> rank
     producer: int | None  # this rank's
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """The baseline's layout cut into chunks, with the lookups a publish needs; derived once
+    per layout and chunk size, not on every publish."""
+
+    metas: list[TensorMeta]
+    limit_bytes: int
+    plan: list[tuple[TensorMeta, ...]]
+    number: dict[str, int]  # name -> position in `metas`
+    chunk_of: dict[str, int]  # name -> chunk index
+
+    @classmethod
+    def of(cls, metas: list[TensorMeta], limit_bytes: int) -> _Cut:
+        plan = plan_chunks(metas, limit_bytes)
+        chunk_of = {m.name: i for i, chunk in enumerate(plan) for m in chunk}
+        return cls(metas, limit_bytes, plan, {m.name: k for k, m in enumerate(metas)}, chunk_of)
+
+    def describe(self, meta: TensorMeta) -> str | None:
+        """None when the layout holds `meta` as it is, else how it holds it."""
+        k = self.number.get(meta.name)
+        if k is None:
+            return "missing"
+        theirs = self.metas[k]
+        return None if theirs == meta else f"{list(theirs.shape)} {theirs.dtype}"
 
 
 class ShardBaseline:
@@ -143,6 +171,7 @@ class ProjectedSource:
         self.skipped_residuals = 0
         self._base = ShardBaseline()
         self._layout: list[TensorMeta] | None = None
+        self._cut: _Cut | None = None
 
     def coverage(self) -> Coverage:
         """What the projection covers, by bytes (its line is logged at construction)."""
@@ -219,7 +248,7 @@ class ProjectedSource:
             )
         layout = gathered[rank_of[0]]["layout"]
         if purpose == "initial" or layout is not None:
-            self._layout = None if layout is None else list(layout)
+            self._layout, self._cut = (None if layout is None else list(layout)), None
         mine_producer = None if intent is None else intent.producer
         return _Agreed(version, purpose, producers, limit, committed, rank_of, mine_producer)
 
@@ -237,19 +266,18 @@ class ProjectedSource:
 
     def _next(self, agreed: _Agreed) -> Iterator[PlannedChunk]:
         base = self._base.settle(agreed.committed)
-        layout = self._layout
-        if layout is None:
+        if self._layout is None:
             raise StagingStateError("the sidecars sent no baseline layout")
-        plan = plan_chunks(layout, agreed.limit_bytes)
-        chunk_of = {m.name: i for i, metas in enumerate(plan) for m in metas}
-        number = {m.name: k for k, m in enumerate(layout)}
-        pending, outgoing, problem = self._project(base, agreed, chunk_of, layout, number)
-        received, problem = _exchange(outgoing, layout, problem, self._group)
+        if self._cut is None or self._cut.limit_bytes != agreed.limit_bytes:
+            self._cut = _Cut.of(self._layout, agreed.limit_bytes)
+        cut = self._cut
+        pending, outgoing, problem = self._project(base, agreed, cut)
+        received, problem = _exchange(outgoing, cut.metas, problem, self._group)
         self._raise_everywhere(problem)
         skip, unchanged = self._unchanged_residuals(base, pending)
-        residual = self._residual_tensors(agreed, layout, number, chunk_of, skip)
+        residual = self._residual_tensors(agreed, cut, skip)
         self._raise_everywhere(residual.problem)
-        missing = set(number) - self.projected_names - residual.names - unchanged
+        missing = set(cut.number) - self.projected_names - residual.names - unchanged
         both = (self.projected_names | unchanged) & residual.names
         if missing or both or unchanged & self.projected_names:
             raise CandidateMismatchError(
@@ -258,7 +286,7 @@ class ProjectedSource:
                 f"{sorted(both)[:5]} (first 5)"
             )
         self._base.stage(agreed.version, pending)
-        for i, metas in enumerate(plan):
+        for i, metas in enumerate(cut.plan):
             if owner_of(i, agreed.producers) != agreed.producer:
                 yield PlannedChunk(i, metas, None)
                 continue
@@ -275,9 +303,7 @@ class ProjectedSource:
         self,
         base: dict[int, Bits],
         agreed: _Agreed,
-        chunk_of: dict[str, int],
-        layout: Sequence[TensorMeta],
-        number: dict[str, int],
+        cut: _Cut,
     ) -> tuple[dict[int, tuple[Bits, Bits]], list[list[tuple[int, Bits, Bits]]], str | None]:
         """Diff every owned shard with its baseline and route each projected change to the
         rank publishing its chunk: (this rank's pending changes, per-rank outgoing lists, a
@@ -287,9 +313,8 @@ class ProjectedSource:
         pending: dict[int, tuple[Bits, Bits]] = {}
         outgoing: list[list[tuple[int, Bits, Bits]]] = [[] for _ in range(dist.get_world_size())]
         for meta in {m for s in self._shards.values() for m in s.rowmap.dests}:
-            k = number.get(meta.name)
-            if k is None or layout[k] != meta:
-                theirs = "missing" if k is None else f"{list(layout[k].shape)} {layout[k].dtype}"
+            theirs = cut.describe(meta)
+            if theirs is not None:
                 problem = (
                     f"{meta.name}: projected as {list(meta.shape)} {meta.dtype}, the "
                     f"baseline's export holds it {theirs}"
@@ -304,9 +329,9 @@ class ProjectedSource:
                 shard.rowmap.dests, shard.rowmap.route(diff.locations), strict=True
             ):
                 if where.size:
-                    rank = agreed.rank_of[owner_of(chunk_of[meta.name], agreed.producers)]
+                    rank = agreed.rank_of[owner_of(cut.chunk_of[meta.name], agreed.producers)]
                     bits = diff.new_bits if mask is None else diff.new_bits[mask]
-                    outgoing[rank].append((number[meta.name], where, bits))
+                    outgoing[rank].append((cut.number[meta.name], where, bits))
         return pending, outgoing, None
 
     def _unchanged_residuals(
@@ -332,21 +357,14 @@ class ProjectedSource:
         self.skipped_residuals = len(skip)
         return skip, {n for i in skip for n in self._outputs[i]}
 
-    def _residual_tensors(
-        self,
-        agreed: _Agreed,
-        layout: Sequence[TensorMeta],
-        number: dict[str, int],
-        chunk_of: dict[str, int],
-        skip: Sequence[int],
-    ) -> _Residual:
+    def _residual_tensors(self, agreed: _Agreed, cut: _Cut, skip: Sequence[int]) -> _Residual:
         """The residual export less the skipped tasks, run on every rank; the publisher of each
         tensor's chunk keeps it. Its entries are the same on every rank, so a refusal here is
         raised everywhere."""
         out = _Residual()
         for entry in self._projection.residual_source(skip).entries():
-            chunk = chunk_of.get(entry.name)
-            if chunk is None or layout[number[entry.name]] != entry.meta:
+            chunk = cut.chunk_of.get(entry.name)
+            if chunk is None or cut.describe(entry.meta) is not None:
                 raise CandidateMismatchError(
                     f"{entry.name}: exported as {list(entry.meta.shape)} {entry.meta.dtype}, "
                     "which the baseline's export does not hold"
@@ -431,7 +449,7 @@ def _exchange(
     p = v = 0
     for number, count in head.tolist():
         meta = layout[number]
-        lanes = bits_numpy(torch.empty(0, dtype=meta.dtype)).dtype
+        lanes = NP_INT_VIEW[dtypes.width(meta.dtype)]
         piece = data[v : v + count * lanes.itemsize]
         # pieces of several widths are packed back to back: copy one that starts unaligned
         aligned = v % lanes.itemsize == 0
@@ -446,7 +464,7 @@ def _exchange(
 def _merged(meta: TensorMeta, pieces: list[tuple[Bits, Bits]]) -> Change:
     """One tensor's changes from every rank that projects part of it, sorted by position."""
     if not pieces:
-        where, bits = np.empty(0, np.int64), bits_numpy(torch.empty(0, dtype=meta.dtype))
+        where, bits = np.empty(0, np.int64), np.empty(0, NP_INT_VIEW[dtypes.width(meta.dtype)])
     else:
         where = np.concatenate([p for p, _ in pieces])
         bits = np.concatenate([b for _, b in pieces])
