@@ -30,6 +30,7 @@ from refit_sidecar.apply.placeholders import (
 )
 from refit_sidecar.apply.storage import ModelStorages, storage_key
 from refit_sidecar.bits import int_view
+from refit_sidecar.codec import dtypes
 from refit_sidecar.codec.records import Item, Op, TensorMeta
 
 
@@ -192,7 +193,8 @@ class ApplyContext:
         index = item.index()
         flat[index] = item.values.to(self.device)
         t2 = time.perf_counter()
-        self.hook.begin_item(meta.name, mode, placeholder)
+        reach = _reach(index, dtypes.width(meta.dtype)) if mode is Mode.XOR else None
+        self.hook.begin_item(meta.name, mode, placeholder, reach)
         try:
             with self.hook:
                 loaded = self.model.load_weights([(meta.name, view)])
@@ -253,6 +255,18 @@ class ApplyContext:
             t = self._tensors.get(name)
             if t is not None and t.numel() and storage_key(t) != self._storages.key_by_name[name]:
                 raise StorageReplacedError(name, "parameter storage was replaced by the loader")
+
+
+def _reach(index: slice | torch.Tensor, itemsize: int) -> tuple[int, int]:
+    """The scratch bytes [lo, hi) an item's values were scattered into (scratch view at 0)."""
+    if isinstance(index, slice):
+        lo, hi = int(index.start), int(index.stop)
+    elif index.numel() == 0:
+        lo = hi = 0
+    else:
+        least, most = torch.aminmax(index)
+        lo, hi = int(least), int(most) + 1
+    return lo * itemsize, hi * itemsize
 
 
 def _select(item: Item, keep: torch.Tensor) -> Item:

@@ -123,6 +123,7 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._trace = ItemTrace()
         self._masks: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
         self._xor_spans: dict[int, list[_Geometry]] = {}
+        self._reach: tuple[int, int] | None = None
         # Post-apply checks left for the current apply call: 0 off, N elements, -1 every element.
         self.check_budget = 0
         self._generator = torch.Generator().manual_seed(0)
@@ -133,13 +134,17 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
         name: str,
         mode: Mode,
         placeholder: Placeholder | None = None,
+        reach: tuple[int, int] | None = None,
     ) -> None:
+        """`reach` (XOR): the scratch bytes [lo, hi) that may hold nonzero masks; scratch is zero
+        elsewhere, so each XOR copy is narrowed to the rows that can reach them."""
         self._name = name
         self._mode = mode
         self._placeholder = placeholder or Placeholder(None)
         self._trace = ItemTrace()
         self._masks = {}
         self._xor_spans = {}
+        self._reach = reach
 
     def end_item(self) -> ItemTrace:
         trace, self._trace = self._trace, ItemTrace()
@@ -305,6 +310,12 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return ""
 
     def _xor(self, dest: torch.Tensor, src: torch.Tensor) -> None:
+        rows = _rows_reaching(src, self._reach) if self._reach is not None else None
+        if rows is not None:
+            first, count = rows
+            if count == 0:
+                return  # every mask this copy reads is zero: XOR changes nothing
+            dest, src = dest.narrow(0, first, count), src.narrow(0, first, count)
         d, s = _ints(dest), _ints(src)
         pick = self._sample(d.numel(), dest.device)
         before = d.reshape(-1)[pick] if pick is not None else None  # a gather: a copy
@@ -383,3 +394,29 @@ class StorageWriteHook(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._trace.checked += 1
         if not ok:
             raise PostApplyCheckError(self._name, what)
+
+
+def _rows_reaching(src: torch.Tensor, reach: tuple[int, int]) -> tuple[int, int] | None:
+    """The rows (dim 0) of `src` whose elements can lie in storage bytes [lo, hi): (first,
+    count), or None to keep every row (a scalar, a zero or negative stride).
+
+    A superset by construction: a row is kept when its byte extent meets [lo, hi), so a mask
+    byte of the item is never left out, whatever the view's layout (a transposed view keeps
+    every row). A part of a large tensor then costs an XOR over its own rows, not the tensor."""
+    lo, hi = reach
+    if src.dim() == 0 or src.numel() == 0:
+        return None
+    if hi <= lo:
+        return 0, 0  # an item with no values
+    size = src.element_size()
+    strides = src.stride()
+    if any(st < 0 for st in strides) or strides[0] == 0:
+        return None
+    row = strides[0] * size  # bytes between the starts of consecutive rows
+    inner = zip(src.shape[1:], strides[1:], strict=True)
+    extent = size + sum((n - 1) * st * size for n, st in inner)  # bytes of one row's span
+    base = src.storage_offset() * size
+    # rows i with base + i*row < hi and base + i*row + extent > lo
+    first = min(max(0, (lo - base - extent) // row + 1), src.shape[0])
+    last = min(src.shape[0], -((base - hi) // row))  # exclusive: ceil((hi - base) / row)
+    return first, max(0, last - first)

@@ -27,8 +27,9 @@ class PipelineConfig(BaseModel):
         "changes are cut into near-equal flat element ranges of about this many bytes of the "
         "tensor, each coalesced with neighbouring chunks like a chunk (never with another part "
         "of its tensor), so a large first or last tensor (the embedding, the output head) does "
-        "not delay the stream's start or drain. In vLLM each part costs a load of the whole "
-        "tensor, so keep it near the bucket size. `auto`: the export chunk limit in "
+        "not delay the stream's start or drain. In vLLM each part runs the tensor's loader "
+        "once (its XOR covers the part's rows only), so keep it near the bucket size. `auto`: "
+        "the export chunk limit in "
         "effect (a tensor above it is a chunk of its own), or the bucket target when larger.",
     )
     max_chunks_in_flight: int = Field(

@@ -33,6 +33,7 @@ from refit_sidecar.apply.hook import (
     Mode,
     StorageWriteHook,
     _Geometry,
+    _rows_reaching,
 )
 from refit_sidecar.apply.placeholders import COVERS_ALL, Placeholder
 from refit_sidecar.apply.storage import ModelStorages, storage_key
@@ -68,10 +69,15 @@ class Rig:
         return v
 
     @contextlib.contextmanager
-    def item(self, mode: Mode, placeholder: Placeholder | None = None) -> Iterator[list[ItemTrace]]:
+    def item(
+        self,
+        mode: Mode,
+        placeholder: Placeholder | None = None,
+        reach: tuple[int, int] | None = None,
+    ) -> Iterator[list[ItemTrace]]:
         """Run the body under the hook for item "w"; the list receives the item's trace."""
         out: list[ItemTrace] = []
-        self.hook.begin_item("w", mode, placeholder)
+        self.hook.begin_item("w", mode, placeholder, reach)
         try:
             with self.hook:
                 yield out
@@ -257,6 +263,73 @@ def test_xor_writes_old_xor_mask() -> None:
     with rig.item(Mode.XOR):
         rig.p.copy_(mask)
     assert torch.equal(bits(rig.p), before ^ int_view(mask))
+
+
+def test_xor_with_a_reach_writes_only_the_rows_that_meet_it() -> None:
+    """Masks in rows 0 and 3, a reach over row 3's bytes only: the XOR is narrowed to row 3,
+    so row 0's mask is not applied (the apply context's reach always covers every mask it
+    scattered, and scratch is zero elsewhere: that is what makes the narrowing exact)."""
+    rig = Rig()
+    before = bits(rig.p)
+    mask = rig.view(4, 4)
+    mask.view(torch.int16)[0].fill_(0x0101)
+    mask.view(torch.int16)[3].fill_(0x0202)
+    with rig.item(Mode.XOR, reach=(3 * 8 + 2, 3 * 8 + 4)):
+        rig.p.copy_(mask)
+    want = before.clone()
+    want.view(4, 4)[3] ^= 0x0202
+    assert torch.equal(bits(rig.p), want)
+    with rig.item(Mode.XOR, reach=(200, 256)):  # beyond the copy's source: nothing to do
+        rig.p.copy_(mask)
+    assert torch.equal(bits(rig.p), want)
+
+
+def _views(scratch: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Views a loader takes of a (6, 5, 4) int16 scratch view: whole, narrowed along each
+    dimension (a fused row offset, a column-parallel shard), transposed and permuted."""
+    v = scratch[: 6 * 5 * 4 * 2].view(torch.int16).view(6, 5, 4)
+    yield v
+    yield v.narrow(0, 2, 3)
+    yield v.narrow(1, 1, 3)
+    yield v.narrow(2, 1, 2)
+    yield v.transpose(0, 1)
+    yield v.permute(2, 0, 1)
+    yield v.reshape(30, 4).narrow(0, 7, 11)
+    yield v.reshape(-1).narrow(0, 13, 50)
+    yield v[1]
+
+
+@pytest.mark.parametrize("reach", [(0, 2), (10, 11), (37, 90), (100, 240), (0, 240)])
+def test_the_rows_kept_hold_every_element_within_the_reach(reach: tuple[int, int]) -> None:
+    """Brute force: an element of the view whose bytes meet [lo, hi) lies in a kept row."""
+    scratch = torch.zeros(256, dtype=torch.uint8)
+    lo, hi = reach
+    for view in _views(scratch):
+        rows = _rows_reaching(view, reach)
+        assert rows is not None
+        first, count = rows
+        assert first >= 0
+        assert first + count <= view.shape[0]
+        offsets = torch.zeros(view.shape, dtype=torch.int64)
+        for dim, (size, stride) in enumerate(zip(view.shape, view.stride(), strict=True)):
+            shape = [1] * view.dim()
+            shape[dim] = size
+            offsets += (torch.arange(size) * stride).view(shape)
+        start = (offsets + view.storage_offset()) * view.element_size()
+        meets = (start + view.element_size() > lo) & (start < hi)
+        row_meets = meets.reshape(view.shape[0], -1).any(dim=1)
+        kept = torch.zeros(view.shape[0], dtype=torch.bool)
+        kept[first : first + count] = True
+        assert not (row_meets & ~kept).any(), (tuple(view.shape), view.stride(), rows)
+        if view.is_contiguous():  # rows follow each other in memory: exactly those rows
+            assert count == int(row_meets.sum())
+
+
+def test_rows_for_no_values_a_scalar_and_a_zero_stride() -> None:
+    scratch = torch.zeros(64, dtype=torch.uint8)
+    assert _rows_reaching(scratch[:8].view(torch.int16), (4, 4)) == (0, 0)  # no values
+    assert _rows_reaching(scratch[:2].view(torch.int16)[0], (0, 2)) is None
+    assert _rows_reaching(scratch[:2].view(torch.int16).expand(4), (0, 2)) is None
 
 
 def test_an_overwrite_keeps_the_mask_of_its_first_copy() -> None:
