@@ -313,6 +313,13 @@ def bench_construct(
     help="1 KiB payloads sent to measure the per-payload overhead. Default 200, 50 with --quick.",
 )
 @click.option(
+    "--rounds",
+    type=click.IntRange(1, None),
+    default=None,
+    help="Rounds per kind of link, each a relay delivery then the bare forward of the same "
+    "frames; medians are reported. Default 3, 1 with --quick.",
+)
+@click.option(
     "--s3-endpoint-url",
     default=None,
     help="Also measure S3 upload/download against this endpoint (credentials from "
@@ -334,6 +341,7 @@ def bench_transport(
     payloads: int | None,
     payload_mib: int | None,
     small: int | None,
+    rounds: int | None,
     s3_endpoint_url: str | None,
     s3_bucket: str | None,
     results_dir: Path | None,
@@ -370,6 +378,7 @@ def bench_transport(
                 payload_mib=payload_mib or (4 if quick else 16),
                 small=small or (50 if quick else 200),
                 links=LinkSecurity(mode),
+                rounds=rounds or (1 if quick else 3),
                 say=say,
             )
             if s3_bucket and not results:

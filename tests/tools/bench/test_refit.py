@@ -198,7 +198,7 @@ def test_ctrl_c_cleans_up(tmp_path: Path) -> None:
     while time.monotonic() < deadline:  # interrupt once the processes run
         line = proc.stderr.readline()
         lines.append(line)
-        if "warm-up" in line or not line:
+        if "full-checkpoint reference" in line or not line:
             break
     proc.send_signal(signal.SIGINT)
     _, rest = proc.communicate(timeout=90)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,8 @@ def test_transport_quick_reports_the_relay_tree_figures(tmp_path: Path) -> None:
         "2",
         "--small",
         "10",
+        "--rounds",
+        "2",
         "--results-dir",
         str(tmp_path),
         env=os.environ | {"TMPDIR": str(tmp_path / "tmp")},
@@ -61,6 +64,11 @@ def test_transport_quick_reports_the_relay_tree_figures(tmp_path: Path) -> None:
         delivery = out["delivery_s"]
         assert isinstance(delivery, float)
         assert delivery > 0
+        rounds, bare_rounds = out["round_delivery_s"], out["round_bare_delivery_s"]
+        assert out["rounds"] == len(rounds) == len(bare_rounds) == 2
+        assert delivery == pytest.approx(statistics.median(rounds), rel=1e-12)
+        assert out["bare_delivery_s"] == pytest.approx(statistics.median(bare_rounds), rel=1e-12)
+        assert all(t > 0 for t in (*rounds, *bare_rounds))
         unique, delivered = out["unique_gb_s"], out["delivered_gb_s"]
         assert isinstance(unique, float)
         assert isinstance(delivered, float)
