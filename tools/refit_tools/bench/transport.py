@@ -171,6 +171,8 @@ def run_relay_bench(
     many processes (`bare_forward.py`), measured in the same run: `rounds` rounds, each a
     relay delivery then a bare one of the same frames, and the medians reported (one round of
     a few hundred MiB moves by a quarter on a shared 2-core machine)."""
+    if rounds < 1:
+        raise ValueError("rounds must be at least 1")
     own = workdir is None  # a temporary directory of ours: removed at the end
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kuberefit-bench-"))
     started = datetime.now(timezone.utc)
