@@ -1,6 +1,7 @@
 """The storage-write hook (apply/hook.py) driven directly, one intercepted `copy_` at a time:
 the geometry of a destination's bytes, which copies XOR accepts and the exact reason it gives
-for each one it refuses, overlap between copies of one item, the post-apply check's sample and
+for each one it refuses, overlap between copies of one item, an XOR narrowed to the rows its
+item's reach meets (checked by brute force over views), the post-apply check's sample and
 budget, the active mask an overwrite fixes at its first copy, COMPARE's mismatch records, and
 fills (taken only where they change no bit).
 
