@@ -68,6 +68,12 @@ def test_transport_quick_reports_the_relay_tree_figures(tmp_path: Path) -> None:
         assert out["rounds"] == len(rounds) == len(bare_rounds) == 2
         assert delivery == pytest.approx(statistics.median(rounds), rel=1e-12)
         assert out["bare_delivery_s"] == pytest.approx(statistics.median(bare_rounds), rel=1e-12)
+        dropping = out["round_bare_dropping_delivery_s"]
+        assert len(dropping) == 2
+        assert out["bare_dropping_delivery_s"] == pytest.approx(statistics.median(dropping))
+        assert out["hop_ratio_dropping"] == pytest.approx(
+            out["bare_dropping_delivery_s"] / delivery, rel=1e-9
+        )
         assert all(t > 0 for t in (*rounds, *bare_rounds))
         unique, delivered = out["unique_gb_s"], out["delivered_gb_s"]
         assert isinstance(unique, float)

@@ -6,7 +6,9 @@ for MAC-only links) and one DEALER per child of the same balanced binary tree
 (`refit_sidecar.transport.relay.tree`). Per DATA frame it checks what the mode's security
 needs and nothing else (on a MAC-only link the frame's tag; on either the body's payload MAC),
 answers an ACK to the sender and forwards the frame, unchanged and without a copy, to its
-children; nothing is parsed, deduplicated or staged. When a node has received every frame it
+children; nothing is parsed, deduplicated or staged (with `keep`, each frame is held until the
+end, as a node that stages payloads holds them: fresh memory for every frame). When a node has
+received every frame it
 tells the bench on a PUSH socket. The bench sends the same DATA frames as the relay measurement
 through the same number of processes and the same tree, with no send window (the product's
 dealers keep 4 frames in flight and wait for ACKs) and no flush call, so `relay GB/s / bare
@@ -100,8 +102,10 @@ def serve_node(
     token: str,
     links: LinkSecurity = LinkSecurity.CURVE,
     aesgcm: bool = False,
+    keep: bool = False,
 ) -> None:
-    """Forward `frames` DATA frames down the tree rooted at position 0, then report DONE."""
+    """Forward `frames` DATA frames down the tree rooted at position 0, then report DONE.
+    `keep`: hold every received frame until the end, as a node that stages payloads must."""
     ctx: zmq.Context[Any] = zmq.Context()
     curve, key = links is LinkSecurity.CURVE and not aesgcm, payload_mac_key(token)
     aead = aesgcm_of(token) if aesgcm else None
@@ -116,6 +120,7 @@ def serve_node(
     for kid in kids:
         poller.register(kid, zmq.POLLIN)
     seen, acks, last = 0, 0, time.monotonic()
+    held: list[list[zmq.Frame]] = []
     prober, probe_acks = b"", 0
     while seen < frames or acks < frames * len(kids):
         events = dict(poller.poll(1000))
@@ -140,6 +145,8 @@ def serve_node(
             else:
                 verify_mac(msg[-1].buffer, key)
             router.send_multipart([msg[0], ACK, DATA])
+            if keep:
+                held.append(msg)
             for kid in kids:
                 kid.send_multipart(msg[1:], copy=False)
             seen, last = seen + 1, time.monotonic()
@@ -165,10 +172,12 @@ def _node_args(
     endpoints: Sequence[str],
     links: LinkSecurity,
     aesgcm: bool,
+    keep: bool = False,
 ) -> list[str]:
     return [
         *("--index", str(index), "--done", done, "--frames", str(frames)),
         *(["--aesgcm"] if aesgcm else []),
+        *(["--keep"] if keep else []),
         *("--links", links.value, *endpoints),
     ]
 
@@ -180,11 +189,13 @@ def run_bare_forward(
     links: LinkSecurity = LinkSecurity.CURVE,
     *,
     aesgcm: bool = False,
+    keep: bool = False,
     timeout_s: float = 300.0,
 ) -> float:
     """Seconds from the first send until every one of `n` bare nodes received every frame.
     `aesgcm`: `frames` are plain [DATA, meta, body] frames, sealed (`seal`) one by one by the
-    sender inside the timed window; `links` is then ignored (plain sockets)."""
+    sender inside the timed window; `links` is then ignored (plain sockets). `keep`: every node
+    holds each frame it received until the end instead of dropping it once forwarded."""
     ports = free_ports(n + 1)
     endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[:n]]
     done = f"tcp://127.0.0.1:{ports[n]}"
@@ -197,7 +208,7 @@ def run_bare_forward(
     sender = _client(ctx, token, endpoints[0], links is LinkSecurity.CURVE and not aesgcm)
     try:
         for i in range(n):
-            args = _node_args(i, done, len(frames), endpoints, links, aesgcm)
+            args = _node_args(i, done, len(frames), endpoints, links, aesgcm, keep)
             argv = [sys.executable, "-m", __name__, *args]
             procs.append(subprocess.Popen(argv, env=env))
         sender.send(PROBE)  # answered when every link of the tree has completed its handshake
@@ -236,11 +247,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--frames", type=int, required=True)
     parser.add_argument("--links", choices=[m.value for m in LinkSecurity], default="curve")
     parser.add_argument("--aesgcm", action="store_true", help="AES-GCM sealed bodies.")
+    parser.add_argument("--keep", action="store_true", help="Hold every frame received.")
     parser.add_argument("endpoints", nargs="+")
     args = parser.parse_args(argv)
     token = os.environ["KUBEREFIT_TOKEN"]
     links = LinkSecurity(args.links)
-    serve_node(args.index, args.endpoints, args.done, args.frames, token, links, args.aesgcm)
+    serve_node(
+        args.index, args.endpoints, args.done, args.frames, token, links, args.aesgcm, args.keep
+    )
 
 
 if __name__ == "__main__":

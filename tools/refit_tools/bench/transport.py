@@ -179,6 +179,7 @@ def run_relay_bench(
     say(f"starting {nodes} receiver nodes ...")
     t_bigs: list[float] = []
     t_bares: list[float] = []
+    t_drops: list[float] = []
     try:
         cluster = _nodes(nodes, workdir, links)
         try:
@@ -191,11 +192,13 @@ def run_relay_bench(
                 volume = sum(p.size for p in big)
                 say(
                     f"round {r + 1}/{rounds}: relay tree, {links.value} links: {payloads} x "
-                    f"{payload_mib} MiB to {nodes} nodes, then a bare pyzmq forward of the "
-                    "same frames"
+                    f"{payload_mib} MiB to {nodes} nodes, then bare pyzmq forwards of the "
+                    "same frames (holding them, dropping them)"
                 )
                 t_bigs.append(_relay_round(cluster, attempt, big, big_metas, links))
-                t_bares.append(run_bare_forward(nodes, _frames(big, token, links), token, links))
+                frames = _frames(big, token, links)
+                t_bares.append(run_bare_forward(nodes, frames, token, links, keep=True))
+                t_drops.append(run_bare_forward(nodes, frames, token, links))
             tiny, tiny_metas = synthetic_payloads("bench-small", small, 1024, mac_key=key)
             say(f"relay tree: {small} payloads of 1 KiB ...")
             t_small = _relay_round(cluster, "bench-small", tiny, tiny_metas, links)
@@ -205,6 +208,7 @@ def run_relay_bench(
         if own:
             shutil.rmtree(workdir, ignore_errors=True)
     t_big, t_bare = statistics.median(t_bigs), statistics.median(t_bares)
+    t_drop = statistics.median(t_drops)
     aesgcm: dict[str, float] = {}
     if links is LinkSecurity.CURVE:  # the cipher an encrypted link could use instead
         say(f"bare forward with AES-256-GCM sealed bodies: the same {payloads} payloads ...")
@@ -228,6 +232,7 @@ def run_relay_bench(
         "rounds": rounds,
         "round_delivery_s": t_bigs,
         "round_bare_delivery_s": t_bares,
+        "round_bare_dropping_delivery_s": t_drops,
         "delivery_s": t_big,
         "unique_gb_s": unique,
         # One node is one hop: what `kuberefit plan` takes as a relay hop's throughput.
@@ -236,6 +241,9 @@ def run_relay_bench(
         "bare_delivery_s": t_bare,
         "bare_unique_gb_s": volume / t_bare / 1e9,
         "hop_ratio": t_bare / t_big,
+        "bare_dropping_delivery_s": t_drop,
+        "bare_dropping_unique_gb_s": volume / t_drop / 1e9,
+        "hop_ratio_dropping": t_drop / t_big,
         **aesgcm,
         "small_payloads": small,
         "per_payload_ms": 1000 * t_small / small,
@@ -248,8 +256,8 @@ def run_relay_bench(
 DEFINITIONS = {
     "delivery_s": "first send until a successful relay flush on every node (every payload "
     "received, checked, staged and forwarded); the median of the rounds",
-    "rounds": "rounds measured: each a relay delivery of fresh payloads, then the bare forward "
-    "of the same frames (round_delivery_s, round_bare_delivery_s: every round's figure)",
+    "rounds": "rounds measured: each a relay delivery of fresh payloads, then the bare forwards "
+    "of the same frames (round_*: every round's figure)",
     "unique_gb_s": "V_payload / delivery_s",
     "delivered_gb_s": "nodes x V_payload / delivery_s",
     "links": "how every link of the run is protected, the producer's too: curve (CurveZMQ) or "
@@ -257,9 +265,14 @@ DEFINITIONS = {
     "rollout cluster are)",
     "bare_delivery_s": "the same DATA frames through a bare pyzmq forward with the same "
     "security (CurveZMQ sockets, or plain sockets checking each frame's tag) and each body's "
-    "payload MAC checked, in as many processes and the same tree (no staging): first send "
-    "until every bare node received every frame; measured in the same run, after each relay "
-    "round; the median of the rounds",
+    "payload MAC checked, in as many processes and the same tree, every node holding each "
+    "frame it received until the end (a node stages what it receives until it is applied; "
+    "nothing is parsed or staged): first send until every bare node received every frame; "
+    "measured in the same run, after each relay round; the median of the rounds",
+    "bare_dropping_delivery_s": "the same bare forward with every node dropping each frame "
+    "once forwarded (no fresh memory per frame): the socket and checks alone; the median",
+    "bare_dropping_unique_gb_s": "V_payload / bare_dropping_delivery_s",
+    "hop_ratio_dropping": "bare_dropping_delivery_s / delivery_s",
     "hop_ratio": "bare_delivery_s / delivery_s (the medians): the share of the socket's ceiling "
     "the relay keeps",
     "bare_aesgcm_delivery_s": "curve runs only: the same payloads through the same bare forward "
@@ -336,10 +349,16 @@ def format_report(result: Mapping[str, Any]) -> str:
             f"delivered; per-payload overhead {result['per_payload_ms']:.2f} ms"
         )
         lines.append(
-            f"bare pyzmq forward of the same frames: {result['bare_unique_gb_s']:.3f} GB/s "
-            f"unique; the relay keeps {result['hop_ratio']:.2f} of it (tree depth "
-            f"{result['tree_depth']})"
+            f"bare pyzmq forward of the same frames, each node holding them: "
+            f"{result['bare_unique_gb_s']:.3f} GB/s unique; the relay keeps "
+            f"{result['hop_ratio']:.2f} of it (tree depth {result['tree_depth']})"
         )
+        if "bare_dropping_unique_gb_s" in result:
+            lines.append(
+                f"the same, each node dropping every frame once forwarded: "
+                f"{result['bare_dropping_unique_gb_s']:.3f} GB/s unique (the relay keeps "
+                f"{result['hop_ratio_dropping']:.2f} of it)"
+            )
         if "bare_aesgcm_unique_gb_s" in result:
             lines.append(
                 f"bare forward with AES-256-GCM sealed bodies instead of CurveZMQ: "
@@ -359,11 +378,15 @@ def format_report(result: Mapping[str, Any]) -> str:
 def format_comparison(results: Sequence[Mapping[str, Any]]) -> str:
     """One line per run (nodes, kind of link), and each MAC-only hop against the encrypted
     hop of the same node count measured in this invocation."""
-    lines = ["nodes  links  relay GB/s  bare GB/s  relay/bare"]
+    lines = [
+        "nodes  links  relay GB/s  bare GB/s  relay/bare  bare dropping  relay/dropping",
+    ]
     for r in results:
+        dropping = r.get("bare_dropping_unique_gb_s")
+        tail = "" if dropping is None else f"  {dropping:>13.3f}  {r['hop_ratio_dropping']:>14.2f}"
         lines.append(
             f"{r['nodes']:>5}  {r.get('links', 'curve'):<5}  {r['unique_gb_s']:>10.3f}  "
-            f"{r['bare_unique_gb_s']:>9.3f}  {r['hop_ratio']:>10.2f}"
+            f"{r['bare_unique_gb_s']:>9.3f}  {r['hop_ratio']:>10.2f}{tail}"
         )
     for r in results:
         if "aesgcm_over_curve" in r:
