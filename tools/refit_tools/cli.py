@@ -316,8 +316,9 @@ def bench_construct(
     "--rounds",
     type=click.IntRange(1, None),
     default=None,
-    help="Rounds per kind of link, each a relay delivery then the bare forward of the same "
-    "frames; medians are reported. Default 3, 1 with --quick.",
+    help="Rounds per kind of link, each a relay delivery then two bare forwards of the same "
+    "frames (every node holding them, every node dropping them); medians are reported. "
+    "Default 3, 1 with --quick.",
 )
 @click.option(
     "--s3-endpoint-url",
